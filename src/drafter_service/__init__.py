@@ -1,0 +1,1 @@
+"""The drafter service: proposes token blocks for many sequences at once."""

@@ -1,0 +1,166 @@
+"""Draft proposers (no gRPC here): a causal-LM drafter and a model-free n-gram drafter."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specd import ngram
+from specd.errors import EngineError, invalid, precondition
+from specd.fingerprint import TokenizerFingerprint
+from specd.kvcache import BatchedCausalLM, Row
+from specd.sampling import probabilities, sample, truncate
+from specd.sequences import SequenceState, SequenceTable
+from specd.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
+
+
+class _DrafterBase:
+    kind = "model"
+
+    def __init__(self, table: SequenceTable, fingerprint: TokenizerFingerprint | None, max_draft_tokens: int):
+        self.table = table
+        self.fingerprint = fingerprint
+        self.max_draft_tokens = max_draft_tokens
+
+    @property
+    def max_context(self) -> int:
+        return self.table.max_context
+
+    def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
+        return self.table.open(specs)
+
+    def close(self, ids: Sequence[str]) -> int:
+        return self.table.close(ids)
+
+    def kv_bytes(self) -> int:
+        return self.table.kv_bytes()
+
+    def _accept_tasks(
+        self, tasks: Sequence[DraftTask]
+    ) -> tuple[list[DraftProposal], list[tuple[int, SequenceState, int]]]:
+        """Validate tasks and append their committed tokens; returns (proposals, live)."""
+        proposals = [DraftProposal(t.sequence_id) for t in tasks]
+        live: list[tuple[int, SequenceState, int]] = []
+        seen: set[str] = set()
+        for i, task in enumerate(tasks):
+            try:
+                if task.sequence_id in seen:
+                    raise invalid(f"sequence {task.sequence_id!r} appears twice in one round")
+                seen.add(task.sequence_id)
+                state = self.table.get(task.sequence_id)
+                if task.num_draft_tokens > self.max_draft_tokens:
+                    raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
+                self.table.check_tokens(task.new_tokens, "new tokens")
+                total = len(state.committed) + len(task.new_tokens)
+                if total != task.num_committed:
+                    raise precondition(
+                        f"sequence {task.sequence_id!r} would have {total} committed tokens, "
+                        f"the caller says {task.num_committed}"
+                    )
+                if total + task.num_draft_tokens > self.table.max_context:
+                    raise invalid(
+                        f"{total} committed + {task.num_draft_tokens} draft tokens exceed "
+                        f"the context window {self.table.max_context}"
+                    )
+            except EngineError as exc:
+                proposals[i].error = exc
+                continue
+            state.committed.extend(task.new_tokens)
+            live.append((i, state, task.num_draft_tokens))
+        return proposals, live
+
+
+class ModelDrafter(_DrafterBase):
+    """Drafts with a causal LM: one batched forward per draft position."""
+
+    def __init__(
+        self,
+        lm: BatchedCausalLM,
+        fingerprint: TokenizerFingerprint,
+        max_sequences: int,
+        max_context: int,
+        max_draft_tokens: int,
+        max_support: int,
+    ) -> None:
+        table = SequenceTable(lm, lm.vocab_size, max_sequences, min(max_context, lm.max_positions), lm.device)
+        super().__init__(table, fingerprint, max_draft_tokens)
+        self.lm = lm
+        self.max_support = max_support
+
+    @staticmethod
+    def _roll_back(state: SequenceState) -> None:
+        """Keep the cached prefix that the committed tokens confirm; drop the rest."""
+        n = 0
+        limit = min(len(state.cached), len(state.committed) - 1)
+        while n < limit and state.cached[n] == state.committed[n]:
+            n += 1
+        del state.cached[n:]
+
+    def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
+        proposals, live = self._accept_tasks(tasks)
+        active = [(i, s, k) for i, s, k in live if k > 0]
+        for _, state, _ in live:
+            self._roll_back(state)
+        timing = RoundTiming(batch_size=len(active))
+        forward_ns = 0
+        # Step 0 feeds every committed token not yet cached (1 after a rejection,
+        # 2 when all drafts were accepted, more after a target-only stretch);
+        # later steps feed the token just drafted.
+        feed = {i: state.committed[len(state.cached) :] for i, state, _ in active}
+        step = 0
+        while active:
+            rows = [Row(s.slot, len(s.cached), feed[i], len(feed[i]) - 1) for i, s, _ in active]
+            timing.tokens_fed += sum(len(r.tokens) for r in rows)
+            start = time.perf_counter_ns()
+            logits = torch.cat(self.lm.forward(rows))
+            probs = probabilities(logits, [s.params for _, s, _ in active])
+            forward_ns += time.perf_counter_ns() - start
+            still = []
+            for row_i, (i, state, k) in enumerate(active):
+                state.cached.extend(feed[i])
+                token, dist = self._pick(probs[row_i], state)
+                proposals[i].tokens.append(token)
+                if dist is not None:
+                    proposals[i].dists.append(dist)
+                feed[i] = [token]
+                if step + 1 < k:
+                    still.append((i, state, k))
+            active = still
+            step += 1
+        timing.forward_ns = forward_ns
+        return proposals, timing
+
+    def _pick(self, probs: torch.Tensor, state: SequenceState) -> tuple[int, SparseDist | None]:
+        if state.generator is None:
+            return int(probs.argmax()), None
+        ids, top = truncate(probs[None], self.max_support)
+        ids, top = ids[0], top[0]
+        keep = top > 0
+        ids, top = ids[keep], top[keep]
+        token = int(ids[sample(top, state.generator)])
+        return token, SparseDist(ids.tolist(), top.tolist())
+
+
+class NgramDrafter(_DrafterBase):
+    """Prompt lookup: proposes what followed the latest earlier match of the suffix.
+
+    Deterministic, so every proposed token has probability 1 under the proposer
+    and no distributions go on the wire.
+    """
+
+    kind = "ngram"
+
+    def __init__(
+        self, vocab_size: int, max_sequences: int, max_context: int, max_draft_tokens: int, min_n: int, max_n: int
+    ) -> None:
+        table = SequenceTable(None, vocab_size, max_sequences, max_context, torch.device("cpu"))
+        super().__init__(table, None, max_draft_tokens)
+        self.min_n, self.max_n = min_n, max_n
+
+    def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
+        proposals, live = self._accept_tasks(tasks)
+        for i, state, k in live:
+            proposals[i].tokens = ngram.propose(state.committed, k, self.min_n, self.max_n)
+        return proposals, RoundTiming(batch_size=len(live))

@@ -1,0 +1,5 @@
+"""specd: disaggregated speculative decoding (shared core of the three services)."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

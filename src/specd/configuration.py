@@ -1,0 +1,75 @@
+"""Frozen service configs from CLI flags, with environment variables as defaults.
+
+Each field of a config dataclass becomes `--field-name`, defaulting to
+`$SPECD_<PREFIX>_<FIELD_NAME>` when set, else to the field's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any, TypeVar, get_type_hints
+
+T = TypeVar("T")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _parse_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        env = f"SPECD_{env_prefix}_{f.name.upper()}"
+        kind = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        parse: Any = {int: int, float: float, bool: _parse_bool, str: str}.get(kind)
+        if parse is None:
+            parse = _parse_list
+        if env in os.environ:
+            default = parse(os.environ[env])
+        help_text = f"{f.metadata.get('help', '')} (env {env}; default {default!r})"
+        if kind is bool:
+            parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=parse, default=default, help=help_text, choices=f.metadata.get("choices"))
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    config = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        validate()
+    return config
+
+
+def parse(cls: type[T], env_prefix: str, argv: Sequence[str] | None, prog: str, description: str) -> T:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, cls, env_prefix)
+    ns = parser.parse_args(argv)
+    try:
+        return from_namespace(cls, ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def field(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
+    metadata: dict[str, Any] = {"help": help}
+    if choices:
+        metadata["choices"] = list(choices)
+    if isinstance(default, (list, tuple)):
+        return dataclasses.field(default_factory=lambda: tuple(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)

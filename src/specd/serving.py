@@ -1,0 +1,158 @@
+"""What the gRPC services share: server setup, health, reflection, error mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.errors import EngineError, ErrorKind
+from specd.fingerprint import TokenizerFingerprint
+from specd.proto.speculative.v1 import common_pb2
+from specd.sampling import SamplingParams
+from specd.tasks import SequenceSpec, SparseDist
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+STATUS = {
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+WIRE_CODE = {
+    ErrorKind.NOT_FOUND: common_pb2.ERROR_CODE_NOT_FOUND,
+    ErrorKind.INVALID_ARGUMENT: common_pb2.ERROR_CODE_INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
+    ErrorKind.FAILED_PRECONDITION: common_pb2.ERROR_CODE_FAILED_PRECONDITION,
+    ErrorKind.INTERNAL: common_pb2.ERROR_CODE_INTERNAL,
+}
+KIND_OF_WIRE = {v: k for k, v in WIRE_CODE.items()}
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def sequence_error(exc: EngineError | None) -> common_pb2.SequenceError | None:
+    if exc is None:
+        return None
+    return common_pb2.SequenceError(code=WIRE_CODE[exc.kind], message=exc.message)
+
+
+def fingerprint_pb(fp: TokenizerFingerprint | None) -> common_pb2.TokenizerFingerprint | None:
+    if fp is None:
+        return None
+    return common_pb2.TokenizerFingerprint(
+        vocab_size=fp.vocab_size, vocab_sha256=fp.vocab_sha256, special_token_ids=fp.special_token_ids
+    )
+
+
+def fingerprint_from_pb(msg: common_pb2.TokenizerFingerprint) -> TokenizerFingerprint | None:
+    if not msg.vocab_sha256:
+        return None
+    return TokenizerFingerprint(msg.vocab_size, msg.vocab_sha256, dict(msg.special_token_ids))
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def sampling_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
+    return SequenceSpec(msg.sequence_id, list(msg.prompt_token_ids), sampling_from_pb(msg.sampling))
+
+
+def dist_from_pb(msg: common_pb2.SparseDistribution) -> SparseDist:
+    return SparseDist(list(msg.token_ids), list(msg.probs))
+
+
+class EngineRunner:
+    """Runs engine calls one at a time on a worker thread.
+
+    Engines are not thread-safe and their forwards block; the event loop stays
+    free for health checks, new streams and cancellations meanwhile.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., R], *args: Any) -> tuple[R, int]:
+        """Returns fn's result and the ns it waited for the worker (queue time)."""
+        submitted = time.perf_counter_ns()
+        started: list[int] = []
+
+        def call() -> R:
+            started.append(time.perf_counter_ns())
+            return fn(*args)
+
+        result = await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        return result, started[0] - submitted
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def serve(
+    name: str,
+    host: str,
+    port: int,
+    max_message_bytes: int,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    grace_s: float = 5.0,
+) -> None:
+    """Start a gRPC server with health checking and reflection; run until SIGTERM/SIGINT."""
+    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    service_names = list(register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    for service in ["", *service_names]:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s serving on %s", name, address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s stopping", name)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

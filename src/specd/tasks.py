@@ -1,0 +1,62 @@
+"""Plain data exchanged with the engines (the servicers translate protobuf to these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specd.errors import EngineError
+from specd.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SequenceSpec:
+    sequence_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class SparseDist:
+    token_ids: list[int]
+    probs: list[float]
+
+
+@dataclass(frozen=True)
+class DraftTask:
+    sequence_id: str
+    new_tokens: list[int]
+    num_committed: int
+    num_draft_tokens: int
+
+
+@dataclass
+class DraftProposal:
+    sequence_id: str
+    tokens: list[int] = field(default_factory=list)
+    dists: list[SparseDist] = field(default_factory=list)
+    error: EngineError | None = None
+
+
+@dataclass(frozen=True)
+class VerifyTask:
+    sequence_id: str
+    num_committed: int
+    draft_tokens: list[int]
+    draft_dists: list[SparseDist] = field(default_factory=list)
+
+
+@dataclass
+class VerifyResult:
+    sequence_id: str
+    num_accepted: int = 0
+    next_token: int = -1
+    error: EngineError | None = None
+
+
+@dataclass
+class RoundTiming:
+    """What an engine spent on one round, for the reply's ServiceTimings."""
+
+    forward_ns: int = 0
+    batch_size: int = 0
+    tokens_fed: int = 0

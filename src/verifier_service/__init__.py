@@ -1,0 +1,1 @@
+"""The verifier service: owns the target model and verifies draft blocks."""

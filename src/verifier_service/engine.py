@@ -1,0 +1,128 @@
+"""Batched verification of draft blocks against the target model (no gRPC here)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specd.errors import EngineError, invalid, precondition
+from specd.fingerprint import TokenizerFingerprint
+from specd.kvcache import BatchedCausalLM, Row
+from specd.sampling import probabilities, rejection_sample
+from specd.sequences import SequenceState, SequenceTable
+from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
+
+# Slack for float32 rounding of probabilities that were normalised on another host.
+PROB_SUM_TOLERANCE = 1e-3
+
+
+class VerifierEngine:
+    def __init__(
+        self,
+        lm: BatchedCausalLM,
+        fingerprint: TokenizerFingerprint,
+        max_sequences: int,
+        max_context: int,
+        max_draft_tokens: int,
+    ) -> None:
+        self.lm = lm
+        self.fingerprint = fingerprint
+        self.max_draft_tokens = max_draft_tokens
+        self.max_context = min(max_context, lm.max_positions)
+        self.table = SequenceTable(lm, lm.vocab_size, max_sequences, self.max_context, lm.device)
+
+    def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
+        return self.table.open(specs)
+
+    def close(self, ids: Sequence[str]) -> int:
+        return self.table.close(ids)
+
+    def _draft_distribution(self, task: VerifyTask) -> torch.Tensor | None:
+        """Dense q [k, V] from the sparse lists, after checking them; None if absent."""
+        k = len(task.draft_tokens)
+        if not task.draft_dists:
+            return None
+        if len(task.draft_dists) != k:
+            raise invalid(f"{len(task.draft_dists)} draft distributions for {k} draft tokens")
+        q = torch.zeros((k, self.lm.vocab_size), dtype=torch.float32)
+        for i, (token, dist) in enumerate(zip(task.draft_tokens, task.draft_dists, strict=True)):
+            check_sparse(dist, self.lm.vocab_size)
+            q[i, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(dist.probs, dtype=torch.float32)
+            if q[i, token] <= 0:
+                raise invalid(f"draft token {token} at position {i} has probability 0 in its own distribution")
+        return q.to(self.lm.device)
+
+    def _validate(self, state: SequenceState, task: VerifyTask) -> torch.Tensor | None:
+        if task.num_committed != len(state.committed):
+            raise precondition(
+                f"sequence {task.sequence_id!r} has {len(state.committed)} committed tokens, "
+                f"the caller assumed {task.num_committed}"
+            )
+        k = len(task.draft_tokens)
+        if k > self.max_draft_tokens:
+            raise invalid(f"{k} draft tokens exceed the limit of {self.max_draft_tokens}")
+        if len(state.committed) + k > self.max_context:
+            raise invalid(
+                f"{len(state.committed)} committed + {k} draft tokens exceed the context window {self.max_context}"
+            )
+        self.table.check_tokens(task.draft_tokens, "draft")
+        return self._draft_distribution(task)
+
+    def verify(self, tasks: Sequence[VerifyTask]) -> tuple[list[VerifyResult], RoundTiming]:
+        results = [VerifyResult(t.sequence_id) for t in tasks]
+        live: list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]] = []
+        rows: list[Row] = []
+        seen: set[str] = set()
+        for i, task in enumerate(tasks):
+            try:
+                if task.sequence_id in seen:
+                    raise invalid(f"sequence {task.sequence_id!r} appears twice in one round")
+                seen.add(task.sequence_id)
+                state = self.table.get(task.sequence_id)
+                q = self._validate(state, task)
+            except EngineError as exc:
+                results[i].error = exc
+                continue
+            fed = state.committed[len(state.cached) :] + list(task.draft_tokens)
+            rows.append(Row(state.slot, len(state.cached), fed, len(fed) - len(task.draft_tokens) - 1))
+            live.append((i, state, task, q))
+        timing = RoundTiming(batch_size=len(rows), tokens_fed=sum(len(r.tokens) for r in rows))
+        if not rows:
+            return results, timing
+        start = time.perf_counter_ns()
+        logits = self.lm.forward(rows)
+        timing.forward_ns = time.perf_counter_ns() - start
+        params = [state.params for _, state, task, _ in live for _ in range(len(task.draft_tokens) + 1)]
+        probs = probabilities(torch.cat(logits), params)
+        offset = 0
+        for i, state, task, q in live:
+            k = len(task.draft_tokens)
+            verdict = rejection_sample(probs[offset : offset + k + 1], task.draft_tokens, q, state.generator)
+            offset += k + 1
+            accepted = list(task.draft_tokens[: verdict.num_accepted])
+            state.committed.extend(accepted)
+            state.cached = state.committed[:]
+            state.committed.append(verdict.next_token)
+            results[i].num_accepted = verdict.num_accepted
+            results[i].next_token = verdict.next_token
+        return results, timing
+
+    def kv_bytes(self) -> int:
+        return self.table.kv_bytes()
+
+
+def check_sparse(dist: SparseDist, vocab_size: int) -> None:
+    if len(dist.token_ids) != len(dist.probs):
+        raise invalid(f"sparse distribution has {len(dist.token_ids)} ids but {len(dist.probs)} probabilities")
+    if len(set(dist.token_ids)) != len(dist.token_ids):
+        raise invalid("sparse distribution repeats a token id")
+    for t in dist.token_ids:
+        if not 0 <= t < vocab_size:
+            raise invalid(f"sparse distribution: token id {t} is outside the vocabulary [0, {vocab_size})")
+    for p in dist.probs:
+        if not 0.0 < p <= 1.0:
+            raise invalid(f"sparse distribution: probability {p} is not in (0, 1]")
+    if sum(dist.probs) > 1.0 + PROB_SUM_TOLERANCE:
+        raise invalid(f"sparse distribution sums to {sum(dist.probs):.6f} > 1")

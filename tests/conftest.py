@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tinymodels
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return tinymodels.tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tok):
+    return tinymodels.build_model(0, len(tok), tok.bos_token_id, tok.eos_token_id)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_target):
+    return tinymodels.perturbed(tiny_target, 0.35, seed=1)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tok, tiny_target, tiny_draft) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "target": tinymodels.save(tiny_target, tok, root / "target"),
+        "draft": tinymodels.save(tiny_draft, tok, root / "draft"),
+    }

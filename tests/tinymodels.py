@@ -1,0 +1,58 @@
+"""Tiny random-weight causal LMs for tests, saved like any local HF checkpoint.
+
+They use the embedded model's real tokenizer, so the gateway can tokenize text
+and fingerprints are meaningful, with a 2-layer body that runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from specd.models import EMBEDDED, materialize
+
+
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(materialize(EMBEDDED)), local_files_only=True)
+
+
+def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Larger than the usual 0.02 so that logits are decisive: greedy argmax
+        # then does not hinge on float rounding.
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
+    """A copy of `model` with noise on every weight: a drafter that agrees partly."""
+    clone = LlamaForCausalLM(model.config).eval()
+    clone.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std())
+    return clone
+
+
+def save(model: LlamaForCausalLM, tok, path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
