@@ -1,0 +1,1 @@
+"""The gateway: OpenAI-compatible HTTP and gRPC front door with continuous batching."""

@@ -1,0 +1,180 @@
+"""Clients of the drafter and verifier services, as the scheduler uses them.
+
+Each backend keeps one long-lived bidirectional round stream; a round is one
+write and one read on it. A broken stream is dropped and reopened on next use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.fingerprint import TokenizerFingerprint
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specd.serving import channel_options, fingerprint_from_pb
+
+log = logging.getLogger(__name__)
+
+
+class BackendError(Exception):
+    """A backend could not be reached or answered out of protocol."""
+
+
+class RoundStream:
+    """One bidirectional stream used strictly request -> response."""
+
+    def __init__(self, opener: Any, name: str, timeout_s: float) -> None:
+        self._opener = opener
+        self._name = name
+        self._timeout_s = timeout_s
+        self._call: Any = None
+        self._lock = asyncio.Lock()
+
+    async def exchange(self, request: Any) -> Any:
+        async with self._lock:
+            if self._call is None:
+                self._call = self._opener()
+            try:
+                await asyncio.wait_for(self._call.write(request), self._timeout_s)
+                response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
+                self._reset()
+                raise BackendError(f"{self._name} round failed: {describe(exc)}") from exc
+            except BaseException:
+                # Cancelled mid-exchange: the stream's request/response pairing is lost.
+                self._reset()
+                raise
+            if response is grpc.aio.EOF:
+                self._reset()
+                raise BackendError(f"{self._name} closed its round stream")
+            if response.round_id != request.round_id:
+                self._reset()
+                raise BackendError(f"{self._name} answered round {response.round_id} to round {request.round_id}")
+            return response
+
+    def _reset(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+
+    def close(self) -> None:
+        self._reset()
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "deadline exceeded"
+    return str(exc) or type(exc).__name__
+
+
+class _Backend:
+    def __init__(self, address: str, name: str, timeout_s: float, max_message_bytes: int) -> None:
+        self.address = address
+        self.name = name
+        self.timeout_s = timeout_s
+        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.info: common_pb2.ModelInfo | None = None
+
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.healthy():
+            if loop.time() > deadline:
+                raise BackendError(f"{self.name} at {self.address} not ready after {timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+    @property
+    def fingerprint(self) -> TokenizerFingerprint | None:
+        return fingerprint_from_pb(self.info.tokenizer) if self.info is not None else None
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class VerifierClient(_Backend):
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
+        super().__init__(address, "verifier", timeout_s, max_message_bytes)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+        self.rounds = RoundStream(lambda: self.stub.Verify(), "verifier", timeout_s)
+
+    async def load_info(self) -> common_pb2.ModelInfo:
+        reply = await self.stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=self.timeout_s)
+        self.info = reply.model
+        return reply.model
+
+    async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
+        reply = await self.stub.OpenVerifySequences(
+            verifier_pb2.OpenVerifySequencesRequest(sequences=specs), timeout=self.timeout_s
+        )
+        return list(reply.results)
+
+    async def close_sequences(self, ids: list[str]) -> None:
+        await self.stub.CloseVerifySequences(
+            verifier_pb2.CloseVerifySequencesRequest(sequence_ids=ids), timeout=self.timeout_s
+        )
+
+    async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        return await self.rounds.exchange(request)
+
+
+class DrafterClient(_Backend):
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
+        super().__init__(address, "drafter", timeout_s, max_message_bytes)
+        self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
+        self.rounds = RoundStream(lambda: self.stub.Draft(), "drafter", timeout_s)
+        self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
+
+    async def load_info(self) -> common_pb2.ModelInfo:
+        reply = await self.stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=self.timeout_s)
+        self.info = reply.model
+        self.kind = reply.kind
+        return reply.model
+
+    async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
+        reply = await self.stub.OpenDraftSequences(
+            drafter_pb2.OpenDraftSequencesRequest(sequences=specs), timeout=self.timeout_s
+        )
+        return list(reply.results)
+
+    async def close_sequences(self, ids: list[str]) -> None:
+        await self.stub.CloseDraftSequences(
+            drafter_pb2.CloseDraftSequencesRequest(sequence_ids=ids), timeout=self.timeout_s
+        )
+
+    async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        return await self.rounds.exchange(request)
+
+
+def check_compatible(gateway: TokenizerFingerprint, verifier: VerifierClient, drafter: DrafterClient | None) -> None:
+    """Refuse to serve with a tokenizer anywhere that differs from the verifier's."""
+    target = verifier.fingerprint
+    if target is None:
+        raise BackendError("the verifier reports no tokenizer fingerprint")
+    diffs = gateway.differences(target)
+    if diffs:
+        raise BackendError("the gateway's tokenizer differs from the verifier's: " + "; ".join(diffs))
+    if drafter is not None and drafter.kind == common_pb2.DRAFTER_KIND_MODEL:
+        draft = drafter.fingerprint
+        if draft is None:
+            raise BackendError("the drafter reports no tokenizer fingerprint")
+        diffs = draft.differences(target)
+        if diffs:
+            raise BackendError(
+                f"refusing drafter at {drafter.address}: its tokenizer differs from the verifier's ("
+                + "; ".join(diffs)
+                + "); a draft model must share the target's tokenizer exactly"
+            )

@@ -1,0 +1,36 @@
+"""Gateway configuration: CLI flags with SPECD_GATEWAY_* environment defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specd import configuration
+from specd.configuration import field
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = field("127.0.0.1", "address to listen on (HTTP and gRPC)")
+    http_port: int = field(8000, "OpenAI-compatible HTTP port")
+    grpc_port: int = field(50050, "gRPC GatewayService port; 0 disables it")
+    verifier: str = field("127.0.0.1:50052", "verifier service address host:port")
+    drafter: str = field("127.0.0.1:50051", "drafter service address host:port; empty serves target-only")
+    tokenizer: str = field("embedded", "tokenizer of the target: a local HF directory, a .gguf file, or 'embedded'")
+    served_model_name: str = field("", "model name in the API; default: derived from --tokenizer")
+    num_speculative_tokens: int = field(4, "draft tokens per sequence per round (k); 0 is target-only")
+    max_batch: int = field(32, "most sequences in one round")
+    backend_timeout_s: float = field(60.0, "deadline for each backend call and round exchange")
+    connect_timeout_s: float = field(300.0, "how long to wait for the backends at startup")
+    max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
+    log_level: str = field("INFO", "logging level")
+
+    def validate(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:
+        return configuration.parse(cls, "GATEWAY", argv, "specd gateway", "Run the gateway.")

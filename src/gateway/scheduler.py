@@ -1,0 +1,381 @@
+"""Continuous batching of speculative rounds across all active sequences.
+
+Every round makes one drafter exchange and one verifier exchange for the whole
+batch: new requests join at the next round, finished ones leave. The verifier
+is the source of truth for committed tokens; the drafter is told at each round
+what was committed since its last round and rolls its cache back to match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.backends import BackendError, DrafterClient, VerifierClient
+from gateway.detokenize import TextStream
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specd.sampling import SamplingParams
+from specd.serving import sampling_pb
+
+log = logging.getLogger(__name__)
+
+
+class GenerationError(Exception):
+    """A request that cannot be served; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" or "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Failed:
+    error: GenerationError
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass
+class _Sequence:
+    id: str
+    prompt: list[int]
+    params: GenerationParams
+    max_tokens: int
+    stream: TextStream
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    tokens: list[int] = field(default_factory=list)  # prompt + committed output
+    output: list[int] = field(default_factory=list)
+    drafter_synced: int = 0  # committed tokens the drafter has been told about
+    on_drafter: bool = False  # open on the drafter (must be closed there)
+    speculating: bool = False  # the drafter still drafts for it
+    cancelled: bool = False
+    done: bool = False
+
+
+@dataclass
+class RoundOutcome:
+    """What one round did, for stats and (later) tracing."""
+
+    batch_size: int
+    drafted: int
+    accepted: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        tokenizer: Any,
+        verifier: VerifierClient,
+        drafter: DrafterClient | None,
+        num_speculative_tokens: int,
+        max_batch: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.verifier = verifier
+        self.drafter = drafter
+        self.k = num_speculative_tokens
+        self.max_batch = max_batch
+        self.eos = frozenset(eos_token_ids)
+        assert verifier.info is not None
+        self.max_context = verifier.info.max_context
+        self.k_limit = min(self.k, verifier.info.max_draft_tokens)
+        self.drafter_context = self.max_context
+        if drafter is not None and drafter.info is not None:
+            self.k_limit = min(self.k_limit, drafter.info.max_draft_tokens)
+            self.drafter_context = min(self.max_context, drafter.info.max_context)
+        self.waiting: deque[_Sequence] = deque()
+        self.active: list[_Sequence] = []
+        self._wakeup = asyncio.Event()
+        self._round_ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self.stats = {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
+
+    # -- lifecycle ------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="specd-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for seq in [*self.waiting, *self.active]:
+            self._fail(seq, GenerationError(503, "the gateway is shutting down", "service_unavailable"))
+
+    # -- requests -------------------------------------------------------
+    def submit(self, prompt: list[int], params: GenerationParams) -> _Sequence:
+        """Validate and enqueue; raises GenerationError for requests that cannot fit."""
+        if not prompt:
+            raise GenerationError(400, "the prompt is empty")
+        if len(prompt) >= self.max_context:
+            raise GenerationError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this model's context window is {self.max_context} tokens",
+            )
+        room = self.max_context - len(prompt)
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens < 1:
+            raise GenerationError(400, f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens > room:
+            raise GenerationError(
+                400,
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
+                f"window of {self.max_context} tokens",
+            )
+        seq = _Sequence(
+            id=uuid.uuid4().hex,
+            prompt=list(prompt),
+            params=params,
+            max_tokens=max_tokens,
+            stream=TextStream(self.tokenizer, params.stop),
+            tokens=list(prompt),
+        )
+        self.waiting.append(seq)
+        self._wakeup.set()
+        return seq
+
+    def cancel(self, seq: _Sequence) -> None:
+        """The client went away: drop the sequence at the next round boundary."""
+        if seq.done:
+            return
+        seq.cancelled = True
+        self._wakeup.set()
+
+    async def events(self, seq: _Sequence) -> AsyncIterator[Event]:
+        """Yield the sequence's events until it finishes; cancels it if the consumer stops early."""
+        try:
+            while True:
+                event = await seq.events.get()
+                yield event
+                if isinstance(event, Finished | Failed):
+                    return
+        finally:
+            self.cancel(seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the loop -------------------------------------------------------
+    async def _run(self) -> None:
+        while True:
+            await self._drop_cancelled()
+            if not self.active and not self.waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._admit()
+            if self.active:
+                try:
+                    await self._round()
+                except BackendError as exc:
+                    log.error("round failed: %s", exc)
+                    for seq in list(self.active):
+                        self._fail(seq, GenerationError(503, f"backend failure: {exc}", "service_unavailable"))
+                    await self._retire([s for s in self.active if s.done])
+                except Exception:
+                    log.exception("round failed unexpectedly")
+                    for seq in list(self.active):
+                        self._fail(seq, GenerationError(500, "internal error in the gateway", "internal_error"))
+                    await self._retire([s for s in self.active if s.done])
+
+    async def _drop_cancelled(self) -> None:
+        if any(s.cancelled for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+        gone = [s for s in self.active if s.cancelled]
+        for s in gone:
+            s.done = True
+        await self._retire(gone)
+
+    async def _admit(self) -> None:
+        batch: list[_Sequence] = []
+        while self.waiting and len(self.active) + len(batch) < self.max_batch:
+            batch.append(self.waiting.popleft())
+        if not batch:
+            return
+        specs = [
+            common_pb2.SequenceSpec(
+                sequence_id=s.id, prompt_token_ids=s.prompt, sampling=sampling_pb(s.params.sampling)
+            )
+            for s in batch
+        ]
+        use_drafter = self.drafter is not None and self.k_limit > 0
+        calls = [self.verifier.open(specs)]
+        if use_drafter:
+            assert self.drafter is not None
+            calls.append(self.drafter.open(specs))
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        verifier_results = results[0]
+        if isinstance(verifier_results, BaseException):
+            for s in batch:
+                self._fail(s, GenerationError(503, f"verifier unavailable: {verifier_results}", "service_unavailable"))
+            if use_drafter and not isinstance(results[1], BaseException):
+                await self._close_quietly(self.drafter, [s.id for s in batch])
+            return
+        drafter_ok: set[str] = set()
+        if use_drafter:
+            if isinstance(results[1], BaseException):
+                log.warning("drafter open failed, running target-only: %s", results[1])
+            else:
+                drafter_ok = {r.sequence_id for r in results[1] if not r.error.code}
+        for s, r in zip(batch, verifier_results, strict=True):
+            if r.error.code:
+                self._fail(s, GenerationError(400, r.error.message))
+                if s.id in drafter_ok:
+                    await self._close_quietly(self.drafter, [s.id])
+                continue
+            s.on_drafter = s.speculating = s.id in drafter_ok
+            s.drafter_synced = len(s.prompt)
+            if s.cancelled:
+                s.done = True
+                await self._retire([s])
+                continue
+            self.active.append(s)
+
+    def _k_for(self, seq: _Sequence) -> int:
+        if not seq.speculating:
+            return 0
+        remaining = seq.max_tokens - len(seq.output)
+        return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens)))
+
+    async def _round(self) -> RoundOutcome:
+        round_id = next(self._round_ids)
+        batch = list(self.active)
+        ks = {s.id: self._k_for(s) for s in batch}
+        drafts: dict[str, drafter_pb2.DraftProposal] = {}
+        to_draft = [s for s in batch if ks[s.id] > 0]
+        if to_draft and self.drafter is not None:
+            request = drafter_pb2.DraftRequest(
+                round_id=round_id,
+                tasks=[
+                    drafter_pb2.DraftTask(
+                        sequence_id=s.id,
+                        new_token_ids=s.tokens[s.drafter_synced :],
+                        num_committed=len(s.tokens),
+                        num_draft_tokens=ks[s.id],
+                    )
+                    for s in to_draft
+                ],
+            )
+            try:
+                reply = await self.drafter.draft(request)
+            except BackendError as exc:
+                # Speculation is an optimisation: without drafts the round still makes progress.
+                log.warning("drafting skipped this round: %s", exc)
+            else:
+                for s, proposal in zip(to_draft, reply.proposals, strict=True):
+                    if proposal.error.code:
+                        log.warning("drafter refused %s: %s; continuing target-only", s.id, proposal.error.message)
+                        s.speculating = False
+                        continue
+                    s.drafter_synced = len(s.tokens)
+                    drafts[s.id] = proposal
+        request = verifier_pb2.VerifyRequest(round_id=round_id)
+        for s in batch:
+            proposal = drafts.get(s.id)
+            task = request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens))
+            if proposal is not None:
+                task.draft_token_ids.extend(proposal.token_ids[: ks[s.id]])
+                task.draft_distributions.extend(proposal.distributions[: ks[s.id]])
+        reply = await self.verifier.verify(request)
+        drafted = accepted = 0
+        for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
+            if result.error.code:
+                self._fail(
+                    s, GenerationError(500, f"verifier refused the round: {result.error.message}", "internal_error")
+                )
+                continue
+            drafted += len(task.draft_token_ids)
+            accepted += result.num_accepted
+            self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
+        self.stats["rounds"] += 1
+        self.stats["draft_tokens"] += drafted
+        self.stats["accepted_tokens"] += accepted
+        await self._retire([s for s in batch if s.done])
+        return RoundOutcome(len(batch), drafted, accepted)
+
+    def _commit(self, seq: _Sequence, new_tokens: list[int]) -> None:
+        """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
+        emitted: list[int] = []
+        reason = None
+        for token in new_tokens:
+            seq.tokens.append(token)
+            seq.output.append(token)
+            emitted.append(token)
+            if token in self.eos and not seq.params.ignore_eos:
+                reason = "stop"
+                break
+            seq.stream.add(token)
+            if seq.stream.stopped:
+                reason = "stop"
+                break
+            if len(seq.output) >= seq.max_tokens:
+                reason = "length"
+                break
+        self.stats["emitted_tokens"] += len(emitted)
+        text = seq.stream.take(final=reason is not None)
+        if (text or emitted) and not seq.cancelled:
+            seq.events.put_nowait(Delta(text, emitted))
+        if reason is not None:
+            seq.done = True
+            seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
+
+    def _fail(self, seq: _Sequence, error: GenerationError) -> None:
+        if not seq.done:
+            seq.done = True
+            seq.events.put_nowait(Failed(error))
+
+    async def _retire(self, seqs: list[_Sequence]) -> None:
+        """Remove finished sequences and free their state on both services."""
+        if not seqs:
+            return
+        gone = {s.id for s in seqs}
+        self.active = [s for s in self.active if s.id not in gone]
+        closes = [self._close_quietly(self.verifier, [s.id for s in seqs])]
+        on_drafter = [s.id for s in seqs if s.on_drafter]
+        if on_drafter and self.drafter is not None:
+            closes.append(self._close_quietly(self.drafter, on_drafter))
+        await asyncio.gather(*closes)
+
+    @staticmethod
+    async def _close_quietly(backend: Any, ids: list[str]) -> None:
+        try:
+            await backend.close_sequences(ids)
+        except Exception as exc:  # a backend that lost them already freed them
+            log.debug("close on %s failed: %s", getattr(backend, "name", backend), exc)

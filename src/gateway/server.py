@@ -1,0 +1,118 @@
+"""`specd gateway`: connect to the backends, check tokenizers, serve HTTP and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.backends import BackendError, DrafterClient, VerifierClient, check_compatible
+from gateway.config import GatewayConfig
+from gateway.grpc_api import GatewayServicer
+from gateway.openai_api import OpenAIApi
+from gateway.scheduler import Scheduler
+from specd import models
+from specd.fingerprint import TokenizerFingerprint
+from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from specd.serving import channel_options, setup_logging
+
+log = logging.getLogger(__name__)
+
+
+async def run(config: GatewayConfig) -> None:
+    tokenizer = models.load_tokenizer(config.tokenizer)
+    model_name = config.served_model_name or models.display_name(config.tokenizer)
+    verifier = VerifierClient(config.verifier, config.backend_timeout_s, config.max_message_bytes)
+    drafter = (
+        DrafterClient(config.drafter, config.backend_timeout_s, config.max_message_bytes)
+        if config.drafter and config.num_speculative_tokens > 0
+        else None
+    )
+    backends: list[Any] = [verifier] + ([drafter] if drafter else [])
+    for backend in backends:
+        log.info("waiting for the %s at %s", backend.name, backend.address)
+        await backend.wait_ready(config.connect_timeout_s)
+        await backend.load_info()
+    check_compatible(TokenizerFingerprint.of(tokenizer), verifier, drafter)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    scheduler = Scheduler(tokenizer, verifier, drafter, config.num_speculative_tokens, config.max_batch, eos)
+    scheduler.start()
+
+    async def health_status() -> dict[str, Any]:
+        verifier_ok = await verifier.healthy()
+        status: dict[str, Any] = {
+            "status": "ok" if verifier_ok else "unavailable",
+            "verifier": "ok" if verifier_ok else "unavailable",
+            "drafter": "disabled",
+            "running": scheduler.num_running,
+            "waiting": scheduler.num_waiting,
+        }
+        if drafter is not None:
+            status["drafter"] = "ok" if await drafter.healthy() else "unavailable"
+            status["drafter_kind"] = common_pb2.DrafterKind.Name(drafter.kind)
+        return status
+
+    api = OpenAIApi(scheduler, tokenizer, model_name, health_status)
+    grpc_server = None
+    if config.grpc_port:
+        grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+            GatewayServicer(scheduler, tokenizer, model_name), grpc_server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+        reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
+        if grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}") == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
+        await grpc_server.start()
+        for service in ("", name):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    server = uvicorn.Server(
+        uvicorn.Config(api.app(), host=config.host, port=config.http_port, log_level="warning", lifespan="off")
+    )
+    # uvicorn's own signal handlers would stop only the HTTP side.
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    log.info(
+        "gateway ready: model %r, k=%d, HTTP http://%s:%d/v1, gRPC %s",
+        model_name,
+        config.num_speculative_tokens,
+        config.host,
+        config.http_port,
+        f"{config.host}:{config.grpc_port}" if grpc_server else "off",
+    )
+    try:
+        await server.serve()
+    finally:
+        await scheduler.stop()
+        if grpc_server is not None:
+            await grpc_server.stop(2)
+        for backend in backends:
+            await backend.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = GatewayConfig.from_args(argv)
+    setup_logging(config.log_level)
+    try:
+        asyncio.run(run(config))
+    except (BackendError, models.ModelLoadError) as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

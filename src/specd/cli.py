@@ -1,0 +1,138 @@
+"""`specd`: run one service, or all three (`specd up`)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+USAGE = """specd <command> [options]
+
+commands:
+  up          start drafter, verifier and gateway together (Ctrl-C stops all three)
+  drafter     run the drafter service
+  verifier    run the verifier service
+  gateway     run the gateway (OpenAI-compatible HTTP + gRPC)
+
+`specd <command> --help` lists a command's options."""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command, rest = args[0], args[1:]
+    if command == "drafter":
+        from drafter_service.server import main as run
+    elif command == "verifier":
+        from verifier_service.server import main as run
+    elif command == "gateway":
+        from gateway.server import main as run
+    elif command == "up":
+        run = up
+    else:
+        print(f"specd: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+    run(rest)
+
+
+def _up_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specd up",
+        description="Start drafter, verifier and gateway as child processes; stop all on Ctrl-C/SIGTERM.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address all three services listen on")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50050, help="gateway gRPC port")
+    p.add_argument("--drafter-port", type=int, default=50051)
+    p.add_argument("--verifier-port", type=int, default=50052)
+    p.add_argument("--target-model", default="embedded", help="verifier model (HF directory, .gguf or 'embedded')")
+    p.add_argument("--draft-model", default=None, help="draft model; default: the target model")
+    p.add_argument("--drafter", choices=["model", "ngram", "none"], default="model")
+    p.add_argument("--drafter-device", default="cpu")
+    p.add_argument("--verifier-device", default="cpu")
+    p.add_argument("--drafter-dtype", default="bfloat16")
+    p.add_argument("--verifier-dtype", default="float32")
+    p.add_argument("--quantize", choices=["auto", "int8", "none"], default="auto", help="draft model weights")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
+    return p
+
+
+def up(argv: Sequence[str]) -> None:
+    from specd.launch import Launcher  # imports grpc; keep `specd --help` light
+
+    args = _up_parser().parse_args(argv)
+    draft_model = args.draft_model or args.target_model
+    common = ["--host", args.host, "--max-context", str(args.max_context)]
+    children = {
+        "verifier": [
+            "verifier",
+            *common,
+            "--port", str(args.verifier_port),
+            "--model", args.target_model,
+            "--device", args.verifier_device,
+            "--dtype", args.verifier_dtype,
+        ],
+    }  # fmt: skip
+    if args.drafter != "none":
+        children["drafter"] = [
+            "drafter",
+            *common,
+            "--port", str(args.drafter_port),
+            "--drafter", args.drafter,
+            "--model", draft_model,
+            "--device", args.drafter_device,
+            "--dtype", args.drafter_dtype,
+            "--quantize", args.quantize,
+        ]  # fmt: skip
+    children["gateway"] = [
+        "gateway",
+        "--host", args.host,
+        "--http-port", str(args.http_port),
+        "--grpc-port", str(args.grpc_port),
+        "--verifier", f"{args.host}:{args.verifier_port}",
+        "--drafter", f"{args.host}:{args.drafter_port}" if args.drafter != "none" else "",
+        "--tokenizer", args.target_model,
+        "--num-speculative-tokens", str(args.num_speculative_tokens),
+        "--max-batch", str(args.max_batch),
+    ]  # fmt: skip
+    health = {
+        "verifier": f"{args.host}:{args.verifier_port}",
+        "drafter": f"{args.host}:{args.drafter_port}",
+        "gateway": f"{args.host}:{args.grpc_port}",
+    }
+    launcher = Launcher()
+    signal.signal(signal.SIGTERM, lambda *_: launcher.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: launcher.request_stop())
+    code = 0
+    try:
+        # Convert the embedded GGUF once here rather than in three racing children.
+        if "embedded" in (args.target_model, draft_model) or args.target_model.endswith(".gguf"):
+            from specd.models import materialize
+
+            materialize(args.target_model)
+        for name, child_args in children.items():
+            launcher.spawn(name, [sys.executable, "-m", "specd.cli", *child_args])
+        for name in children:
+            launcher.wait_healthy(name, health[name], args.startup_timeout)
+        print(
+            f"specd is up: OpenAI API at http://{args.host}:{args.http_port}/v1, "
+            f"gRPC gateway at {args.host}:{args.grpc_port} (Ctrl-C stops)",
+            flush=True,
+        )
+        code = launcher.supervise()
+    except RuntimeError as exc:
+        print(f"specd up: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        launcher.stop_all()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Start real drafter, verifier and gateway processes on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_grpc_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not healthy after {timeout_s}s")
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen
+    port: int
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def spawn(name: str, args: list[str], log_dir: Path, port: int) -> Service:
+    log = log_dir / f"{name}-{port}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specd.cli", name, *args], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    return Service(name, proc, port, log)
+
+
+@dataclass
+class Stack:
+    verifier: Service
+    drafter: Service | None
+    gateway: Service
+    grpc_port: int
+    services: list[Service] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.gateway.port}"
+
+    def stop(self) -> None:
+        for s in reversed(self.services):
+            s.stop()
+
+
+def start_backend(kind: str, args: list[str], log_dir: Path) -> Service:
+    port = free_port()
+    service = spawn(kind, ["--host", HOST, "--port", str(port), *args], log_dir, port)
+    try:
+        wait_grpc_healthy(service.address, service.proc)
+    except Exception:
+        service.stop()
+        raise RuntimeError(f"{kind} failed to start:\n{service.output()}") from None
+    return service
+
+
+def start_gateway(verifier: Service, drafter: Service | None, args: list[str], log_dir: Path) -> Service:
+    http_port, grpc_port = free_port(), free_port()
+    gateway = spawn(
+        "gateway",
+        [
+            "--host", HOST,
+            "--http-port", str(http_port),
+            "--grpc-port", str(grpc_port),
+            "--verifier", verifier.address,
+            "--drafter", drafter.address if drafter else "",
+            *args,
+        ],
+        log_dir,
+        http_port,
+    )  # fmt: skip
+    gateway.grpc_port = grpc_port  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if gateway.proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {gateway.proc.returncode}:\n{gateway.output()}")
+        try:
+            if httpx.get(f"http://{HOST}:{http_port}/health", timeout=1).status_code == 200:
+                return gateway
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    gateway.stop()
+    raise TimeoutError(f"gateway not healthy:\n{gateway.output()}")
+
+
+def start_stack(
+    target: Path,
+    draft: Path | str | None,
+    log_dir: Path,
+    k: int = 4,
+    backend_args: tuple[str, ...] = ("--dtype", "float32"),
+    gateway_args: tuple[str, ...] = (),
+) -> Stack:
+    services: list[Service] = []
+    try:
+        verifier = start_backend("verifier", ["--model", str(target), *backend_args], log_dir)
+        services.append(verifier)
+        drafter = None
+        if draft == "ngram":
+            drafter = start_backend("drafter", ["--drafter", "ngram"], log_dir)
+        elif draft is not None:
+            drafter = start_backend(
+                "drafter", ["--model", str(draft), "--quantize", "none", *backend_args], log_dir
+            )
+        if drafter:
+            services.append(drafter)
+        gateway = start_gateway(
+            verifier,
+            drafter,
+            ["--tokenizer", str(target), "--num-speculative-tokens", str(k), *gateway_args],
+            log_dir,
+        )
+        services.append(gateway)
+    except BaseException:
+        for s in services:
+            s.stop()
+        raise
+    return Stack(verifier, drafter, gateway, gateway.grpc_port, services)  # type: ignore[attr-defined]
