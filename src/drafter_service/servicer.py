@@ -25,7 +25,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         self.runner = EngineRunner("drafter")
 
     async def GetDrafterInfo(self, request, context) -> drafter_pb2.GetDrafterInfoResponse:
-        return drafter_pb2.GetDrafterInfoResponse(model=self.info, kind=self.kind)
+        return drafter_pb2.GetDrafterInfoResponse(
+            model=self.info,
+            kind=self.kind,
+            open_sequences=len(self.engine.table),
+            kv_cache_bytes=self.engine.kv_bytes(),
+        )
 
     async def OpenDraftSequences(self, request, context) -> drafter_pb2.OpenDraftSequencesResponse:
         specs = [spec_from_pb(s) for s in request.sequences]

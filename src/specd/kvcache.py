@@ -137,7 +137,8 @@ class BatchedCausalLM:
         config = model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text_config.num_hidden_layers)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", 0) or head.weight.shape[0])
         self.max_positions = int(getattr(text_config, "max_position_embeddings", 2048))
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.cache = SlotKVCache(self.num_layers, device, dtype)

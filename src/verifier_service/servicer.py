@@ -24,7 +24,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         self.runner = EngineRunner("verifier")
 
     async def GetVerifierInfo(self, request, context) -> verifier_pb2.GetVerifierInfoResponse:
-        return verifier_pb2.GetVerifierInfoResponse(model=self.info)
+        return verifier_pb2.GetVerifierInfoResponse(
+            model=self.info, open_sequences=len(self.engine.table), kv_cache_bytes=self.engine.kv_bytes()
+        )
 
     async def OpenVerifySequences(self, request, context) -> verifier_pb2.OpenVerifySequencesResponse:
         specs = [spec_from_pb(s) for s in request.sequences]

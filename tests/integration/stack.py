@@ -46,6 +46,7 @@ class Service:
     proc: subprocess.Popen
     port: int
     log: Path
+    grpc_port: int = 0  # the gateway's gRPC port
 
     @property
     def address(self) -> str:
@@ -79,7 +80,6 @@ class Stack:
     verifier: Service
     drafter: Service | None
     gateway: Service
-    grpc_port: int
     services: list[Service] = field(default_factory=list)
 
     @property
@@ -117,7 +117,7 @@ def start_gateway(verifier: Service, drafter: Service | None, args: list[str], l
         log_dir,
         http_port,
     )  # fmt: skip
-    gateway.grpc_port = grpc_port  # type: ignore[attr-defined]
+    gateway.grpc_port = grpc_port
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if gateway.proc.poll() is not None:
@@ -148,9 +148,7 @@ def start_stack(
         if draft == "ngram":
             drafter = start_backend("drafter", ["--drafter", "ngram"], log_dir)
         elif draft is not None:
-            drafter = start_backend(
-                "drafter", ["--model", str(draft), "--quantize", "none", *backend_args], log_dir
-            )
+            drafter = start_backend("drafter", ["--model", str(draft), "--quantize", "none", *backend_args], log_dir)
         if drafter:
             services.append(drafter)
         gateway = start_gateway(
@@ -164,4 +162,4 @@ def start_stack(
         for s in services:
             s.stop()
         raise
-    return Stack(verifier, drafter, gateway, gateway.grpc_port, services)  # type: ignore[attr-defined]
+    return Stack(verifier, drafter, gateway, services)

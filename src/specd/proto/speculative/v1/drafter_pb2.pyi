@@ -12,12 +12,16 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("model", "kind")
+    __slots__ = ("model", "kind", "open_sequences", "kv_cache_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     kind: _common_pb2.DrafterKind
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ...) -> None: ...
+    open_sequences: int
+    kv_cache_bytes: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenDraftSequencesRequest(_message.Message):
     __slots__ = ("sequences",)

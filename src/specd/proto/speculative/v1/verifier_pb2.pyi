@@ -12,10 +12,14 @@ class GetVerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetVerifierInfoResponse(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "open_sequences", "kv_cache_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
+    open_sequences: int
+    kv_cache_bytes: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenVerifySequencesRequest(_message.Message):
     __slots__ = ("sequences",)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import stack as st
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def backends(model_dirs, log_dir) -> Iterator[tuple[st.Service, st.Service]]:
+    """One verifier (tiny target) and one drafter (perturbed copy), shared by the session."""
+    verifier = st.start_backend("verifier", ["--model", str(model_dirs["target"]), "--dtype", "float32"], log_dir)
+    try:
+        drafter = st.start_backend(
+            "drafter", ["--model", str(model_dirs["draft"]), "--dtype", "float32", "--quantize", "none"], log_dir
+        )
+    except BaseException:
+        verifier.stop()
+        raise
+    yield verifier, drafter
+    drafter.stop()
+    verifier.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway_for(backends, model_dirs, log_dir) -> Iterator[Callable[..., st.Service]]:
+    """Gateways over the shared backends, one per k, started on first use."""
+    verifier, drafter = backends
+    started: dict[tuple, st.Service] = {}
+
+    def get(k: int, *extra: str) -> st.Service:
+        key = (k, *extra)
+        if key not in started:
+            started[key] = st.start_gateway(
+                verifier,
+                drafter if k > 0 else None,
+                ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", str(k), *extra],
+                log_dir,
+            )
+        return started[key]
+
+    yield get
+    for g in started.values():
+        g.stop()
+
+
+def base_url(gateway: st.Service) -> str:
+    return f"http://{st.HOST}:{gateway.port}"

@@ -1,0 +1,86 @@
+"""Greedy output through the real services equals the target model's own greedy decoding."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+import torch
+from conftest import base_url
+
+from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Translate to French: good morning",
+    '{"name": "specd", "version":',
+    "1, 2, 3, 4, 5,",
+    "Speculative decoding makes large models",
+    "Q: What is 2 + 2?\nA:",
+    "a",
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def references(tok, tiny_target) -> dict[str, list[int]]:
+    refs = {}
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        out = tiny_target.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        refs[prompt] = out[0, len(ids) :].tolist()
+    return refs
+
+
+def grpc_generate(gateway, prompt: str, max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        params = gateway_pb2.GenerationParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=120)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_greedy_token_identical_one_at_a_time(gateway_for, references, k):
+    gateway = gateway_for(k)
+    for prompt in PROMPTS:
+        reply = grpc_generate(gateway, prompt)
+        assert list(reply.token_ids) == references[prompt], prompt
+        assert reply.finish_reason == gateway_pb2.FINISH_REASON_LENGTH
+        assert reply.usage.completion_tokens == MAX_TOKENS
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_token_identical_16_concurrent(gateway_for, references, tok, k):
+    gateway = gateway_for(k)
+    prompts = (PROMPTS * 2)[:16]
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=base_url(gateway), timeout=300) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(run())
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+
+
+def test_ngram_drafter_is_exact(model_dirs, log_dir, references):
+    import stack as st
+
+    s = st.start_stack(model_dirs["target"], "ngram", log_dir, k=4)
+    try:
+        for prompt in PROMPTS[:4]:
+            assert list(grpc_generate(s.gateway, prompt).token_ids) == references[prompt]
+    finally:
+        s.stop()

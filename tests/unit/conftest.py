@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import tinymodels
+import torch
+from drafter_service.engine import ModelDrafter, NgramDrafter
+from verifier_service.engine import VerifierEngine
+
+from specd.fingerprint import TokenizerFingerprint
+from specd.kvcache import BatchedCausalLM
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def fingerprint(tok) -> TokenizerFingerprint:
+    return TokenizerFingerprint.of(tok)
+
+
+@pytest.fixture(scope="session")
+def vocab_size(tiny_target) -> int:
+    return int(tiny_target.config.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def close_draft(tiny_target):
+    """A drafter that agrees with tiny_target on most greedy tokens (tiny_draft on none)."""
+    return tinymodels.perturbed(tiny_target, 0.02, seed=3)
+
+
+@pytest.fixture
+def make_verifier(tiny_target, fingerprint) -> Callable[..., VerifierEngine]:
+    def make(max_sequences: int = 8, max_context: int = 512, max_draft_tokens: int = 8) -> VerifierEngine:
+        lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+        return VerifierEngine(lm, fingerprint, max_sequences, max_context, max_draft_tokens)
+
+    return make
+
+
+@pytest.fixture
+def make_drafter(tiny_draft, fingerprint) -> Callable[..., ModelDrafter]:
+    def make(
+        max_sequences: int = 8,
+        max_context: int = 512,
+        max_draft_tokens: int = 8,
+        max_support: int = 16,
+        model=None,
+    ) -> ModelDrafter:
+        lm = BatchedCausalLM(tiny_draft if model is None else model, CPU, torch.float32)
+        return ModelDrafter(lm, fingerprint, max_sequences, max_context, max_draft_tokens, max_support)
+
+    return make
+
+
+@pytest.fixture
+def make_ngram(vocab_size) -> Callable[..., NgramDrafter]:
+    def make(
+        max_sequences: int = 8, max_context: int = 512, max_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4
+    ) -> NgramDrafter:
+        return NgramDrafter(vocab_size, max_sequences, max_context, max_draft_tokens, min_n, max_n)
+
+    return make

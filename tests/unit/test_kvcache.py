@@ -1,0 +1,336 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from drafter_service.engine import ModelDrafter
+from verifier_service.engine import VerifierEngine
+
+from specd.kvcache import BatchedCausalLM, Row
+from specd.sampling import SamplingParams
+from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+
+CPU = torch.device("cpu")
+ATOL = 1e-4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def full_logits(model, tokens: list[int], start: int = 0) -> torch.Tensor:
+    """Logits [len(tokens) - start, V] for positions start.. of a plain forward over the
+    whole sequence, without any cache."""
+    with torch.no_grad():
+        ids = torch.tensor([tokens], dtype=torch.long)
+        return model(input_ids=ids, logits_to_keep=len(tokens) - start).logits[0].float()
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+# -- BatchedCausalLM against plain recomputation --------------------------------------
+
+
+@pytest.mark.parametrize("slots", [(5, 0, 3), (1, 2, 3)], ids=["scattered", "contiguous"])
+def test_batched_rows_with_different_starts_and_lengths_match_full_recompute(tiny_target, vocab_size, slots):
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+    rng = random.Random(0)
+    seqs = {slot: random_tokens(rng, 40, vocab_size) for slot in slots}
+    cached = dict.fromkeys(slots, 0)
+
+    def feed(plan: dict[int, int]) -> None:
+        """plan: slot -> number of new tokens; rows are passed in the given (unsorted) order."""
+        rows = [Row(slot, cached[slot], seqs[slot][cached[slot] : cached[slot] + n], 0) for slot, n in plan.items()]
+        out = lm.forward(rows)
+        assert len(out) == len(rows)
+        for row, got in zip(rows, out, strict=True):
+            end = row.start + len(row.tokens)
+            assert got.shape == (len(row.tokens), vocab_size)
+            want = full_logits(tiny_target, seqs[row.slot][:end], row.start)
+            assert_logits_close(got, want, f"slot {row.slot}, positions {row.start}..{end - 1}")
+            cached[row.slot] = end
+
+    a, b, c = slots
+    feed({a: 7, b: 1, c: 12})  # prefill of different lengths in one pass
+    feed({c: 1, a: 5, b: 9})  # continue at different offsets
+    feed({b: 1})  # a lone row
+    feed({a: 3, c: 2})  # a subset of the slots
+
+    # Roll back: lower a row's length and feed other tokens; the stale keys
+    # beyond the new length must be invisible and get overwritten.
+    for slot, back in ((a, 4), (c, 6)):
+        cached[slot] -= back
+        seqs[slot][cached[slot] :] = random_tokens(rng, 40 - cached[slot], vocab_size)
+    feed({a: 6, b: 2, c: 1})
+    cached[b] = 0  # a slot reused from scratch by another sequence
+    seqs[b] = random_tokens(rng, 40, vocab_size)
+    feed({b: 5, c: 3, a: 1})
+
+
+def test_logits_from_selects_the_wanted_positions(tiny_target, vocab_size):
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+    rng = random.Random(1)
+    x, y = random_tokens(rng, 10, vocab_size), random_tokens(rng, 6, vocab_size)
+    out = lm.forward([Row(0, 0, x, 9), Row(2, 0, y, 3)])
+    assert out[0].shape == (1, vocab_size)
+    assert out[1].shape == (3, vocab_size)
+    assert_logits_close(out[0], full_logits(tiny_target, x, 9), "last position only")
+    assert_logits_close(out[1], full_logits(tiny_target, y, 3), "positions 3..5")
+    assert lm.forward([]) == []
+
+
+def test_slot_and_position_growth_keeps_cached_sequences(tiny_target, vocab_size):
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+    rng = random.Random(2)
+    seqs: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+
+    def feed(plan: dict[int, int]) -> None:
+        for slot, n in plan.items():
+            seqs.setdefault(slot, [])
+            cached.setdefault(slot, 0)
+            seqs[slot] += random_tokens(rng, cached[slot] + n - len(seqs[slot]), vocab_size)
+        rows = [Row(slot, cached[slot], seqs[slot][cached[slot] : cached[slot] + n], 0) for slot, n in plan.items()]
+        for row, got in zip(rows, lm.forward(rows), strict=True):
+            end = row.start + len(row.tokens)
+            want = full_logits(tiny_target, seqs[row.slot][:end], row.start)
+            assert_logits_close(got, want, f"slot {row.slot}, positions {row.start}..{end - 1}")
+            cached[row.slot] = end
+
+    def check_all() -> None:
+        # One more token for every sequence: its logits depend on everything cached.
+        feed(dict.fromkeys(seqs, 1))
+
+    feed({0: 5})
+    assert (lm.cache.slot_capacity, lm.cache.position_capacity) == (1, 64)
+    feed({1: 30, 2: 3})
+    assert lm.cache.slot_capacity >= 3
+    check_all()
+    feed({slot: 2 + slot for slot in range(3, 11)})  # more sequences than any capacity so far
+    assert lm.cache.slot_capacity >= 11
+    check_all()
+    feed({0: 65, 4: 1, 7: 2})  # beyond 64 positions, mixed with short rows
+    assert lm.cache.position_capacity >= 128
+    check_all()
+    feed({5: 150})  # beyond 128 positions
+    assert lm.cache.position_capacity >= 256
+    check_all()
+    assert lm.cache.bytes_per_token() > 0
+    assert lm.cache.allocated_bytes() == (
+        lm.cache.bytes_per_token() * lm.cache.slot_capacity * lm.cache.position_capacity
+    )
+
+
+# -- the services after random accept/reject histories ---------------------------------
+
+
+class History:
+    """Drives a verifier and a model drafter the way the gateway does, with random choices.
+
+    Per round and sequence one of:
+      draft:  the drafter proposes k tokens and the verifier checks all of them;
+      prefix: the drafter proposes k tokens and the verifier checks only a prefix;
+      random: the drafter is skipped; the verifier checks k arbitrary tokens (mostly
+              rejected), so the drafter later catches up on several committed tokens;
+      oracle: the drafter is skipped; the verifier checks the target's own greedy
+              continuation, sometimes corrupted at one position (long accepted runs).
+    """
+
+    def __init__(self, seed: int, verifier: VerifierEngine, drafter: ModelDrafter, target, draft, vocab: int):
+        self.rng = random.Random(seed)
+        self.verifier, self.drafter = verifier, drafter
+        self.target, self.draft = target, draft
+        self.vocab = vocab
+        self.max_sequences = verifier.table.max_sequences
+        self.committed: dict[str, list[int]] = {}
+        self.unsent: dict[str, list[int]] = {}  # committed, not yet told to the drafter
+        self.params: dict[str, SamplingParams] = {}
+        self.opened = self.closed = 0
+        self.accepted = self.rejected = 0
+        self.slots_seen: set[int] = set()
+        self.kinds_opened: set[str] = set()
+
+    def open(self) -> None:
+        rng = self.rng
+        sid = f"seq-{self.opened}"
+        self.opened += 1
+        prompt = random_tokens(rng, rng.randint(1, 24), self.vocab)
+        if rng.random() < 0.5:
+            params = GREEDY
+        else:
+            params = SamplingParams(temperature=0.8, top_p=0.9, seed=rng.randrange(2**31))
+        spec = SequenceSpec(sid, prompt, params)
+        for engine in (self.verifier, self.drafter):
+            errors, _ = engine.open([spec])
+            assert errors == [None]
+        self.committed[sid] = list(prompt)
+        self.unsent[sid] = []
+        self.params[sid] = params
+        self.kinds_opened.add("greedy" if params.greedy else "sampled")
+        self.slots_seen.add(self.verifier.table.get(sid).slot)
+
+    def close(self) -> None:
+        sid = self.rng.choice(sorted(self.committed))
+        assert self.verifier.close([sid]) == 1
+        assert self.drafter.close([sid]) == 1
+        for table in (self.committed, self.unsent, self.params):
+            del table[sid]
+        self.closed += 1
+
+    def round(self) -> None:
+        rng = self.rng
+        if len(self.committed) < self.max_sequences and (not self.committed or rng.random() < 0.4):
+            self.open()
+        if len(self.committed) > 1 and rng.random() < 0.15:
+            self.close()
+        ids = sorted(self.committed)
+        ks = {sid: rng.randint(0, 6) for sid in ids}
+        modes = {sid: rng.choice(["draft", "draft", "prefix", "random", "oracle"]) for sid in ids}
+
+        drafted = [sid for sid in ids if modes[sid] in ("draft", "prefix")]
+        rng.shuffle(drafted)
+        tasks = [DraftTask(sid, self.unsent[sid], len(self.committed[sid]), ks[sid]) for sid in drafted]
+        proposals, _ = self.drafter.draft(tasks)
+        proposed = {}
+        for sid, proposal in zip(drafted, proposals, strict=True):
+            assert proposal.error is None, proposal.error
+            assert len(proposal.tokens) == ks[sid]
+            self.unsent[sid] = []
+            if self.params[sid].greedy:
+                assert proposal.dists == []
+                self.check_greedy_draft(sid, proposal.tokens)
+            else:
+                assert len(proposal.dists) == ks[sid]
+                for token, dist in zip(proposal.tokens, proposal.dists, strict=True):
+                    assert token in dist.token_ids
+            proposed[sid] = (proposal.tokens, proposal.dists)
+
+        verify = []
+        for sid in ids:
+            if modes[sid] == "random":
+                tokens, dists = random_tokens(rng, ks[sid], self.vocab), []
+            elif modes[sid] == "oracle":
+                tokens, dists = self.target_greedy(sid, ks[sid]), []
+                if tokens and rng.random() < 0.5:
+                    tokens[rng.randrange(len(tokens))] = rng.randrange(self.vocab)
+            else:
+                tokens, dists = proposed[sid]
+                if modes[sid] == "prefix":
+                    j = rng.randint(0, len(tokens))
+                    tokens, dists = tokens[:j], dists[:j]
+            verify.append(VerifyTask(sid, len(self.committed[sid]), tokens, dists))
+        rng.shuffle(verify)
+        results, _ = self.verifier.verify(verify)
+        for task, result in zip(verify, results, strict=True):
+            assert result.error is None, result.error
+            assert result.sequence_id == task.sequence_id
+            n = result.num_accepted
+            assert 0 <= n <= len(task.draft_tokens)
+            assert 0 <= result.next_token < self.vocab
+            if self.params[task.sequence_id].greedy:
+                self.check_greedy_verdict(task, n, result.next_token)
+            emitted = [*task.draft_tokens[:n], result.next_token]
+            self.committed[task.sequence_id] += emitted
+            self.unsent[task.sequence_id] += emitted
+            self.accepted += n
+            self.rejected += n < len(task.draft_tokens)
+
+    def target_greedy(self, sid: str, k: int) -> list[int]:
+        tokens = list(self.committed[sid])
+        for _ in range(k):
+            tokens.append(int(full_logits(self.target, tokens, len(tokens) - 1)[0].argmax()))
+        return tokens[len(self.committed[sid]) :]
+
+    def check_greedy_draft(self, sid: str, tokens: list[int]) -> None:
+        """A greedy drafter's tokens are the draft model's own greedy continuation."""
+        if not tokens:
+            return
+        base = self.committed[sid]
+        logits = full_logits(self.draft, base + tokens[:-1], len(base) - 1)
+        assert tokens == logits.argmax(dim=-1).tolist()
+
+    def check_greedy_verdict(self, task: VerifyTask, n: int, next_token: int) -> None:
+        base = self.committed[task.sequence_id]
+        best = full_logits(self.target, base + task.draft_tokens, len(base) - 1).argmax(dim=-1).tolist()
+        expected_n = next((i for i, t in enumerate(task.draft_tokens) if t != best[i]), len(task.draft_tokens))
+        assert (n, next_token) == (expected_n, best[expected_n])
+
+    def check_next_token_logits(self) -> None:
+        """Each service's next-token logits from its cache equal a recomputation from scratch."""
+        ids = sorted(self.committed)
+        rows, wants = [], []
+        for sid in ids:
+            state = self.verifier.table.get(sid)
+            assert state.committed == self.committed[sid]
+            assert state.cached == state.committed[: len(state.cached)]
+            fed = state.committed[len(state.cached) :]
+            assert fed
+            rows.append(Row(state.slot, len(state.cached), fed, len(fed) - 1))
+            wants.append(full_logits(self.target, state.committed, len(state.committed) - 1)[0])
+        for sid, got, want in zip(ids, self.verifier.lm.forward(rows), wants, strict=True):
+            assert_logits_close(got[-1], want, f"verifier, {sid}")
+
+        rows, wants = [], []
+        for sid in ids:
+            state = self.drafter.table.get(sid)
+            told = self.committed[sid][: len(self.committed[sid]) - len(self.unsent[sid])]
+            assert state.committed == told
+            ModelDrafter._roll_back(state)
+            assert state.cached == state.committed[: len(state.cached)]
+            fed = state.committed[len(state.cached) :]
+            assert fed
+            rows.append(Row(state.slot, len(state.cached), fed, len(fed) - 1))
+            wants.append(full_logits(self.draft, state.committed, len(state.committed) - 1)[0])
+        for sid, got, want in zip(ids, self.drafter.lm.forward(rows), wants, strict=True):
+            assert_logits_close(got[-1], want, f"drafter, {sid}")
+
+
+@pytest.mark.parametrize(("seed", "draft_model"), [(0, "tiny_draft"), (1, "tiny_draft"), (2, "close_draft"), (3, "close_draft")])
+def test_after_random_accept_reject_histories_each_services_next_token_logits_equal_a_full_recomputation(
+    seed, draft_model, request, make_verifier, make_drafter, tiny_target, vocab_size
+):
+    draft = request.getfixturevalue(draft_model)
+    history = History(
+        seed,
+        make_verifier(max_sequences=4, max_draft_tokens=8),
+        make_drafter(max_sequences=4, max_draft_tokens=8, max_support=16, model=draft),
+        tiny_target,
+        draft,
+        vocab_size,
+    )
+    for r in range(36):
+        history.round()
+        if r % 4 == 3:
+            history.check_next_token_logits()
+    history.check_next_token_logits()
+    # The history really exercised what the test is about.
+    assert history.closed >= 1 and history.opened > history.max_sequences  # slots were reused
+    assert history.accepted > 0 and history.rejected > 0
+    assert history.kinds_opened == {"greedy", "sampled"}
+
+
+def test_many_long_sequences_through_the_verifier_match_full_recompute(make_verifier, tiny_target, vocab_size):
+    """More sequences than the initial capacity, and contexts past 64 and 128 positions."""
+    rng = random.Random(5)
+    verifier = make_verifier(max_sequences=12, max_draft_tokens=8)
+    committed = {f"s{i}": random_tokens(rng, rng.choice([1, 3, 40, 70, 130]), vocab_size) for i in range(12)}
+    specs = [SequenceSpec(sid, list(p), GREEDY if i % 2 else SamplingParams(seed=i)) for i, (sid, p) in enumerate(committed.items())]
+    errors, _ = verifier.open(specs)
+    assert errors == [None] * 12
+    for _ in range(6):
+        tasks = [VerifyTask(sid, len(t), random_tokens(rng, rng.randint(0, 8), vocab_size)) for sid, t in committed.items()]
+        results, _ = verifier.verify(tasks)
+        for task, result in zip(tasks, results, strict=True):
+            assert result.error is None
+            committed[task.sequence_id] += [*task.draft_tokens[: result.num_accepted], result.next_token]
+    assert verifier.lm.cache.slot_capacity >= 12
+    assert verifier.lm.cache.position_capacity >= 256
+    for sid, tokens in committed.items():
+        state = verifier.table.get(sid)
+        fed = state.committed[len(state.cached) :]
+        got = verifier.lm.forward([Row(state.slot, len(state.cached), fed, len(fed) - 1)])[0][-1]
+        assert_logits_close(got, full_logits(tiny_target, tokens, len(tokens) - 1)[0], sid)
