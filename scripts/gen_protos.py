@@ -65,9 +65,9 @@ def main() -> int:
                 if not old.exists() or not filecmp.cmp(new, old, shallow=False):
                     stale.append(str(rel))
         for old in sorted((OUT / "speculative").rglob("*")):
-            if old.is_file() and "__pycache__" not in old.parts:
-                if not (Path(tmp) / old.relative_to(OUT)).exists():
-                    stale.append(str(old.relative_to(OUT)))
+            fresh = Path(tmp) / old.relative_to(OUT)
+            if old.is_file() and "__pycache__" not in old.parts and not fresh.exists():
+                stale.append(str(old.relative_to(OUT)))
         if stale:
             print("generated protocol code is stale; run: python scripts/gen_protos.py", file=sys.stderr)
             for s in stale:

@@ -163,6 +163,9 @@ class BatchedCausalLM:
         starts = torch.tensor(lengths, dtype=torch.long, device=self.device)
         positions = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
         kv_len = max(lengths) + num_new
+        # Padding of a short row may run past the model's last position; its
+        # outputs are discarded, but learned position tables would index out of range.
+        positions = positions.clamp(max=self.max_positions - 1)
         key_pos = torch.arange(kv_len, device=self.device)
         # Query at absolute position p sees keys 0..p of its own row only.
         visible = key_pos[None, None, :] <= positions[:, :, None]

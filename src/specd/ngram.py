@@ -8,6 +8,8 @@ from collections.abc import Sequence
 def propose(tokens: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the
     longest suffix n-gram (n from max_n down to min_n); [] when none matches."""
+    if min_n < 1:
+        raise ValueError(f"min_n must be >= 1, got {min_n}")
     length = len(tokens)
     if k <= 0:
         return []

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this are treated as greedy (as vLLM does): dividing float32
+# logits by a tinier one overflows to inf and the softmax to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def validate_sampling(params: SamplingParams) -> str | None:
@@ -77,13 +81,15 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=x.device)
         kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
-    top_ps = torch.tensor([params[i].top_p for i in sampled], device=x.device)
-    if bool((top_ps < 1.0).any()):
+    top_ps = [params[i].top_p for i in sampled]
+    if any(p < 1.0 for p in top_ps):
         sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)
         cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1.0 - top_ps)[:, None]
+        # 1 - top_p in Python, then float32, exactly as HF's TopPLogitsWarper compares.
+        cutoff = torch.tensor([1.0 - p for p in top_ps], device=x.device)
+        remove = cum <= cutoff[:, None]
         remove[:, -1] = False  # always keep the most likely token
-        remove = remove & (top_ps < 1.0)[:, None]
+        remove = remove & (cutoff > 0.0)[:, None]
         x = x.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
     out[si] = x.softmax(dim=-1)
     return out

@@ -5,13 +5,23 @@ from collections.abc import Callable
 import pytest
 import tinymodels
 import torch
-from drafter_service.engine import ModelDrafter, NgramDrafter
-from verifier_service.engine import VerifierEngine
 
+from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM
+from verifier_service.engine import VerifierEngine
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    """The tiny models gain nothing from intra-op threads, and on a busy machine
+    OpenMP spin-waiting makes them many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,12 @@ import random
 
 import pytest
 import torch
-from drafter_service.engine import ModelDrafter
-from verifier_service.engine import VerifierEngine
 
+from drafter_service.engine import ModelDrafter
 from specd.kvcache import BatchedCausalLM, Row
 from specd.sampling import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from verifier_service.engine import VerifierEngine
 
 CPU = torch.device("cpu")
 ATOL = 1e-4
@@ -123,6 +123,22 @@ def test_slot_and_position_growth_keeps_cached_sequences(tiny_target, vocab_size
     assert lm.cache.allocated_bytes() == (
         lm.cache.bytes_per_token() * lm.cache.slot_capacity * lm.cache.position_capacity
     )
+
+
+def test_padding_positions_stay_inside_learned_position_embeddings():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    lm = BatchedCausalLM(model, CPU, torch.float32)
+    assert lm.max_positions == 32
+    long, short = list(range(1, 31)), [3, 4]
+    lm.forward([Row(0, 0, long, 29), Row(1, 0, short, 1)])
+    # Position 30 is valid for row 0; its padding to 4 tokens reaches position 33.
+    out = lm.forward([Row(0, 30, [7], 0), Row(1, 2, [5, 6, 7, 8], 0)])
+    assert_logits_close(out[0], full_logits(model, [*long, 7], 30), "row at the end of the context")
+    assert_logits_close(out[1], full_logits(model, [*short, 5, 6, 7, 8], 2), "longer row")
 
 
 # -- the services after random accept/reject histories ---------------------------------
@@ -251,13 +267,16 @@ class History:
             return
         base = self.committed[sid]
         logits = full_logits(self.draft, base + tokens[:-1], len(base) - 1)
-        assert tokens == logits.argmax(dim=-1).tolist()
+        expected = logits.argmax(dim=-1).tolist()
+        assert tokens == expected, f"{sid}: drafted {tokens}, the draft model's greedy path is {expected}"
 
     def check_greedy_verdict(self, task: VerifyTask, n: int, next_token: int) -> None:
         base = self.committed[task.sequence_id]
         best = full_logits(self.target, base + task.draft_tokens, len(base) - 1).argmax(dim=-1).tolist()
         expected_n = next((i for i, t in enumerate(task.draft_tokens) if t != best[i]), len(task.draft_tokens))
-        assert (n, next_token) == (expected_n, best[expected_n])
+        assert (n, next_token) == (expected_n, best[expected_n]), (
+            f"{task.sequence_id}: drafts {task.draft_tokens}, target greedy path {best}"
+        )
 
     def check_next_token_logits(self) -> None:
         """Each service's next-token logits from its cache equal a recomputation from scratch."""
@@ -289,7 +308,9 @@ class History:
             assert_logits_close(got[-1], want, f"drafter, {sid}")
 
 
-@pytest.mark.parametrize(("seed", "draft_model"), [(0, "tiny_draft"), (1, "tiny_draft"), (2, "close_draft"), (3, "close_draft")])
+@pytest.mark.parametrize(
+    ("seed", "draft_model"), [(0, "tiny_draft"), (1, "tiny_draft"), (2, "close_draft"), (3, "close_draft")]
+)
 def test_after_random_accept_reject_histories_each_services_next_token_logits_equal_a_full_recomputation(
     seed, draft_model, request, make_verifier, make_drafter, tiny_target, vocab_size
 ):
@@ -318,11 +339,16 @@ def test_many_long_sequences_through_the_verifier_match_full_recompute(make_veri
     rng = random.Random(5)
     verifier = make_verifier(max_sequences=12, max_draft_tokens=8)
     committed = {f"s{i}": random_tokens(rng, rng.choice([1, 3, 40, 70, 130]), vocab_size) for i in range(12)}
-    specs = [SequenceSpec(sid, list(p), GREEDY if i % 2 else SamplingParams(seed=i)) for i, (sid, p) in enumerate(committed.items())]
+    specs = [
+        SequenceSpec(sid, list(p), GREEDY if i % 2 else SamplingParams(seed=i))
+        for i, (sid, p) in enumerate(committed.items())
+    ]
     errors, _ = verifier.open(specs)
     assert errors == [None] * 12
     for _ in range(6):
-        tasks = [VerifyTask(sid, len(t), random_tokens(rng, rng.randint(0, 8), vocab_size)) for sid, t in committed.items()]
+        tasks = [
+            VerifyTask(sid, len(t), random_tokens(rng, rng.randint(0, 8), vocab_size)) for sid, t in committed.items()
+        ]
         results, _ = verifier.verify(tasks)
         for task, result in zip(tasks, results, strict=True):
             assert result.error is None

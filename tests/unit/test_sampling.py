@@ -96,12 +96,6 @@ def test_sampled_rows_match_hf_warpers(params: SamplingParams, tied: bool):
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(8))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src/specd/sampling.py probabilities(): the top-p threshold is 1 - float32(top_p) "
-    "(0.19999999 for 0.8) where HF compares against float32(1 - top_p) (0.2), so a cumulative "
-    "probability exactly on the boundary is kept instead of removed",
-)
 @pytest.mark.parametrize(("vocab", "top_p"), [(5, 0.8), (20, 0.85)])
 def test_top_p_threshold_is_computed_like_hf(vocab: int, top_p: float):
     # Equal logits: the cumulative probabilities land exactly on 1 - top_p.
@@ -409,5 +403,8 @@ def test_validate_sampling_rejects(params: SamplingParams, field: str):
 
 def test_greedy_property():
     assert SamplingParams(temperature=0.0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    # Below 1e-5 float32 logits / temperature would overflow: treated as greedy, as vLLM does.
+    assert SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-38).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
     assert not SamplingParams().greedy
