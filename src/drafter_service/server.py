@@ -16,7 +16,7 @@ from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.quant import quantize_int8
-from specd.serving import fingerprint_pb, serve, setup_logging
+from specd.serving import EngineRunner, fingerprint_pb, serve, setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         quantize_int8(model)
     fingerprint = TokenizerFingerprint.of(models.load_tokenizer(config.model))
     lm = BatchedCausalLM(model, device, dtype)
+    lm.warm_up(2)
     engine = ModelDrafter(
         lm, fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens, config.max_support
     )
@@ -73,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = DrafterConfig.from_args(argv)
     setup_logging(config.log_level)
     log.info("loading %s drafter %s on %s", config.drafter, config.model, config.device)
-    engine, info = build_engine(config)
-    servicer = DrafterServicer(engine, info)
+    runner = EngineRunner("drafter")
+    engine, info = runner.call(build_engine, config)
+    servicer = DrafterServicer(engine, info, runner)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, server)

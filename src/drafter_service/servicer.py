@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo) -> None:
+    def __init__(self, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo, runner: EngineRunner) -> None:
         self.engine = engine
         self.info = info
         self.kind = common_pb2.DRAFTER_KIND_NGRAM if engine.kind == "ngram" else common_pb2.DRAFTER_KIND_MODEL
-        self.runner = EngineRunner("drafter")
+        self.runner = runner
 
     async def GetDrafterInfo(self, request, context) -> drafter_pb2.GetDrafterInfoResponse:
         return drafter_pb2.GetDrafterInfoResponse(

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -293,8 +294,14 @@ class Scheduler:
                     for s in to_draft
                 ],
             )
+            t_draft = time.perf_counter_ns()
             try:
                 reply = await self.drafter.draft(request)
+                log.debug(
+                    "draft wall %.1fms service %.1fms",
+                    (time.perf_counter_ns() - t_draft) / 1e6,
+                    reply.timings.total_ns / 1e6,
+                )
             except BackendError as exc:
                 # Speculation is an optimisation: without drafts the round still makes progress.
                 log.warning("drafting skipped this round: %s", exc)
@@ -313,7 +320,11 @@ class Scheduler:
             if proposal is not None:
                 task.draft_token_ids.extend(proposal.token_ids[: ks[s.id]])
                 task.draft_distributions.extend(proposal.distributions[: ks[s.id]])
+        t_verify = time.perf_counter_ns()
         reply = await self.verifier.verify(request)
+        log.debug(
+            "verify wall %.1fms service %.1fms", (time.perf_counter_ns() - t_verify) / 1e6, reply.timings.total_ns / 1e6
+        )
         drafted = accepted = 0
         for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
             if result.error.code:

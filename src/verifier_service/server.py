@@ -12,7 +12,7 @@ from specd import models
 from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import fingerprint_pb, serve, setup_logging
+from specd.serving import EngineRunner, fingerprint_pb, serve, setup_logging
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
@@ -29,6 +29,7 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
     tokenizer = models.load_tokenizer(config.model)
     fingerprint = TokenizerFingerprint.of(tokenizer)
     lm = BatchedCausalLM(model, device, dtype)
+    lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     engine = VerifierEngine(lm, fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens)
     info = common_pb2.ModelInfo(
         model_id=config.model,
@@ -47,8 +48,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = VerifierConfig.from_args(argv)
     setup_logging(config.log_level)
     log.info("loading target %s on %s (%s)", config.model, config.device, config.dtype)
-    engine, info = build_engine(config)
-    servicer = VerifierServicer(engine, info)
+    runner = EngineRunner("verifier")
+    engine, info = runner.call(build_engine, config)
+    servicer = VerifierServicer(engine, info, runner)
 
     def register(server):
         verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)

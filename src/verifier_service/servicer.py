@@ -18,10 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, engine: VerifierEngine, info: common_pb2.ModelInfo) -> None:
+    def __init__(self, engine: VerifierEngine, info: common_pb2.ModelInfo, runner: EngineRunner) -> None:
         self.engine = engine
         self.info = info
-        self.runner = EngineRunner("verifier")
+        self.runner = runner
 
     async def GetVerifierInfo(self, request, context) -> verifier_pb2.GetVerifierInfoResponse:
         return verifier_pb2.GetVerifierInfoResponse(
