@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -51,6 +52,7 @@ class OpenAIApi:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/health", self.health_check, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
 
     # -- errors ----------------------------------------------------------
@@ -74,6 +76,9 @@ class OpenAIApi:
             "object": "list",
             "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}],
         }
+
+    async def metrics(self) -> Response:
+        return Response(self.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def health_check(self) -> Response:
         status = await self.health()

@@ -21,6 +21,7 @@ from typing import Any
 
 from gateway.backends import BackendError, DrafterClient, VerifierClient
 from gateway.detokenize import TextStream
+from gateway.metrics import GatewayMetrics
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.sampling import SamplingParams
 from specd.serving import sampling_pb
@@ -102,6 +103,7 @@ class Scheduler:
         num_speculative_tokens: int,
         max_batch: int,
         eos_token_ids: Sequence[int],
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.verifier = verifier
@@ -121,7 +123,7 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._round_ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
-        self.stats = {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 0}
+        self.metrics = metrics or GatewayMetrics(self.k_limit)
 
     # -- lifecycle ------------------------------------------------------
     def start(self) -> None:
@@ -164,6 +166,7 @@ class Scheduler:
             tokens=list(prompt),
         )
         self.waiting.append(seq)
+        self.metrics.waiting.set(len(self.waiting))
         self._wakeup.set()
         return seq
 
@@ -262,12 +265,15 @@ class Scheduler:
                     await self._close_quietly(self.drafter, [s.id])
                 continue
             s.on_drafter = s.speculating = s.id in drafter_ok
+            self.metrics.prompt_tokens.inc(len(s.prompt))
             s.drafter_synced = len(s.prompt)
             if s.cancelled:
                 s.done = True
                 await self._retire([s])
                 continue
             self.active.append(s)
+        self.metrics.running.set(len(self.active))
+        self.metrics.waiting.set(len(self.waiting))
 
     def _k_for(self, seq: _Sequence) -> int:
         if not seq.speculating:
@@ -325,21 +331,18 @@ class Scheduler:
         log.debug(
             "verify wall %.1fms service %.1fms", (time.perf_counter_ns() - t_verify) / 1e6, reply.timings.total_ns / 1e6
         )
-        drafted = accepted = 0
+        proposals: list[tuple[int, int]] = []
         for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
             if result.error.code:
                 self._fail(
                     s, GenerationError(500, f"verifier refused the round: {result.error.message}", "internal_error")
                 )
                 continue
-            drafted += len(task.draft_token_ids)
-            accepted += result.num_accepted
+            proposals.append((len(task.draft_token_ids), result.num_accepted))
             self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
-        self.stats["rounds"] += 1
-        self.stats["draft_tokens"] += drafted
-        self.stats["accepted_tokens"] += accepted
+        self.metrics.observe_round(proposals)
         await self._retire([s for s in batch if s.done])
-        return RoundOutcome(len(batch), drafted, accepted)
+        return RoundOutcome(len(batch), sum(p[0] for p in proposals), sum(p[1] for p in proposals))
 
     def _commit(self, seq: _Sequence, new_tokens: list[int]) -> None:
         """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
@@ -359,12 +362,13 @@ class Scheduler:
             if len(seq.output) >= seq.max_tokens:
                 reason = "length"
                 break
-        self.stats["emitted_tokens"] += len(emitted)
+        self.metrics.generation_tokens.inc(len(emitted))
         text = seq.stream.take(final=reason is not None)
         if (text or emitted) and not seq.cancelled:
             seq.events.put_nowait(Delta(text, emitted))
         if reason is not None:
             seq.done = True
+            self.metrics.requests.labels(finished_reason=reason).inc()
             seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
 
     def _fail(self, seq: _Sequence, error: GenerationError) -> None:
@@ -378,6 +382,7 @@ class Scheduler:
             return
         gone = {s.id for s in seqs}
         self.active = [s for s in self.active if s.id not in gone]
+        self.metrics.running.set(len(self.active))
         closes = [self._close_quietly(self.verifier, [s.id for s in seqs])]
         on_drafter = [s.id for s in seqs if s.on_drafter]
         if on_drafter and self.drafter is not None:

@@ -14,6 +14,7 @@ commands:
   drafter     run the drafter service
   verifier    run the verifier service
   gateway     run the gateway (OpenAI-compatible HTTP + gRPC)
+  bench       benchmark a running gateway (or any OpenAI-compatible server)
 
 `specd <command> --help` lists a command's options."""
 
@@ -30,6 +31,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from verifier_service.server import main as run
     elif command == "gateway":
         from gateway.server import main as run
+    elif command == "bench":
+        from specd.bench import main as run
     elif command == "up":
         run = up
     else:

@@ -48,7 +48,3 @@ def gateway_for(backends, model_dirs, log_dir) -> Iterator[Callable[..., st.Serv
     yield get
     for g in started.values():
         g.stop()
-
-
-def base_url(gateway: st.Service) -> str:
-    return f"http://{st.HOST}:{gateway.port}"

@@ -65,6 +65,10 @@ class Service:
                 self.proc.wait()
 
 
+def base_url(gateway: Service) -> str:
+    return f"http://{HOST}:{gateway.port}"
+
+
 def spawn(name: str, args: list[str], log_dir: Path, port: int) -> Service:
     log = log_dir / f"{name}-{port}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -10,7 +10,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from conftest import base_url
+from stack import base_url
 
 from specd.proto.speculative.v1 import (
     drafter_pb2,

@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 import torch
-from conftest import base_url
+from stack import base_url
 
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
