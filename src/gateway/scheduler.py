@@ -79,6 +79,7 @@ class _Sequence:
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     output: list[int] = field(default_factory=list)
     drafter_synced: int = 0  # committed tokens the drafter has been told about
+    wants_drafter: bool = False  # to be opened on the drafter once it has its first token
     on_drafter: bool = False  # open on the drafter (must be closed there)
     speculating: bool = False  # the drafter still drafts for it
     cancelled: bool = False
@@ -118,6 +119,10 @@ class Scheduler:
         if drafter is not None and drafter.info is not None:
             self.k_limit = min(self.k_limit, drafter.info.max_draft_tokens)
             self.drafter_context = min(self.max_context, drafter.info.max_context)
+        # A batch larger than a backend's sequence slots would only see refusals.
+        self.max_batch = min(self.max_batch, verifier.info.max_sequences)
+        if drafter is not None and drafter.info is not None:
+            self.max_batch = min(self.max_batch, drafter.info.max_sequences)
         self.waiting: deque[_Sequence] = deque()
         self.active: list[_Sequence] = []
         self._wakeup = asyncio.Event()
@@ -233,40 +238,21 @@ class Scheduler:
             batch.append(self.waiting.popleft())
         if not batch:
             return
-        specs = [
-            common_pb2.SequenceSpec(
-                sequence_id=s.id, prompt_token_ids=s.prompt, sampling=sampling_pb(s.params.sampling)
-            )
-            for s in batch
-        ]
-        use_drafter = self.drafter is not None and self.k_limit > 0
-        calls = [self.verifier.open(specs)]
-        if use_drafter:
-            assert self.drafter is not None
-            calls.append(self.drafter.open(specs))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        verifier_results = results[0]
-        if isinstance(verifier_results, BaseException):
+        # Only the verifier opens sequences here: they join the drafter after their
+        # first round (see _join_drafter), so the drafter's prefill never delays
+        # the first token, nor competes for the CPU with the verifier's prefill.
+        try:
+            results = await self.verifier.open([self._spec(s) for s in batch])
+        except Exception as exc:
             for s in batch:
-                self._fail(s, GenerationError(503, f"verifier unavailable: {verifier_results}", "service_unavailable"))
-            if use_drafter and not isinstance(results[1], BaseException):
-                await self._close_quietly(self.drafter, [s.id for s in batch])
+                self._fail(s, GenerationError(503, f"verifier unavailable: {exc}", "service_unavailable"))
             return
-        drafter_ok: set[str] = set()
-        if use_drafter:
-            if isinstance(results[1], BaseException):
-                log.warning("drafter open failed, running target-only: %s", results[1])
-            else:
-                drafter_ok = {r.sequence_id for r in results[1] if not r.error.code}
-        for s, r in zip(batch, verifier_results, strict=True):
+        for s, r in zip(batch, results, strict=True):
             if r.error.code:
-                self._fail(s, GenerationError(400, r.error.message))
-                if s.id in drafter_ok:
-                    await self._close_quietly(self.drafter, [s.id])
+                self._fail(s, open_error(r.error))
                 continue
-            s.on_drafter = s.speculating = s.id in drafter_ok
+            s.wants_drafter = self.drafter is not None and self.k_limit > 0
             self.metrics.prompt_tokens.inc(len(s.prompt))
-            s.drafter_synced = len(s.prompt)
             if s.cancelled:
                 s.done = True
                 await self._retire([s])
@@ -274,6 +260,32 @@ class Scheduler:
             self.active.append(s)
         self.metrics.running.set(len(self.active))
         self.metrics.waiting.set(len(self.waiting))
+
+    @staticmethod
+    def _spec(seq: _Sequence) -> common_pb2.SequenceSpec:
+        """The sequence as committed so far (prompt plus any output), for opening it on a service."""
+        return common_pb2.SequenceSpec(
+            sequence_id=seq.id, prompt_token_ids=seq.tokens, sampling=sampling_pb(seq.params.sampling)
+        )
+
+    async def _join_drafter(self, batch: list[_Sequence]) -> None:
+        """Open on the drafter the sequences that have their first token and want drafts."""
+        joining = [s for s in batch if s.wants_drafter and not s.on_drafter and s.output and not s.done]
+        if not joining or self.drafter is None:
+            return
+        for s in joining:
+            s.wants_drafter = False  # one attempt; on failure the sequence runs target-only
+        try:
+            results = await self.drafter.open([self._spec(s) for s in joining])
+        except Exception as exc:
+            log.warning("drafter open failed, %d sequences run target-only: %s", len(joining), exc)
+            return
+        for s, r in zip(joining, results, strict=True):
+            if r.error.code:
+                log.warning("drafter refused %s: %s; it runs target-only", s.id, r.error.message)
+                continue
+            s.on_drafter = s.speculating = True
+            s.drafter_synced = len(s.tokens)
 
     def _k_for(self, seq: _Sequence) -> int:
         if not seq.speculating:
@@ -284,6 +296,7 @@ class Scheduler:
     async def _round(self) -> RoundOutcome:
         round_id = next(self._round_ids)
         batch = list(self.active)
+        await self._join_drafter(batch)
         ks = {s.id: self._k_for(s) for s in batch}
         drafts: dict[str, drafter_pb2.DraftProposal] = {}
         to_draft = [s for s in batch if ks[s.id] > 0]
@@ -395,3 +408,12 @@ class Scheduler:
             await backend.close_sequences(ids)
         except Exception as exc:  # a backend that lost them already freed them
             log.debug("close on %s failed: %s", getattr(backend, "name", backend), exc)
+
+
+def open_error(error: common_pb2.SequenceError) -> GenerationError:
+    """The HTTP-level error for a sequence the verifier would not open."""
+    if error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT:
+        return GenerationError(400, error.message)
+    if error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED:
+        return GenerationError(503, f"the verifier is full: {error.message}", "service_unavailable")
+    return GenerationError(500, f"the verifier could not open the sequence: {error.message}", "internal_error")

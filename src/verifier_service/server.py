@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -49,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level)
     log.info("loading target %s on %s (%s)", config.model, config.device, config.dtype)
     runner = EngineRunner("verifier")
-    engine, info = runner.call(build_engine, config)
+    try:
+        engine, info = runner.call(build_engine, config)
+    except (models.ModelLoadError, ValueError) as exc:
+        log.error("cannot start the verifier: %s", exc)
+        sys.exit(2)
     servicer = VerifierServicer(engine, info, runner)
 
     def register(server):

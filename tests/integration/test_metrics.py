@@ -40,8 +40,9 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
 
-    # 21 tokens at k=4: four rounds of 4 accepted drafts + 1 bonus token, then one
-    # target-only round for the last token (drafting past max_tokens is wasted work).
+    # 21 tokens at k=4: a target-only first round (it only makes the first token),
+    # four rounds of 4 accepted drafts + 1 bonus token, then no drafts for the last
+    # token (drafting past max_tokens is wasted work).
     assert delta("specd_spec_decode_num_drafts_total") == 4
     assert delta("specd_spec_decode_num_draft_tokens_total") == 16
     assert delta("specd_spec_decode_num_accepted_tokens_total") == 16
