@@ -11,13 +11,13 @@ import grpc
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import STATUS, EngineRunner, sequence_error, spec_from_pb
+from specd.serving import EngineRunner, SequenceRpcs, sequence_error
 from specd.tasks import DraftProposal, DraftTask
 
 log = logging.getLogger(__name__)
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
+class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(self, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo, runner: EngineRunner) -> None:
         self.engine = engine
         self.info = info
@@ -33,21 +33,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServiceServicer):
         )
 
     async def OpenDraftSequences(self, request, context) -> drafter_pb2.OpenDraftSequencesResponse:
-        specs = [spec_from_pb(s) for s in request.sequences]
-        (errors, _), _ = await self.runner.run(self.engine.open, specs)
-        return drafter_pb2.OpenDraftSequencesResponse(
-            results=[
-                common_pb2.OpenResult(sequence_id=s.sequence_id, error=sequence_error(e))
-                for s, e in zip(specs, errors, strict=True)
-            ]
-        )
+        return drafter_pb2.OpenDraftSequencesResponse(results=await self.open_sequences(request.sequences))
 
     async def CloseDraftSequences(self, request, context) -> drafter_pb2.CloseDraftSequencesResponse:
-        try:
-            closed, _ = await self.runner.run(self.engine.close, list(request.sequence_ids))
-        except EngineError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
-        return drafter_pb2.CloseDraftSequencesResponse(closed=closed)
+        return drafter_pb2.CloseDraftSequencesResponse(closed=await self.close_sequences(request.sequence_ids, context))
 
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext

@@ -12,10 +12,13 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from specd.fingerprint import TokenizerFingerprint
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +156,21 @@ def display_name(spec: str) -> str:
     if spec == EMBEDDED:
         return EMBEDDED_NAME
     return Path(spec.rstrip("/")).name.removesuffix(".gguf")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: TokenizerFingerprint
+
+
+def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int = 0) -> LoadedModel:
+    """What a model service loads at startup: weights on their device, and the tokenizer's identity."""
+    device = parse_device(device_name)
+    dtype = parse_dtype(dtype_name)
+    if threads:
+        torch.set_num_threads(threads)
+    model = load_model(spec, device, dtype)
+    return LoadedModel(model, device, dtype, TokenizerFingerprint.of(load_tokenizer(spec)))

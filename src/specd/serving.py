@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
+from specd.models import ModelLoadError
 from specd.proto.speculative.v1 import common_pb2
 from specd.sampling import SamplingParams
 from specd.tasks import SequenceSpec, SparseDist
@@ -129,6 +131,54 @@ class EngineRunner:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class SequenceRpcs:
+    """Open/close handling shared by the drafter and verifier servicers."""
+
+    engine: Any
+    runner: EngineRunner
+
+    async def open_sequences(self, sequences: Iterable[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
+        specs = [spec_from_pb(s) for s in sequences]
+        (errors, _), _ = await self.runner.run(self.engine.open, specs)
+        return [
+            common_pb2.OpenResult(sequence_id=s.sequence_id, error=sequence_error(e))
+            for s, e in zip(specs, errors, strict=True)
+        ]
+
+    async def close_sequences(self, ids: Iterable[str], context: grpc.aio.ServicerContext) -> int:
+        try:
+            closed, _ = await self.runner.run(self.engine.close, list(ids))
+        except EngineError as exc:
+            await context.abort(STATUS[exc.kind], exc.message)
+        return closed
+
+
+def run_service(
+    name: str,
+    config: Any,
+    build: Callable[[Any], tuple[Any, common_pb2.ModelInfo]],
+    register: Callable[[grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner], Iterable[str]],
+) -> None:
+    """Load a service's engine on its engine thread, then serve until SIGTERM/SIGINT."""
+    setup_logging(config.log_level)
+    log.info("loading the %s: model %s on %s", name, config.model, config.device)
+    runner = EngineRunner(name)
+    try:
+        engine, info = runner.call(build, config)
+    except (ModelLoadError, ValueError) as exc:
+        log.error("cannot start the %s: %s", name, exc)
+        sys.exit(2)
+    asyncio.run(
+        serve(
+            name,
+            config.host,
+            config.port,
+            config.max_message_bytes,
+            lambda server: register(server, engine, info, runner),
+        )
+    )
 
 
 async def serve(

@@ -10,14 +10,14 @@ import grpc
 
 from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import STATUS, EngineRunner, dist_from_pb, sequence_error, spec_from_pb
+from specd.serving import EngineRunner, SequenceRpcs, dist_from_pb, sequence_error
 from specd.tasks import VerifyResult, VerifyTask
 from verifier_service.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
+class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, engine: VerifierEngine, info: common_pb2.ModelInfo, runner: EngineRunner) -> None:
         self.engine = engine
         self.info = info
@@ -29,21 +29,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         )
 
     async def OpenVerifySequences(self, request, context) -> verifier_pb2.OpenVerifySequencesResponse:
-        specs = [spec_from_pb(s) for s in request.sequences]
-        (errors, _), _ = await self.runner.run(self.engine.open, specs)
-        return verifier_pb2.OpenVerifySequencesResponse(
-            results=[
-                common_pb2.OpenResult(sequence_id=s.sequence_id, error=sequence_error(e))
-                for s, e in zip(specs, errors, strict=True)
-            ]
-        )
+        return verifier_pb2.OpenVerifySequencesResponse(results=await self.open_sequences(request.sequences))
 
     async def CloseVerifySequences(self, request, context) -> verifier_pb2.CloseVerifySequencesResponse:
-        try:
-            closed, _ = await self.runner.run(self.engine.close, list(request.sequence_ids))
-        except EngineError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
-        return verifier_pb2.CloseVerifySequencesResponse(closed=closed)
+        return verifier_pb2.CloseVerifySequencesResponse(
+            closed=await self.close_sequences(request.sequence_ids, context)
+        )
 
     async def Verify(
         self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest], context: grpc.aio.ServicerContext
