@@ -101,9 +101,11 @@ class ModelDrafter(_DrafterBase):
     def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
         proposals, live = self._accept_tasks(tasks)
         active = [(i, s, k) for i, s, k in live if k > 0]
+        timing = RoundTiming(batch_size=len(active))
+        start = time.time_ns()
         for _, state, _ in live:
             self._roll_back(state)
-        timing = RoundTiming(batch_size=len(active))
+        timing.phases.append(("rollback", start, time.time_ns()))
         forward_ns = 0
         # Step 0 feeds every committed token not yet cached (1 after a rejection,
         # 2 when all drafts were accepted, more after a target-only stretch);
@@ -113,10 +115,12 @@ class ModelDrafter(_DrafterBase):
         while active:
             rows = [Row(s.slot, len(s.cached), feed[i], len(feed[i]) - 1) for i, s, _ in active]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
-            start = time.perf_counter_ns()
+            start = time.time_ns()
             logits = torch.cat(self.lm.forward(rows))
             probs = probabilities(logits, [s.params for _, s, _ in active])
-            forward_ns += time.perf_counter_ns() - start
+            end = time.time_ns()
+            forward_ns += end - start
+            timing.phases.append(("step", start, end))
             still = []
             for row_i, (i, state, k) in enumerate(active):
                 state.cached.extend(feed[i])

@@ -14,6 +14,7 @@ from specd.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.quant import quantize_int8
 from specd.serving import EngineRunner, fingerprint_pb, run_service
+from specd.tracing import Tracing
 
 # The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
 NGRAM_VOCAB_LIMIT = 2**31 - 1
@@ -61,9 +62,13 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
 
 
 def register(
-    server: grpc.aio.Server, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo, runner: EngineRunner
+    server: grpc.aio.Server,
+    engine: ModelDrafter | NgramDrafter,
+    info: common_pb2.ModelInfo,
+    runner: EngineRunner,
+    tracing: Tracing,
 ) -> list[str]:
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(engine, info, runner), server)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(engine, info, runner, tracing), server)
     return [drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name]
 
 

@@ -11,18 +11,22 @@ import grpc
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, sequence_error
+from specd.serving import EngineRunner, SequenceRpcs, sequence_error, trace_round
 from specd.tasks import DraftProposal, DraftTask
+from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
 
 class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
-    def __init__(self, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo, runner: EngineRunner) -> None:
+    def __init__(
+        self, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo, runner: EngineRunner, tracing: Tracing
+    ) -> None:
         self.engine = engine
         self.info = info
         self.kind = common_pb2.DRAFTER_KIND_NGRAM if engine.kind == "ngram" else common_pb2.DRAFTER_KIND_MODEL
         self.runner = runner
+        self.tracing = tracing
 
     async def GetDrafterInfo(self, request, context) -> drafter_pb2.GetDrafterInfoResponse:
         return drafter_pb2.GetDrafterInfoResponse(
@@ -43,6 +47,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
         async for request in request_iterator:
             arrived = time.perf_counter_ns()
+            arrived_wall = time.time_ns()
             tasks = [
                 DraftTask(t.sequence_id, list(t.new_token_ids), t.num_committed, t.num_draft_tokens)
                 for t in request.tasks
@@ -55,6 +60,26 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                 error = EngineError(ErrorKind.INTERNAL, f"draft failed: {exc}")
                 proposals = [DraftProposal(t.sequence_id, error=error) for t in tasks]
                 queue_ns = forward_ns = 0
+                timing = None
+            if self.tracing.enabled:
+                trace_round(
+                    self.tracing,
+                    "drafter.draft",
+                    [t.trace_context for t in request.tasks],
+                    [
+                        {
+                            "specd.round_id": request.round_id,
+                            "specd.batch_size": len(tasks),
+                            "specd.k": t.num_draft_tokens,
+                            "specd.proposed": len(p.tokens),
+                            "specd.queue_ms": queue_ns / 1e6,
+                        }
+                        for t, p in zip(tasks, proposals, strict=True)
+                    ],
+                    arrived_wall,
+                    time.time_ns(),
+                    timing,
+                )
             yield drafter_pb2.DraftResponse(
                 round_id=request.round_id,
                 proposals=[

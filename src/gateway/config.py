@@ -24,6 +24,9 @@ class GatewayConfig:
     connect_timeout_s: float = field(300.0, "how long to wait for the backends at startup")
     max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
     log_level: str = field("INFO", "logging level")
+    log_stats_interval_s: float = field(10.0, "seconds between speculation summary log lines; 0 disables them")
+    otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
+    trace_file: str = field("", "append spans as JSON lines to this file")
 
     def validate(self) -> None:
         if self.num_speculative_tokens < 0:

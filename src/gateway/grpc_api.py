@@ -27,7 +27,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.tokenizer = tokenizer
         self.model_name = model_name
 
-    def _start(self, model: str, prompt: str, params: gateway_pb2.GenerationParams) -> _Sequence:
+    def _start(
+        self, model: str, prompt: str, params: gateway_pb2.GenerationParams, context: grpc.aio.ServicerContext
+    ) -> _Sequence:
         if model and model != self.model_name:
             raise GenerationError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
         sampling = SamplingParams(
@@ -47,14 +49,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             stop=tuple(params.stop),
             ignore_eos=params.ignore_eos,
         )
-        return self.scheduler.submit(self.tokenizer.encode(prompt), generation)
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
+        return self.scheduler.submit(self.tokenizer.encode(prompt), generation, metadata)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> None:
         await context.abort(HTTP_TO_GRPC.get(error.status, grpc.StatusCode.INTERNAL), error.message)
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         try:
-            seq = self._start(request.model, request.prompt, request.params)
+            seq = self._start(request.model, request.prompt, request.params, context)
         except GenerationError as exc:
             await self._abort(context, exc)
         text: list[str] = []
@@ -78,7 +81,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         try:
-            seq = self._start(request.model, request.prompt, request.params)
+            seq = self._start(request.model, request.prompt, request.params, context)
         except GenerationError as exc:
             await self._abort(context, exc)
         # Leaving this generator early (client cancelled) closes events(), which

@@ -8,12 +8,25 @@ is one sequence's proposal in one round, mean acceptance length is
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from gateway.scheduler import RoundTimes
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
 class GatewayMetrics:
     def __init__(self, max_positions: int) -> None:
+        self.max_positions = max_positions
+        # Plain totals beside the Prometheus counters, for the periodic log line.
+        self._totals: dict[str, float] = dict.fromkeys(
+            ["drafts", "draft_tokens", "accepted", "generated", *(f"pos{p}" for p in range(max_positions))], 0.0
+        )
         self.registry = CollectorRegistry()
         r = self.registry
         self.num_drafts = Counter("specd_spec_decode_num_drafts", "Sequence proposals verified", registry=r)
@@ -38,20 +51,79 @@ class GatewayMetrics:
         self.requests = Counter(
             "specd_request_success", "Finished requests by finish reason", ["finished_reason"], registry=r
         )
+        self.ttft = Histogram(
+            "specd_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "specd_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "specd_inter_token_latency_seconds",
+            "Time between consecutive emissions to a client (one per round; a round may emit several tokens)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=E2E_BUCKETS, registry=r
+        )
+        self.round_latency = Histogram(
+            "specd_round_latency_seconds",
+            "Round latency split into draft (drafter exchange), verify (verifier exchange) and overhead "
+            "(network, serialisation and gateway scheduling: the round minus both services' own time)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram("specd_round_batch_size", "Sequences per round", buckets=BATCH_BUCKETS, registry=r)
         self.running = Gauge("specd_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("specd_num_requests_waiting", "Requests waiting for a batch slot", registry=r)
 
-    def observe_round(self, proposals: Sequence[tuple[int, int]]) -> None:
-        """One round; `proposals` holds (draft tokens, accepted) per sequence that had a draft."""
+    def observe_round(self, proposals: Sequence[tuple[int, int]], batch_size: int, times: RoundTimes) -> None:
+        """One round; `proposals` holds (draft tokens, accepted) per sequence verified."""
         self.rounds.inc()
+        self.batch_size.observe(batch_size)
+        self.round_latency.labels(phase="draft").observe(times.draft_ns / 1e9)
+        self.round_latency.labels(phase="verify").observe(times.verify_ns / 1e9)
+        self.round_latency.labels(phase="overhead").observe(max(0, times.overhead_ns) / 1e9)
         for drafted, accepted in proposals:
             if drafted == 0:
                 continue
             self.num_drafts.inc()
             self.num_draft_tokens.inc(drafted)
             self.num_accepted_tokens.inc(accepted)
+            self._totals["drafts"] += 1
+            self._totals["draft_tokens"] += drafted
+            self._totals["accepted"] += accepted
             for pos in range(accepted):
                 self.accepted_per_pos.labels(position=str(pos)).inc()
+                self._totals[f"pos{pos}"] += 1
+
+    def observe_generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+        self._totals["generated"] += tokens
+
+    def snapshot(self) -> dict[str, float]:
+        """Counter totals for the periodic stats log line."""
+        return dict(self._totals)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def stats_line(before: dict[str, float], after: dict[str, float], seconds: float, positions: int) -> str | None:
+    """The engines' periodic speculation summary, from two snapshots; None when nothing was drafted."""
+    drafts = after["drafts"] - before["drafts"]
+    if drafts <= 0:
+        return None
+    drafted = after["draft_tokens"] - before["draft_tokens"]
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = ", ".join(f"{(after[f'pos{p}'] - before[f'pos{p}']) / drafts:.3f}" for p in range(positions))
+    return (
+        f"SpecDecoding metrics: mean acceptance length {1 + accepted / drafts:.2f}, "
+        f"accepted throughput {accepted / seconds:.1f} tokens/s, drafted throughput {drafted / seconds:.1f} tokens/s, "
+        f"accepted {int(accepted)}, drafted {int(drafted)}, per-position acceptance rate: {per_pos}, "
+        f"generation throughput {(after['generated'] - before['generated']) / seconds:.1f} tokens/s"
+    )

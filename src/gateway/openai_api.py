@@ -94,9 +94,11 @@ class OpenAIApi:
             )
         return None
 
-    def _submit(self, prompt: list[int], params: GenerationParams) -> _Sequence | JSONResponse:
+    def _submit(self, prompt: list[int], params: GenerationParams, request: Request) -> _Sequence | JSONResponse:
+        # A client's own W3C trace context makes the request span a child of its span.
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
         try:
-            return self.scheduler.submit(prompt, params)
+            return self.scheduler.submit(prompt, params, carrier)
         except GenerationError as exc:
             return error_response(exc.status, exc.message, exc.code)
 
@@ -112,7 +114,7 @@ class OpenAIApi:
             vocab = len(self.tokenizer)
             if any(not 0 <= t < vocab for t in prompt):
                 return error_response(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
-        seq = self._submit(prompt, body.generation_params())
+        seq = self._submit(prompt, body.generation_params(), request)
         if isinstance(seq, JSONResponse):
             return seq
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -148,7 +150,7 @@ class OpenAIApi:
             return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
         # The template already wrote the special tokens.
         prompt = self.tokenizer.encode(rendered, add_special_tokens=False)
-        seq = self._submit(prompt, body.generation_params())
+        seq = self._submit(prompt, body.generation_params(), request)
         if isinstance(seq, JSONResponse):
             return seq
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

@@ -15,16 +15,19 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
 from gateway.backends import BackendError, DrafterClient, VerifierClient
 from gateway.detokenize import TextStream
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, stats_line
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.sampling import SamplingParams
 from specd.serving import sampling_pb
+from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ class GenerationError(Exception):
         self.status = status
         self.message = message
         self.code = code
+
+
+CANCELLED = GenerationError(499, "the client closed the request", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,43 @@ class _Sequence:
     speculating: bool = False  # the drafter still drafts for it
     cancelled: bool = False
     done: bool = False
+    drafted: int = 0
+    accepted: int = 0
+    submitted_ns: int = field(default_factory=time.perf_counter_ns)
+    first_token_ns: int = 0
+    last_emit_ns: int = 0
+    span: Any = None  # the request's trace span, when traced
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """Where one round's time went, as the gateway saw it and as the services reported."""
+
+    round_ns: int
+    draft_ns: int
+    verify_ns: int
+    drafter_ns: int
+    verifier_ns: int
+    drafter_forward_ns: int
+    verifier_forward_ns: int
+
+    @property
+    def overhead_ns(self) -> int:
+        """Network, serialisation and gateway scheduling: the round minus the services' own time."""
+        return self.round_ns - self.drafter_ns - self.verifier_ns
+
+    def attributes(self, batch_size: int) -> dict[str, float | int]:
+        return {
+            "specd.batch_size": batch_size,
+            "specd.round_ms": self.round_ns / 1e6,
+            "specd.draft_ms": self.draft_ns / 1e6,
+            "specd.verify_ms": self.verify_ns / 1e6,
+            "specd.drafter_ms": self.drafter_ns / 1e6,
+            "specd.verifier_ms": self.verifier_ns / 1e6,
+            "specd.drafter_forward_ms": self.drafter_forward_ns / 1e6,
+            "specd.verifier_forward_ms": self.verifier_forward_ns / 1e6,
+            "specd.overhead_ms": self.overhead_ns / 1e6,
+        }
 
 
 @dataclass
@@ -105,6 +148,7 @@ class Scheduler:
         max_batch: int,
         eos_token_ids: Sequence[int],
         metrics: GatewayMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.verifier = verifier
@@ -128,13 +172,29 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._round_ids = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
         self.metrics = metrics or GatewayMetrics(self.k_limit)
+        self.tracing = tracing or Tracing("specd-gateway")
 
     # -- lifecycle ------------------------------------------------------
-    def start(self) -> None:
+    def start(self, stats_interval_s: float = 0.0) -> None:
         self._task = asyncio.create_task(self._run(), name="specd-scheduler")
+        if stats_interval_s > 0:
+            self._stats_task = asyncio.create_task(self._log_stats(stats_interval_s), name="specd-stats")
+
+    async def _log_stats(self, interval_s: float) -> None:
+        before = self.metrics.snapshot()
+        while True:
+            await asyncio.sleep(interval_s)
+            after = self.metrics.snapshot()
+            line = stats_line(before, after, interval_s, self.k_limit)
+            if line:
+                log.info("%s; running %d, waiting %d", line, len(self.active), len(self.waiting))
+            before = after
 
     async def stop(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -143,7 +203,9 @@ class Scheduler:
             self._fail(seq, GenerationError(503, "the gateway is shutting down", "service_unavailable"))
 
     # -- requests -------------------------------------------------------
-    def submit(self, prompt: list[int], params: GenerationParams) -> _Sequence:
+    def submit(
+        self, prompt: list[int], params: GenerationParams, trace_parent: Mapping[str, str] | None = None
+    ) -> _Sequence:
         """Validate and enqueue; raises GenerationError for requests that cannot fit."""
         if not prompt:
             raise GenerationError(400, "the prompt is empty")
@@ -170,6 +232,13 @@ class Scheduler:
             stream=TextStream(self.tokenizer, params.stop),
             tokens=list(prompt),
         )
+        if self.tracing.enabled:
+            seq.span = self.tracing.start(
+                "specd.request",
+                self.tracing.extract(trace_parent or {}),
+                attributes={"specd.prompt_tokens": len(prompt), "specd.max_tokens": max_tokens},
+                kind=SpanKind.SERVER,
+            )
         self.waiting.append(seq)
         self.metrics.waiting.set(len(self.waiting))
         self._wakeup.set()
@@ -226,10 +295,13 @@ class Scheduler:
 
     async def _drop_cancelled(self) -> None:
         if any(s.cancelled for s in self.waiting):
+            for s in self.waiting:
+                if s.cancelled:
+                    self._fail(s, CANCELLED)
             self.waiting = deque(s for s in self.waiting if not s.cancelled)
         gone = [s for s in self.active if s.cancelled]
         for s in gone:
-            s.done = True
+            self._fail(s, CANCELLED)
         await self._retire(gone)
 
     async def _admit(self) -> None:
@@ -254,7 +326,7 @@ class Scheduler:
             s.wants_drafter = self.drafter is not None and self.k_limit > 0
             self.metrics.prompt_tokens.inc(len(s.prompt))
             if s.cancelled:
-                s.done = True
+                self._fail(s, CANCELLED)
                 await self._retire([s])
                 continue
             self.active.append(s)
@@ -297,34 +369,35 @@ class Scheduler:
         round_id = next(self._round_ids)
         batch = list(self.active)
         await self._join_drafter(batch)
+        started = time.perf_counter_ns()
+        # One round span per request, under that request's span: a trace viewer
+        # shows one request's trace at a time, and each then holds all of its
+        # rounds and the services' work in them. The batch a round served is in
+        # the specd.round_id / specd.batch_size attributes, shared by its spans.
+        spans = self._start_round_spans(round_id, batch) if self.tracing.enabled else {}
+        contexts = {sid: self.tracing.inject(span) for sid, span in spans.items()}
         ks = {s.id: self._k_for(s) for s in batch}
         drafts: dict[str, drafter_pb2.DraftProposal] = {}
         to_draft = [s for s in batch if ks[s.id] > 0]
+        draft_ns = drafter_ns = drafter_forward_ns = 0
         if to_draft and self.drafter is not None:
-            request = drafter_pb2.DraftRequest(
-                round_id=round_id,
-                tasks=[
-                    drafter_pb2.DraftTask(
-                        sequence_id=s.id,
-                        new_token_ids=s.tokens[s.drafter_synced :],
-                        num_committed=len(s.tokens),
-                        num_draft_tokens=ks[s.id],
-                    )
-                    for s in to_draft
-                ],
-            )
-            t_draft = time.perf_counter_ns()
+            request = drafter_pb2.DraftRequest(round_id=round_id)
+            for s in to_draft:
+                task = request.tasks.add(
+                    sequence_id=s.id,
+                    new_token_ids=s.tokens[s.drafter_synced :],
+                    num_committed=len(s.tokens),
+                    num_draft_tokens=ks[s.id],
+                )
+                if s.id in contexts:
+                    task.trace_context.update(contexts[s.id])
             try:
                 reply = await self.drafter.draft(request)
-                log.debug(
-                    "draft wall %.1fms service %.1fms",
-                    (time.perf_counter_ns() - t_draft) / 1e6,
-                    reply.timings.total_ns / 1e6,
-                )
             except BackendError as exc:
                 # Speculation is an optimisation: without drafts the round still makes progress.
                 log.warning("drafting skipped this round: %s", exc)
             else:
+                drafter_ns, drafter_forward_ns = reply.timings.total_ns, reply.timings.forward_ns
                 for s, proposal in zip(to_draft, reply.proposals, strict=True):
                     if proposal.error.code:
                         log.warning("drafter refused %s: %s; continuing target-only", s.id, proposal.error.message)
@@ -332,6 +405,7 @@ class Scheduler:
                         continue
                     s.drafter_synced = len(s.tokens)
                     drafts[s.id] = proposal
+            draft_ns = time.perf_counter_ns() - started
         request = verifier_pb2.VerifyRequest(round_id=round_id)
         for s in batch:
             proposal = drafts.get(s.id)
@@ -339,23 +413,53 @@ class Scheduler:
             if proposal is not None:
                 task.draft_token_ids.extend(proposal.token_ids[: ks[s.id]])
                 task.draft_distributions.extend(proposal.distributions[: ks[s.id]])
-        t_verify = time.perf_counter_ns()
-        reply = await self.verifier.verify(request)
-        log.debug(
-            "verify wall %.1fms service %.1fms", (time.perf_counter_ns() - t_verify) / 1e6, reply.timings.total_ns / 1e6
+            if s.id in contexts:
+                task.trace_context.update(contexts[s.id])
+        verify_started = time.perf_counter_ns()
+        try:
+            reply = await self.verifier.verify(request)
+        except BaseException:
+            for span in spans.values():
+                span.end()
+            raise
+        now = time.perf_counter_ns()
+        timing = RoundTimes(
+            round_ns=now - started,
+            draft_ns=draft_ns,
+            verify_ns=now - verify_started,
+            drafter_ns=drafter_ns,
+            verifier_ns=reply.timings.total_ns,
+            drafter_forward_ns=drafter_forward_ns,
+            verifier_forward_ns=reply.timings.forward_ns,
         )
         proposals: list[tuple[int, int]] = []
         for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
+            k = len(task.draft_token_ids)
             if result.error.code:
                 self._fail(
                     s, GenerationError(500, f"verifier refused the round: {result.error.message}", "internal_error")
                 )
-                continue
-            proposals.append((len(task.draft_token_ids), result.num_accepted))
-            self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
-        self.metrics.observe_round(proposals)
+            else:
+                proposals.append((k, result.num_accepted))
+                s.drafted += k
+                s.accepted += result.num_accepted
+                self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
+            if s.id in spans:
+                span = spans[s.id]
+                span.set_attributes(
+                    {"specd.k": k, "specd.accepted": result.num_accepted, **timing.attributes(len(batch))}
+                )
+                span.end()
+        self.metrics.observe_round(proposals, len(batch), timing)
         await self._retire([s for s in batch if s.done])
         return RoundOutcome(len(batch), sum(p[0] for p in proposals), sum(p[1] for p in proposals))
+
+    def _start_round_spans(self, round_id: int, batch: list[_Sequence]) -> dict[str, Any]:
+        spans = {}
+        for s in batch:
+            if s.span is not None:
+                spans[s.id] = self.tracing.start("specd.round", s.span, attributes={"specd.round_id": round_id})
+        return spans
 
     def _commit(self, seq: _Sequence, new_tokens: list[int]) -> None:
         """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
@@ -375,18 +479,54 @@ class Scheduler:
             if len(seq.output) >= seq.max_tokens:
                 reason = "length"
                 break
-        self.metrics.generation_tokens.inc(len(emitted))
+        now = time.perf_counter_ns()
+        if seq.first_token_ns == 0:
+            seq.first_token_ns = now
+            self.metrics.ttft.observe((now - seq.submitted_ns) / 1e9)
+        else:
+            self.metrics.itl.observe((now - seq.last_emit_ns) / 1e9)
+        seq.last_emit_ns = now
+        self.metrics.observe_generated(len(emitted))
         text = seq.stream.take(final=reason is not None)
         if (text or emitted) and not seq.cancelled:
             seq.events.put_nowait(Delta(text, emitted))
         if reason is not None:
             seq.done = True
-            self.metrics.requests.labels(finished_reason=reason).inc()
+            self._observe_finish(seq, reason)
             seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
+
+    def _observe_finish(self, seq: _Sequence, reason: str) -> None:
+        now = time.perf_counter_ns()
+        ttft_s = (seq.first_token_ns - seq.submitted_ns) / 1e9
+        tpot_s = (now - seq.first_token_ns) / 1e9 / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
+        self.metrics.requests.labels(finished_reason=reason).inc()
+        self.metrics.e2e.observe((now - seq.submitted_ns) / 1e9)
+        if len(seq.output) > 1:
+            self.metrics.tpot.observe(tpot_s)
+        if seq.span is not None:
+            seq.span.set_attributes(
+                {
+                    "specd.prompt_tokens": len(seq.prompt),
+                    "specd.completion_tokens": len(seq.output),
+                    "specd.ttft_ms": ttft_s * 1e3,
+                    "specd.tpot_ms": tpot_s * 1e3,
+                    "specd.acceptance_rate": seq.accepted / seq.drafted if seq.drafted else 0.0,
+                    "specd.draft_tokens": seq.drafted,
+                    "specd.accepted_tokens": seq.accepted,
+                    "specd.finish_reason": reason,
+                }
+            )
+            seq.span.end()
+            seq.span = None
 
     def _fail(self, seq: _Sequence, error: GenerationError) -> None:
         if not seq.done:
             seq.done = True
+            if seq.span is not None:
+                seq.span.set_status(Status(StatusCode.ERROR, error.message))
+                seq.span.set_attribute("specd.finish_reason", "error" if not seq.cancelled else "cancelled")
+                seq.span.end()
+                seq.span = None
             seq.events.put_nowait(Failed(error))
 
     async def _retire(self, seqs: list[_Sequence]) -> None:

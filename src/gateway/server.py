@@ -24,6 +24,7 @@ from specd import models
 from specd.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specd.serving import channel_options, setup_logging
+from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,11 @@ async def run(config: GatewayConfig) -> None:
         await backend.load_info()
     check_compatible(TokenizerFingerprint.of(tokenizer), verifier, drafter)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    scheduler = Scheduler(tokenizer, verifier, drafter, config.num_speculative_tokens, config.max_batch, eos)
-    scheduler.start()
+    tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
+    scheduler = Scheduler(
+        tokenizer, verifier, drafter, config.num_speculative_tokens, config.max_batch, eos, tracing=tracing
+    )
+    scheduler.start(config.log_stats_interval_s)
 
     async def health_status() -> dict[str, Any]:
         verifier_ok = await verifier.healthy()
@@ -102,6 +106,7 @@ async def run(config: GatewayConfig) -> None:
             await grpc_server.stop(2)
         for backend in backends:
             await backend.close()
+        tracing.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

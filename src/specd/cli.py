@@ -15,6 +15,7 @@ commands:
   verifier    run the verifier service
   gateway     run the gateway (OpenAI-compatible HTTP + gRPC)
   bench       benchmark a running gateway (or any OpenAI-compatible server)
+  traces      summarise a --trace-file (or OTLP JSON) per service and round phase
 
 `specd <command> --help` lists a command's options."""
 
@@ -33,6 +34,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from gateway.server import main as run
     elif command == "bench":
         from specd.bench import main as run
+    elif command == "traces":
+        from specd.traces import main as run
     elif command == "up":
         run = up
     else:
@@ -62,6 +65,8 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
+    p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
     return p
 
@@ -71,7 +76,8 @@ def up(argv: Sequence[str]) -> None:
 
     args = _up_parser().parse_args(argv)
     draft_model = args.draft_model or args.target_model
-    common = ["--host", args.host, "--max-context", str(args.max_context)]
+    tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
+    common = ["--host", args.host, "--max-context", str(args.max_context), *tracing]
     children = {
         "verifier": [
             "verifier",
@@ -103,6 +109,7 @@ def up(argv: Sequence[str]) -> None:
         "--tokenizer", args.target_model,
         "--num-speculative-tokens", str(args.num_speculative_tokens),
         "--max-batch", str(args.max_batch),
+        *tracing,
     ]  # fmt: skip
     health = {
         "verifier": f"{args.host}:{args.verifier_port}",

@@ -9,19 +9,21 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind
 
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
 from specd.models import ModelLoadError
 from specd.proto.speculative.v1 import common_pb2
 from specd.sampling import SamplingParams
-from specd.tasks import SequenceSpec, SparseDist
+from specd.tasks import RoundTiming, SequenceSpec, SparseDist
+from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -155,14 +157,46 @@ class SequenceRpcs:
         return closed
 
 
+def trace_round(
+    tracing: Tracing,
+    name: str,
+    contexts: Sequence[Mapping[str, str]],
+    attributes: Sequence[Mapping[str, Any]],
+    start_ns: int,
+    end_ns: int,
+    timing: RoundTiming | None,
+) -> None:
+    """Record this service's share of a round in each traced sequence's trace.
+
+    One span per traced sequence (`<service>.<verb>`, under the gateway's round
+    span for that sequence) with the batch's phases as children: the forward
+    pass is shared, but each request's trace then shows where its round went.
+    """
+    service = name.split(".")[0]
+    for carrier, attrs in zip(contexts, attributes, strict=True):
+        parent = tracing.extract(carrier)
+        if parent is None:
+            continue
+        span = tracing.start(name, parent, start_ns, attrs, kind=SpanKind.SERVER)
+        steps = 0
+        for phase, a, b in timing.phases if timing is not None else ():
+            extra = {}
+            if phase == "step":
+                extra = {"specd.step": steps}
+                steps += 1
+            tracing.record(f"{service}.{phase}", span, a, b, extra)
+        span.end(end_time=end_ns)
+
+
 def run_service(
     name: str,
     config: Any,
     build: Callable[[Any], tuple[Any, common_pb2.ModelInfo]],
-    register: Callable[[grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner], Iterable[str]],
+    register: Callable[[grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner, Tracing], Iterable[str]],
 ) -> None:
     """Load a service's engine on its engine thread, then serve until SIGTERM/SIGINT."""
     setup_logging(config.log_level)
+    tracing = Tracing(f"specd-{name}", config.otlp_endpoint, config.trace_file)
     log.info("loading the %s: model %s on %s", name, config.model, config.device)
     runner = EngineRunner(name)
     try:
@@ -176,9 +210,10 @@ def run_service(
             config.host,
             config.port,
             config.max_message_bytes,
-            lambda server: register(server, engine, info, runner),
+            lambda server: register(server, engine, info, runner, tracing),
         )
     )
+    tracing.shutdown()
 
 
 async def serve(

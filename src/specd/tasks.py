@@ -60,3 +60,5 @@ class RoundTiming:
     forward_ns: int = 0
     batch_size: int = 0
     tokens_fed: int = 0
+    # (phase, start, end) in wall-clock ns, for the services' trace spans.
+    phases: list[tuple[str, int, int]] = field(default_factory=list)

@@ -23,6 +23,8 @@ class VerifierConfig:
     max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
     threads: int = field(0, "torch intra-op threads; 0 keeps torch's default")
     log_level: str = field("INFO", "logging level")
+    otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
+    trace_file: str = field("", "append spans as JSON lines to this file")
 
     def validate(self) -> None:
         if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:

@@ -91,9 +91,11 @@ class VerifierEngine:
         timing = RoundTiming(batch_size=len(rows), tokens_fed=sum(len(r.tokens) for r in rows))
         if not rows:
             return results, timing
-        start = time.perf_counter_ns()
+        start = time.time_ns()
         logits = self.lm.forward(rows)
-        timing.forward_ns = time.perf_counter_ns() - start
+        end = time.time_ns()
+        timing.forward_ns = end - start
+        timing.phases.append(("forward", start, end))
         params = [state.params for _, state, task, _ in live for _ in range(len(task.draft_tokens) + 1)]
         probs = probabilities(torch.cat(logits), params)
         offset = 0
@@ -112,6 +114,7 @@ class VerifierEngine:
             state.committed.append(verdict.next_token)
             results[i].num_accepted = verdict.num_accepted
             results[i].next_token = verdict.next_token
+        timing.phases.append(("rejection_sampling", end, time.time_ns()))
         return results, timing
 
     def kv_bytes(self) -> int:

@@ -10,18 +10,22 @@ import grpc
 
 from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, dist_from_pb, sequence_error
+from specd.serving import EngineRunner, SequenceRpcs, dist_from_pb, sequence_error, trace_round
 from specd.tasks import VerifyResult, VerifyTask
+from specd.tracing import Tracing
 from verifier_service.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
 
 
 class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
-    def __init__(self, engine: VerifierEngine, info: common_pb2.ModelInfo, runner: EngineRunner) -> None:
+    def __init__(
+        self, engine: VerifierEngine, info: common_pb2.ModelInfo, runner: EngineRunner, tracing: Tracing
+    ) -> None:
         self.engine = engine
         self.info = info
         self.runner = runner
+        self.tracing = tracing
 
     async def GetVerifierInfo(self, request, context) -> verifier_pb2.GetVerifierInfoResponse:
         return verifier_pb2.GetVerifierInfoResponse(
@@ -41,6 +45,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
     ) -> AsyncIterator[verifier_pb2.VerifyResponse]:
         async for request in request_iterator:
             arrived = time.perf_counter_ns()
+            arrived_wall = time.time_ns()
             tasks = [
                 VerifyTask(
                     t.sequence_id,
@@ -58,6 +63,26 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                 error = EngineError(ErrorKind.INTERNAL, f"verify failed: {exc}")
                 results = [VerifyResult(t.sequence_id, error=error) for t in tasks]
                 queue_ns = forward_ns = 0
+                timing = None
+            if self.tracing.enabled:
+                trace_round(
+                    self.tracing,
+                    "verifier.verify",
+                    [t.trace_context for t in request.tasks],
+                    [
+                        {
+                            "specd.round_id": request.round_id,
+                            "specd.batch_size": len(tasks),
+                            "specd.k": len(t.draft_tokens),
+                            "specd.accepted": r.num_accepted,
+                            "specd.queue_ms": queue_ns / 1e6,
+                        }
+                        for t, r in zip(tasks, results, strict=True)
+                    ],
+                    arrived_wall,
+                    time.time_ns(),
+                    timing,
+                )
             yield verifier_pb2.VerifyResponse(
                 round_id=request.round_id,
                 results=[

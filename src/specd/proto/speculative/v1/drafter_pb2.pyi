@@ -48,19 +48,7 @@ class CloseDraftSequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens")
-    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    sequence_id: str
-    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_committed: int
-    num_draft_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
-
-class DraftRequest(_message.Message):
-    __slots__ = ("round_id", "tasks", "trace_context")
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,13 +56,25 @@ class DraftRequest(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_committed: int
+    num_draft_tokens: int
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("round_id", "tasks")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     tasks: _containers.RepeatedCompositeFieldContainer[DraftTask]
-    trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("sequence_id", "token_ids", "distributions", "error")

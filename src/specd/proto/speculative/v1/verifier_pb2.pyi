@@ -46,19 +46,7 @@ class CloseVerifySequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class VerifyTask(_message.Message):
-    __slots__ = ("sequence_id", "num_committed", "draft_token_ids", "draft_distributions")
-    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
-    sequence_id: str
-    num_committed: int
-    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
-    def __init__(self, sequence_id: _Optional[str] = ..., num_committed: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
-
-class VerifyRequest(_message.Message):
-    __slots__ = ("round_id", "tasks", "trace_context")
+    __slots__ = ("sequence_id", "num_committed", "draft_token_ids", "draft_distributions", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,13 +54,25 @@ class VerifyRequest(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    num_committed: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, sequence_id: _Optional[str] = ..., num_committed: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("round_id", "tasks")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
-    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     tasks: _containers.RepeatedCompositeFieldContainer[VerifyTask]
-    trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error")

@@ -1,0 +1,143 @@
+"""OpenTelemetry tracing shared by the three services.
+
+Configured the standard way (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
+OTEL_TRACES_SAMPLER[_ARG], read by the SDK) plus `--otlp-endpoint` and
+`--trace-file` (spans as JSON lines, for machines without a collector). With
+neither, `Tracing.enabled` is False and callers create no spans at all, so
+tracing off costs nothing.
+
+Round messages carry each sequence's trace context themselves (W3C
+traceparent): the gRPC streams live for many rounds, so stream-level
+propagation would tie every round to whichever request opened the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.trace import Link, Span, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends one JSON object per span to a file.
+
+    Each span is one write() on an O_APPEND descriptor, so the three services
+    of `specd up --trace-file` can share one file without interleaving lines.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans)
+        with self._lock:
+            for line in lines.splitlines(keepends=True):
+                os.write(self._fd, line.encode())
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            os.close(self._fd)
+
+
+def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
+        "name": span.name,
+        "service": span.resource.attributes.get(SERVICE_NAME, ""),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
+        "links": [
+            {
+                "trace_id": f"{link.context.trace_id:032x}",
+                "span_id": f"{link.context.span_id:016x}",
+                "attributes": dict(link.attributes or {}),
+            }
+            for link in span.links
+        ],
+        "status": span.status.status_code.name,
+    }
+
+
+class Tracing:
+    """A service's tracer, or a disabled stand-in when no exporter is configured."""
+
+    def __init__(self, service_name: str, otlp_endpoint: str = "", trace_file: str = "") -> None:
+        endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        self.enabled = bool(endpoint or trace_file)
+        self._provider: TracerProvider | None = None
+        if not self.enabled:
+            self.tracer = trace.NoOpTracer()
+            return
+        name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+        # The sampler comes from OTEL_TRACES_SAMPLER[_ARG] (default: parent-based always-on).
+        provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+        if trace_file:
+            provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(trace_file)))
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        self._provider = provider
+        self.tracer = provider.get_tracer("specd")
+
+    def start(
+        self,
+        name: str,
+        parent: Span | Context | None = None,
+        start_ns: int | None = None,
+        attributes: Mapping[str, Any] | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        links: Sequence[Link] = (),
+    ) -> Span:
+        context = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
+        return self.tracer.start_span(
+            name, context=context, kind=kind, attributes=attributes, start_time=start_ns, links=links
+        )
+
+    def record(
+        self,
+        name: str,
+        parent: Span | Context | None,
+        start_ns: int,
+        end_ns: int,
+        attributes: Mapping[str, Any] | None = None,
+    ) -> Span:
+        """A span for work already done (engines time their phases; spans are made afterwards)."""
+        span = self.start(name, parent, start_ns, attributes)
+        span.end(end_time=end_ns)
+        return span
+
+    @staticmethod
+    def inject(span: Span) -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier
+
+    @staticmethod
+    def extract(carrier: Mapping[str, str]) -> Context | None:
+        if not carrier:
+            return None
+        return _PROPAGATOR.extract(dict(carrier))
+
+    def shutdown(self) -> None:
+        if self._provider is not None:
+            self._provider.shutdown()
