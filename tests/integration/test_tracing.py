@@ -102,3 +102,32 @@ def test_concurrent_requests_share_rounds_but_keep_their_own_traces(traced):
     for s in spans:
         if s["name"] in ("verifier.verify", "drafter.draft"):
             assert s["trace_id"] in requests
+
+
+def test_specd_traces_summarises_the_recorded_file(traced):
+    import subprocess
+    import sys
+
+    spans, trace_file = traced
+    out = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "traces", str(trace_file), "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    summary = json.loads(out.stdout)
+    rounds = [s for s in spans if s["name"] == "specd.round"]
+    assert summary["rounds"]["count"] == len({r["attributes"]["specd.round_id"] for r in rounds})
+    assert summary["requests"]["count"] == 9
+    speculative = [r["attributes"] for r in rounds if r["attributes"]["specd.k"] > 0]
+    expected_rate = sum(a["specd.accepted"] for a in speculative) / sum(a["specd.k"] for a in speculative)
+    assert summary["acceptance"]["rate"] == pytest.approx(expected_rate)
+    request_traces = {s["trace_id"] for s in spans if s["name"] == "specd.request"}
+    assert summary["slowest_rounds"]
+    for slow in summary["slowest_rounds"]:
+        assert set(slow["trace_ids"]) <= request_traces
+    text = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "traces", str(trace_file)], capture_output=True, text=True, check=True
+    ).stdout
+    for expected in ("specd-gateway", "specd-drafter", "specd-verifier", "verifier.forward", "overhead"):
+        assert expected in text
