@@ -13,7 +13,7 @@ from specd import models
 from specd.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.quant import quantize_int8
-from specd.serving import EngineRunner, fingerprint_pb, run_service
+from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
 from specd.tracing import Tracing
 
 # The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
@@ -67,8 +67,11 @@ def register(
     info: common_pb2.ModelInfo,
     runner: EngineRunner,
     tracing: Tracing,
+    metrics: ServiceMetrics,
 ) -> list[str]:
-    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(DrafterServicer(engine, info, runner, tracing), server)
+    drafter_pb2_grpc.add_DrafterServiceServicer_to_server(
+        DrafterServicer(engine, info, runner, tracing, metrics), server
+    )
     return [drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name]
 
 

@@ -11,7 +11,7 @@ import grpc
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, sequence_error, trace_round
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, sequence_error, trace_round
 from specd.tasks import DraftProposal, DraftTask
 from specd.tracing import Tracing
 
@@ -20,13 +20,19 @@ log = logging.getLogger(__name__)
 
 class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(
-        self, engine: ModelDrafter | NgramDrafter, info: common_pb2.ModelInfo, runner: EngineRunner, tracing: Tracing
+        self,
+        engine: ModelDrafter | NgramDrafter,
+        info: common_pb2.ModelInfo,
+        runner: EngineRunner,
+        tracing: Tracing,
+        metrics: ServiceMetrics,
     ) -> None:
         self.engine = engine
         self.info = info
         self.kind = common_pb2.DRAFTER_KIND_NGRAM if engine.kind == "ngram" else common_pb2.DRAFTER_KIND_MODEL
         self.runner = runner
         self.tracing = tracing
+        self.metrics = metrics
 
     async def GetDrafterInfo(self, request, context) -> drafter_pb2.GetDrafterInfoResponse:
         return drafter_pb2.GetDrafterInfoResponse(
@@ -61,6 +67,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                 proposals = [DraftProposal(t.sequence_id, error=error) for t in tasks]
                 queue_ns = forward_ns = 0
                 timing = None
+            self.metrics.observe(timing)
             if self.tracing.enabled:
                 trace_round(
                     self.tracing,

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
@@ -157,6 +158,40 @@ class SequenceRpcs:
         return closed
 
 
+class ServiceMetrics:
+    """A drafter's or verifier's own Prometheus metrics, served on --metrics-port."""
+
+    def __init__(self, service: str, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.rounds = Counter(f"specd_{service}_rounds", "Batched rounds served", registry=r)
+        self.forward = Histogram(
+            f"specd_{service}_forward_seconds",
+            "Time in model forward passes per round",
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0),
+            registry=r,
+        )
+        self.batch = Histogram(
+            f"specd_{service}_batch_size", "Sequences per round", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.tokens_fed = Counter(f"specd_{service}_tokens_fed", "Tokens fed through the model in rounds", registry=r)
+        Gauge(f"specd_{service}_open_sequences", "Sequences open", registry=r).set_function(lambda: len(engine.table))
+        Gauge(f"specd_{service}_kv_cache_bytes", "Bytes allocated for the KV cache", registry=r).set_function(
+            engine.kv_bytes
+        )
+
+    def observe(self, timing: RoundTiming | None) -> None:
+        if timing is None:
+            return
+        self.rounds.inc()
+        self.forward.observe(timing.forward_ns / 1e9)
+        self.batch.observe(timing.batch_size)
+        self.tokens_fed.inc(timing.tokens_fed)
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+
 def trace_round(
     tracing: Tracing,
     name: str,
@@ -192,7 +227,9 @@ def run_service(
     name: str,
     config: Any,
     build: Callable[[Any], tuple[Any, common_pb2.ModelInfo]],
-    register: Callable[[grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner, Tracing], Iterable[str]],
+    register: Callable[
+        [grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner, Tracing, ServiceMetrics], Iterable[str]
+    ],
 ) -> None:
     """Load a service's engine on its engine thread, then serve until SIGTERM/SIGINT."""
     setup_logging(config.log_level)
@@ -204,13 +241,16 @@ def run_service(
     except (ModelLoadError, ValueError) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
+    metrics = ServiceMetrics(name, engine)
+    if config.metrics_port:
+        metrics.serve(config.host, config.metrics_port)
     asyncio.run(
         serve(
             name,
             config.host,
             config.port,
             config.max_message_bytes,
-            lambda server: register(server, engine, info, runner, tracing),
+            lambda server: register(server, engine, info, runner, tracing, metrics),
         )
     )
     tracing.shutdown()

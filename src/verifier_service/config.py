@@ -25,6 +25,7 @@ class VerifierConfig:
     log_level: str = field("INFO", "logging level")
     otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
     trace_file: str = field("", "append spans as JSON lines to this file")
+    metrics_port: int = field(0, "serve Prometheus metrics over HTTP on this port; 0 disables")
 
     def validate(self) -> None:
         if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:

@@ -9,7 +9,7 @@ import grpc
 from specd import models
 from specd.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, fingerprint_pb, run_service
+from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
 from specd.tracing import Tracing
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
@@ -35,9 +35,16 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
 
 
 def register(
-    server: grpc.aio.Server, engine: VerifierEngine, info: common_pb2.ModelInfo, runner: EngineRunner, tracing: Tracing
+    server: grpc.aio.Server,
+    engine: VerifierEngine,
+    info: common_pb2.ModelInfo,
+    runner: EngineRunner,
+    tracing: Tracing,
+    metrics: ServiceMetrics,
 ) -> list[str]:
-    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(VerifierServicer(engine, info, runner, tracing), server)
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(
+        VerifierServicer(engine, info, runner, tracing, metrics), server
+    )
     return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
 
 

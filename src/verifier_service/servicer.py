@@ -10,7 +10,7 @@ import grpc
 
 from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, dist_from_pb, sequence_error, trace_round
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, sequence_error, trace_round
 from specd.tasks import VerifyResult, VerifyTask
 from specd.tracing import Tracing
 from verifier_service.engine import VerifierEngine
@@ -20,12 +20,18 @@ log = logging.getLogger(__name__)
 
 class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(
-        self, engine: VerifierEngine, info: common_pb2.ModelInfo, runner: EngineRunner, tracing: Tracing
+        self,
+        engine: VerifierEngine,
+        info: common_pb2.ModelInfo,
+        runner: EngineRunner,
+        tracing: Tracing,
+        metrics: ServiceMetrics,
     ) -> None:
         self.engine = engine
         self.info = info
         self.runner = runner
         self.tracing = tracing
+        self.metrics = metrics
 
     async def GetVerifierInfo(self, request, context) -> verifier_pb2.GetVerifierInfoResponse:
         return verifier_pb2.GetVerifierInfoResponse(
@@ -64,6 +70,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                 results = [VerifyResult(t.sequence_id, error=error) for t in tasks]
                 queue_ns = forward_ns = 0
                 timing = None
+            self.metrics.observe(timing)
             if self.tracing.enabled:
                 trace_round(
                     self.tracing,

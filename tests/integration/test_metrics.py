@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import stack as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -9,7 +11,10 @@ from stack import base_url
 
 
 def scrape(gateway) -> dict[str, float]:
-    text = httpx.get(base_url(gateway) + "/metrics").text
+    return parse(httpx.get(base_url(gateway) + "/metrics").text)
+
+
+def parse(text: str) -> dict[str, float]:
     return {
         s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
         for family in text_string_to_metric_families(text)
@@ -19,9 +24,17 @@ def scrape(gateway) -> dict[str, float]:
 
 def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs, log_dir):
     verifier, _ = backends
+    metrics_port = st.free_port()
     drafter = st.start_backend(
-        "drafter", ["--model", str(model_dirs["target"]), "--dtype", "float32", "--quantize", "none"], log_dir
-    )
+        "drafter",
+        [
+            "--model", str(model_dirs["target"]),
+            "--dtype", "float32",
+            "--quantize", "none",
+            "--metrics-port", str(metrics_port),
+        ],
+        log_dir,
+    )  # fmt: skip
     try:
         gateway = st.start_gateway(
             verifier, drafter, ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4"], log_dir
@@ -32,6 +45,13 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
             r = httpx.post(base_url(gateway) + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200
             after = scrape(gateway)
+            # Sequences are closed on the services right after the reply: allow that a moment.
+            deadline = time.monotonic() + 10
+            while True:
+                drafter_metrics = parse(httpx.get(f"http://{st.HOST}:{metrics_port}/metrics").text)
+                if drafter_metrics["specd_drafter_open_sequences"] == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
         finally:
             gateway.stop()
     finally:
@@ -51,3 +71,8 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
     assert delta("specd_rounds_total") == 5
     assert delta("specd_generation_tokens_total") == 21
     assert delta("specd_request_success_total{finished_reason=length}") == 1
+    # The drafter's own metrics: four draft rounds, nothing left open, a KV cache allocated.
+    assert drafter_metrics["specd_drafter_rounds_total"] == 4
+    assert drafter_metrics["specd_drafter_open_sequences"] == 0
+    assert drafter_metrics["specd_drafter_kv_cache_bytes"] > 0
+    assert drafter_metrics["specd_drafter_forward_seconds_count"] == 4
