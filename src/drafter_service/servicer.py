@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, sequence_error, trace_round
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, sequence_error
 from specd.tasks import DraftProposal, DraftTask
 from specd.tracing import Tracing
 
@@ -52,41 +50,19 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
         async for request in request_iterator:
-            arrived = time.perf_counter_ns()
-            arrived_wall = time.time_ns()
             tasks = [
                 DraftTask(t.sequence_id, list(t.new_token_ids), t.num_committed, t.num_draft_tokens)
                 for t in request.tasks
             ]
-            try:
-                (proposals, timing), queue_ns = await self.runner.run(self.engine.draft, tasks)
-                forward_ns = timing.forward_ns
-            except Exception as exc:  # one bad round must not end the stream for every sequence
-                log.exception("draft round %d failed", request.round_id)
-                error = EngineError(ErrorKind.INTERNAL, f"draft failed: {exc}")
-                proposals = [DraftProposal(t.sequence_id, error=error) for t in tasks]
-                queue_ns = forward_ns = 0
-                timing = None
-            self.metrics.observe(timing)
-            if self.tracing.enabled:
-                trace_round(
-                    self.tracing,
-                    "drafter.draft",
-                    [t.trace_context for t in request.tasks],
-                    [
-                        {
-                            "specd.round_id": request.round_id,
-                            "specd.batch_size": len(tasks),
-                            "specd.k": t.num_draft_tokens,
-                            "specd.proposed": len(p.tokens),
-                            "specd.queue_ms": queue_ns / 1e6,
-                        }
-                        for t, p in zip(tasks, proposals, strict=True)
-                    ],
-                    arrived_wall,
-                    time.time_ns(),
-                    timing,
-                )
+            proposals, timings = await self.run_round(
+                "drafter.draft",
+                request.round_id,
+                tasks,
+                [t.trace_context for t in request.tasks],
+                self.engine.draft,
+                lambda sequence_id, error: DraftProposal(sequence_id, error=error),
+                lambda t, p: {"specd.k": t.num_draft_tokens, "specd.proposed": len(p.tokens)},
+            )
             yield drafter_pb2.DraftResponse(
                 round_id=request.round_id,
                 proposals=[
@@ -100,7 +76,5 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                     )
                     for p in proposals
                 ],
-                timings=common_pb2.ServiceTimings(
-                    queue_ns=queue_ns, forward_ns=forward_ns, total_ns=time.perf_counter_ns() - arrived
-                ),
+                timings=timings,
             )

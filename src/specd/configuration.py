@@ -73,3 +73,30 @@ def field(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
     if isinstance(default, (list, tuple)):
         return dataclasses.field(default_factory=lambda: tuple(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelServiceConfig:
+    """What the drafter and verifier services both take; each subclass sets its own defaults."""
+
+    host: str = field("127.0.0.1", "address to listen on")
+    port: int = field(0, "gRPC port")
+    model: str = field("embedded", "model: a local HF directory, a .gguf file, or 'embedded'")
+    device: str = field("cpu", "torch device, e.g. cpu, cuda, cuda:1")
+    dtype: str = field("float32", "activation dtype", choices=DTYPE_CHOICES)
+    max_sequences: int = field(64, "most sequences open at once")
+    max_context: int = field(2048, "most positions per sequence (capped by the model's own limit)")
+    max_draft_tokens: int = field(16, "most draft tokens per sequence per round")
+    max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
+    threads: int = field(0, "torch intra-op threads; 0 keeps torch's default")
+    log_level: str = field("INFO", "logging level")
+    otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
+    trace_file: str = field("", "append spans as JSON lines to this file")
+    metrics_port: int = field(0, "serve Prometheus metrics over HTTP on this port; 0 disables")
+
+    def validate(self) -> None:
+        if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:
+            raise ValueError("max_sequences >= 1, max_context >= 2 and max_draft_tokens >= 0 are required")

@@ -141,6 +141,8 @@ class SequenceRpcs:
 
     engine: Any
     runner: EngineRunner
+    tracing: Tracing
+    metrics: ServiceMetrics
 
     async def open_sequences(self, sequences: Iterable[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
         specs = [spec_from_pb(s) for s in sequences]
@@ -149,6 +151,36 @@ class SequenceRpcs:
             common_pb2.OpenResult(sequence_id=s.sequence_id, error=sequence_error(e))
             for s, e in zip(specs, errors, strict=True)
         ]
+
+    async def run_round(
+        self,
+        span_name: str,
+        round_id: int,
+        tasks: Sequence[Any],
+        contexts: Sequence[Mapping[str, str]],
+        work: Callable[[Sequence[Any]], tuple[list[Any], RoundTiming]],
+        failed: Callable[[str, EngineError], Any],
+        span_attributes: Callable[[Any, Any], dict[str, Any]],
+    ) -> tuple[list[Any], common_pb2.ServiceTimings]:
+        """One batched round on the engine thread: results, metrics, spans and the reply's timings."""
+        arrived, arrived_wall = time.perf_counter_ns(), time.time_ns()
+        timing: RoundTiming | None = None
+        try:
+            (results, timing), queue_ns = await self.runner.run(work, tasks)
+        except Exception as exc:  # one bad round must not end the stream for every sequence
+            log.exception("%s round %d failed", span_name, round_id)
+            error = EngineError(ErrorKind.INTERNAL, f"{span_name} failed: {exc}")
+            results, queue_ns = [failed(t.sequence_id, error) for t in tasks], 0
+        self.metrics.observe(timing)
+        if self.tracing.enabled:
+            shared = {"specd.round_id": round_id, "specd.batch_size": len(tasks), "specd.queue_ms": queue_ns / 1e6}
+            attributes = [{**shared, **span_attributes(t, r)} for t, r in zip(tasks, results, strict=True)]
+            trace_round(self.tracing, span_name, contexts, attributes, arrived_wall, time.time_ns(), timing)
+        return results, common_pb2.ServiceTimings(
+            queue_ns=queue_ns,
+            forward_ns=timing.forward_ns if timing is not None else 0,
+            total_ns=time.perf_counter_ns() - arrived,
+        )
 
     async def close_sequences(self, ids: Iterable[str], context: grpc.aio.ServicerContext) -> int:
         try:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 
-from specd.errors import EngineError, ErrorKind
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, sequence_error, trace_round
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, sequence_error
 from specd.tasks import VerifyResult, VerifyTask
 from specd.tracing import Tracing
 from verifier_service.engine import VerifierEngine
@@ -50,8 +48,6 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
         self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[verifier_pb2.VerifyResponse]:
         async for request in request_iterator:
-            arrived = time.perf_counter_ns()
-            arrived_wall = time.time_ns()
             tasks = [
                 VerifyTask(
                     t.sequence_id,
@@ -61,35 +57,15 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                 )
                 for t in request.tasks
             ]
-            try:
-                (results, timing), queue_ns = await self.runner.run(self.engine.verify, tasks)
-                forward_ns = timing.forward_ns
-            except Exception as exc:  # one bad round must not end the stream for every sequence
-                log.exception("verify round %d failed", request.round_id)
-                error = EngineError(ErrorKind.INTERNAL, f"verify failed: {exc}")
-                results = [VerifyResult(t.sequence_id, error=error) for t in tasks]
-                queue_ns = forward_ns = 0
-                timing = None
-            self.metrics.observe(timing)
-            if self.tracing.enabled:
-                trace_round(
-                    self.tracing,
-                    "verifier.verify",
-                    [t.trace_context for t in request.tasks],
-                    [
-                        {
-                            "specd.round_id": request.round_id,
-                            "specd.batch_size": len(tasks),
-                            "specd.k": len(t.draft_tokens),
-                            "specd.accepted": r.num_accepted,
-                            "specd.queue_ms": queue_ns / 1e6,
-                        }
-                        for t, r in zip(tasks, results, strict=True)
-                    ],
-                    arrived_wall,
-                    time.time_ns(),
-                    timing,
-                )
+            results, timings = await self.run_round(
+                "verifier.verify",
+                request.round_id,
+                tasks,
+                [t.trace_context for t in request.tasks],
+                self.engine.verify,
+                lambda sequence_id, error: VerifyResult(sequence_id, error=error),
+                lambda t, r: {"specd.k": len(t.draft_tokens), "specd.accepted": r.num_accepted},
+            )
             yield verifier_pb2.VerifyResponse(
                 round_id=request.round_id,
                 results=[
@@ -101,7 +77,5 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                     )
                     for r in results
                 ],
-                timings=common_pb2.ServiceTimings(
-                    queue_ns=queue_ns, forward_ns=forward_ns, total_ns=time.perf_counter_ns() - arrived
-                ),
+                timings=timings,
             )
