@@ -45,6 +45,11 @@ class GatewayMetrics:
         # Pre-create the position series so rates start at 0 rather than being absent.
         for pos in range(max_positions):
             self.accepted_per_pos.labels(position=str(pos))
+        Gauge(
+            "specd_spec_decode_mean_acceptance_length",
+            "1 + accepted tokens / drafts since start (tokens emitted per sequence-round with a draft)",
+            registry=r,
+        ).set_function(self._mean_acceptance_length)
         self.rounds = Counter("specd_rounds", "Draft/verify rounds run", registry=r)
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)
@@ -100,6 +105,10 @@ class GatewayMetrics:
             for pos in range(accepted):
                 self.accepted_per_pos.labels(position=str(pos)).inc()
                 self._totals[f"pos{pos}"] += 1
+
+    def _mean_acceptance_length(self) -> float:
+        drafts = self._totals["drafts"]
+        return 1.0 + self._totals["accepted"] / drafts if drafts else 0.0
 
     def observe_generated(self, tokens: int) -> None:
         self.generation_tokens.inc(tokens)

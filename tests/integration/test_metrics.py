@@ -69,6 +69,7 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
     for pos in range(4):
         assert delta(f"specd_spec_decode_num_accepted_tokens_per_pos_total{{position={pos}}}") == 4
     assert delta("specd_rounds_total") == 5
+    assert after["specd_spec_decode_mean_acceptance_length"] == 5.0
     assert delta("specd_generation_tokens_total") == 21
     assert delta("specd_request_success_total{finished_reason=length}") == 1
     # The drafter's own metrics: four draft rounds, nothing left open, a KV cache allocated.
