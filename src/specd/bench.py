@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.traces import percentile
 from specd.workloads import CHAT
 
 
@@ -29,17 +30,6 @@ class RequestResult:
     e2e_s: float
     completion_tokens: int
     chunk_gaps_s: list[float] = field(default_factory=list)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]); nan for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args: argparse.Namespace) -> RequestResult:

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from specd.bench import acceptance, percentile
+from specd.bench import acceptance
+from specd.traces import percentile
 
 
 def test_percentile_interpolates_like_numpy():
