@@ -129,15 +129,6 @@ class RoundTimes:
         }
 
 
-@dataclass
-class RoundOutcome:
-    """What one round did, for stats and (later) tracing."""
-
-    batch_size: int
-    drafted: int
-    accepted: int
-
-
 class Scheduler:
     def __init__(
         self,
@@ -365,7 +356,7 @@ class Scheduler:
         remaining = seq.max_tokens - len(seq.output)
         return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens)))
 
-    async def _round(self) -> RoundOutcome:
+    async def _round(self) -> None:
         round_id = next(self._round_ids)
         batch = list(self.active)
         await self._join_drafter(batch)
@@ -452,7 +443,6 @@ class Scheduler:
                 span.end()
         self.metrics.observe_round(proposals, len(batch), timing)
         await self._retire([s for s in batch if s.done])
-        return RoundOutcome(len(batch), sum(p[0] for p in proposals), sum(p[1] for p in proposals))
 
     def _start_round_spans(self, round_id: int, batch: list[_Sequence]) -> dict[str, Any]:
         spans = {}
