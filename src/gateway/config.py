@@ -18,7 +18,16 @@ class GatewayConfig:
     drafter: str = field("127.0.0.1:50051", "drafter service address host:port; empty serves target-only")
     tokenizer: str = field("embedded", "tokenizer of the target: a local HF directory, a .gguf file, or 'embedded'")
     served_model_name: str = field("", "model name in the API; default: derived from --tokenizer")
-    num_speculative_tokens: int = field(4, "draft tokens per sequence per round (k); 0 is target-only")
+    num_speculative_tokens: int = field(4, "most draft tokens per sequence per round (k); 0 is target-only")
+    speculative_mode: str = field(
+        "auto",
+        "auto: choose k per sequence and round (0..k) for the most tokens/s from measured acceptance and costs; "
+        "fixed: always k",
+        ["auto", "fixed"],
+    )
+    speculative_disable_by_batch_size: int = field(
+        0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"
+    )
     max_batch: int = field(32, "most sequences in one round")
     backend_timeout_s: float = field(60.0, "deadline for each backend call and round exchange")
     connect_timeout_s: float = field(300.0, "how long to wait for the backends at startup")
@@ -31,6 +40,8 @@ class GatewayConfig:
     def validate(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.speculative_disable_by_batch_size < 0:
+            raise ValueError("speculative_disable_by_batch_size must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
 

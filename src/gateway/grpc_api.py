@@ -48,6 +48,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             sampling=sampling,
             stop=tuple(params.stop),
             ignore_eos=params.ignore_eos,
+            speculation=(
+                params.num_speculative_tokens
+                if params.HasField("num_speculative_tokens")
+                else ("auto" if params.adaptive_speculation else None)
+            ),
         )
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
         return self.scheduler.submit(self.tokenizer.encode(prompt), generation, metadata)

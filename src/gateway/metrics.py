@@ -8,7 +8,7 @@ is one sequence's proposal in one round, mean acceptance length is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -85,6 +85,31 @@ class GatewayMetrics:
         self.batch_size = Histogram("specd_round_batch_size", "Sequences per round", buckets=BATCH_BUCKETS, registry=r)
         self.running = Gauge("specd_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("specd_num_requests_waiting", "Requests waiting for a batch slot", registry=r)
+        self.chosen_k = Histogram(
+            "specd_spec_decode_chosen_k",
+            "Draft tokens chosen per sequence-round (0 = the sequence ran target-only in that round)",
+            buckets=tuple(range(max(1, max_positions) + 1)),
+            registry=r,
+        )
+        self._policy: Any = None
+        Gauge(
+            "specd_spec_decode_predicted_gain",
+            "Adaptive speculation: predicted tokens/s of the chosen ks over target-only, moving average",
+            registry=r,
+        ).set_function(lambda: self._policy.predicted_gain.get(1.0) if self._policy is not None else 1.0)
+        Gauge(
+            "specd_spec_decode_observed_gain",
+            "Adaptive speculation: measured tokens/s of its rounds over the predicted target-only rate, moving average",
+            registry=r,
+        ).set_function(lambda: self._policy.observed_gain.get(1.0) if self._policy is not None else 1.0)
+
+    def bind_policy(self, policy: Any) -> None:
+        """The speculation policy whose gain estimates the gauges report."""
+        self._policy = policy
+
+    def observe_ks(self, ks: Sequence[int]) -> None:
+        for k in ks:
+            self.chosen_k.observe(k)
 
     def observe_round(self, proposals: Sequence[tuple[int, int]], batch_size: int, times: RoundTimes) -> None:
         """One round; `proposals` holds (draft tokens, accepted) per sequence verified."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -33,6 +34,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    # specd extension: draft tokens per round for this request (0 = target-only), or
+    # "auto" for adaptive speculation; absent follows the gateway's --speculative-mode.
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -54,6 +58,7 @@ class _Sampling(BaseModel):
             ),
             stop=stop,
             ignore_eos=self.ignore_eos,
+            speculation=self.num_speculative_tokens,
         )
 
 
@@ -96,5 +101,5 @@ class ChatCompletionRequest(_Sampling):
     def generation_params(self) -> GenerationParams:
         params = super().generation_params()
         if self.max_completion_tokens is not None and self.max_tokens is None:
-            params = GenerationParams(self.max_completion_tokens, params.sampling, params.stop, params.ignore_eos)
+            params = dataclasses.replace(params, max_tokens=self.max_completion_tokens)
         return params

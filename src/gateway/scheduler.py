@@ -24,6 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway.backends import BackendError, DrafterClient, VerifierClient
 from gateway.detokenize import TextStream
 from gateway.metrics import GatewayMetrics, stats_line
+from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.sampling import SamplingParams
 from specd.serving import sampling_pb
@@ -51,6 +52,8 @@ class GenerationParams:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: the gateway's --speculative-mode; "auto": k chosen per round; an int: that k every round.
+    speculation: int | str | None = None
 
 
 @dataclass
@@ -96,6 +99,7 @@ class _Sequence:
     first_token_ns: int = 0
     last_emit_ns: int = 0
     span: Any = None  # the request's trace span, when traced
+    acceptance: Acceptance | None = None  # its own per-position acceptance, for choosing its k
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class Scheduler:
         eos_token_ids: Sequence[int],
         metrics: GatewayMetrics | None = None,
         tracing: Tracing | None = None,
+        speculative_mode: str = "auto",
+        disable_by_batch_size: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.verifier = verifier
@@ -166,6 +172,9 @@ class Scheduler:
         self._stats_task: asyncio.Task[None] | None = None
         self.metrics = metrics or GatewayMetrics(self.k_limit)
         self.tracing = tracing or Tracing("specd-gateway")
+        self.speculative_mode = speculative_mode
+        self.policy = SpeculationPolicy(PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size))
+        self.metrics.bind_policy(self.policy)
 
     # -- lifecycle ------------------------------------------------------
     def start(self, stats_interval_s: float = 0.0) -> None:
@@ -214,6 +223,11 @@ class Scheduler:
                 400,
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                 f"window of {self.max_context} tokens",
+            )
+        spec = params.speculation
+        if spec is not None and spec != "auto" and not (isinstance(spec, int) and 0 <= spec <= self.k_limit):
+            raise GenerationError(
+                400, f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}"
             )
         seq = _Sequence(
             id=uuid.uuid4().hex,
@@ -350,11 +364,26 @@ class Scheduler:
             s.on_drafter = s.speculating = True
             s.drafter_synced = len(s.tokens)
 
-    def _k_for(self, seq: _Sequence) -> int:
+    def _cap(self, seq: _Sequence) -> int:
+        """The most drafts the sequence can use this round."""
         if not seq.speculating:
             return 0
         remaining = seq.max_tokens - len(seq.output)
         return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens)))
+
+    def _candidate(self, seq: _Sequence) -> Candidate:
+        cap = self._cap(seq)
+        spec = seq.params.speculation
+        if spec is None:
+            spec = "auto" if self.speculative_mode == "auto" else cap
+        if seq.acceptance is None:
+            seq.acceptance = self.policy.new_sequence()
+        fixed = None if spec == "auto" else min(int(spec), cap)
+        return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed)
+
+    def _choose_ks(self, batch: list[_Sequence]) -> dict[str, int]:
+        ks = self.policy.choose([self._candidate(s) for s in batch], len(batch))
+        return {s.id: k for s, k in zip(batch, ks, strict=True)}
 
     async def _round(self) -> None:
         round_id = next(self._round_ids)
@@ -367,7 +396,7 @@ class Scheduler:
         # the specd.round_id / specd.batch_size attributes, shared by its spans.
         spans = self._start_round_spans(round_id, batch) if self.tracing.enabled else {}
         contexts = {sid: self.tracing.inject(span) for sid, span in spans.items()}
-        ks = {s.id: self._k_for(s) for s in batch}
+        ks = self._choose_ks(batch)
         drafts: dict[str, drafter_pb2.DraftProposal] = {}
         to_draft = [s for s in batch if ks[s.id] > 0]
         draft_ns = drafter_ns = drafter_forward_ns = 0
@@ -424,6 +453,8 @@ class Scheduler:
             verifier_forward_ns=reply.timings.forward_ns,
         )
         proposals: list[tuple[int, int]] = []
+        drafted = [len(task.draft_token_ids) for task in request.tasks]
+        emitted = 0
         for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
             k = len(task.draft_token_ids)
             if result.error.code:
@@ -434,14 +465,33 @@ class Scheduler:
                 proposals.append((k, result.num_accepted))
                 s.drafted += k
                 s.accepted += result.num_accepted
+                emitted += result.num_accepted + 1
+                if k and s.acceptance is not None:
+                    s.acceptance.observe(k, result.num_accepted)
+                    self.policy.overall.observe(k, result.num_accepted)
                 self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
+        choice = self.policy.last_choice
+        observed_gain = self.policy.observe_round(
+            drafted, timing.round_ns, timing.draft_ns, timing.verify_ns, timing.drafter_forward_ns, emitted
+        )
+        for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
             if s.id in spans:
                 span = spans[s.id]
                 span.set_attributes(
-                    {"specd.k": k, "specd.accepted": result.num_accepted, **timing.attributes(len(batch))}
+                    {
+                        "specd.k": len(task.draft_token_ids),
+                        "specd.accepted": result.num_accepted,
+                        "specd.round_k_max": max(drafted, default=0),
+                        **timing.attributes(len(batch)),
+                    }
                 )
+                if choice is not None:
+                    span.set_attribute("specd.predicted_gain", choice.predicted_gain)
+                if observed_gain is not None:
+                    span.set_attribute("specd.observed_gain", observed_gain)
                 span.end()
         self.metrics.observe_round(proposals, len(batch), timing)
+        self.metrics.observe_ks(drafted)
         await self._retire([s for s in batch if s.done])
 
     def _start_round_spans(self, round_id: int, batch: list[_Sequence]) -> dict[str, Any]:

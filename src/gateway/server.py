@@ -47,7 +47,15 @@ async def run(config: GatewayConfig) -> None:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
     scheduler = Scheduler(
-        tokenizer, verifier, drafter, config.num_speculative_tokens, config.max_batch, eos, tracing=tracing
+        tokenizer,
+        verifier,
+        drafter,
+        config.num_speculative_tokens,
+        config.max_batch,
+        eos,
+        tracing=tracing,
+        speculative_mode=config.speculative_mode,
+        disable_by_batch_size=config.speculative_disable_by_batch_size,
     )
     scheduler.start(config.log_stats_interval_s)
 

@@ -40,7 +40,15 @@ def gateway_for(backends, model_dirs, log_dir) -> Iterator[Callable[..., st.Serv
             started[key] = st.start_gateway(
                 verifier,
                 drafter if k > 0 else None,
-                ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", str(k), *extra],
+                [
+                    "--tokenizer",
+                    str(model_dirs["target"]),
+                    "--num-speculative-tokens",
+                    str(k),
+                    # Tests of the round mechanics want k drafts every round unless they ask otherwise.
+                    *(() if "--speculative-mode" in extra else ("--speculative-mode", "fixed")),
+                    *extra,
+                ],
                 log_dir,
             )
         return started[key]

@@ -143,7 +143,10 @@ def start_stack(
     k: int = 4,
     backend_args: tuple[str, ...] = ("--dtype", "float32"),
     gateway_args: tuple[str, ...] = (),
+    mode: str = "fixed",
 ) -> Stack:
+    """A whole stack; `mode` is the gateway's --speculative-mode (fixed by default, so
+    tests of the round mechanics see k drafts every round)."""
     services: list[Service] = []
     try:
         verifier = start_backend("verifier", ["--model", str(target), *backend_args], log_dir)
@@ -158,7 +161,15 @@ def start_stack(
         gateway = start_gateway(
             verifier,
             drafter,
-            ["--tokenizer", str(target), "--num-speculative-tokens", str(k), *gateway_args],
+            [
+                "--tokenizer",
+                str(target),
+                "--num-speculative-tokens",
+                str(k),
+                "--speculative-mode",
+                mode,
+                *gateway_args,
+            ],
             log_dir,
         )
         services.append(gateway)

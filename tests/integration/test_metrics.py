@@ -37,7 +37,10 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
     )  # fmt: skip
     try:
         gateway = st.start_gateway(
-            verifier, drafter, ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4"], log_dir
+            verifier,
+            drafter,
+            ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--speculative-mode", "fixed"],
+            log_dir,
         )
         try:
             before = scrape(gateway)

@@ -1,0 +1,297 @@
+"""How many tokens to draft for each sequence in a round (no gRPC, no torch here).
+
+Three policies share one entry point, `SpeculationPolicy.choose`:
+
+- fixed: every speculating sequence drafts k (capped by what it may still emit),
+  also what a request that names its own k gets;
+- disable by batch size (vLLM's `speculative_disable_by_batch_size`): no drafting
+  in a round whose batch has at least N sequences;
+- auto (default): pick per-sequence k in 0..k_max to maximise expected output
+  tokens per second of the round, from what the gateway measures as it runs —
+  per-position acceptance (overall and per sequence), the drafter's step time as
+  a function of the batch it drafts for, and the verifier's time as a function
+  of the tokens it checks. On a machine where verifying k+1 tokens for every
+  sequence stops being nearly free (large batches, CPUs), the expected gain of
+  drafting falls below its cost and k shrinks to 0.
+
+The maths (Leviathan et al. 2023, generalised to position-dependent acceptance):
+a sequence that drafts k tokens emits E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j
+tokens in expectation, where a_j is the probability that draft j is accepted
+given that drafts 1..j-1 were. A round costs
+R = [drafting] (d0 + max_k * step(B_drafting)) + verify(sum (k_s + 1)) + overhead.
+The rate sum_s E_s(k_s) / R is a ratio, maximised per sequence with Dinkelbach's
+iteration: for a rate lambda each sequence independently maximises
+E_s(k) - lambda * marginal verify cost * k.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
+
+
+class Acceptance:
+    """Per-position conditional acceptance counts, with exponential forgetting.
+
+    `rate(j)` estimates P(draft j accepted | drafts before j accepted) (0-based j),
+    smoothed toward `prior` with `prior_weight` pseudo-observations, so positions
+    never tried yet are neither certain nor hopeless.
+    """
+
+    def __init__(self, k_max: int, prior: Sequence[float] | float, prior_weight: float, decay: float = 1.0) -> None:
+        self.k_max = k_max
+        self.prior = [float(prior)] * k_max if isinstance(prior, int | float) else [float(p) for p in prior]
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.tried = [0.0] * k_max
+        self.accepted = [0.0] * k_max
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verified proposal: positions < accepted accepted, position `accepted` rejected."""
+        if self.decay < 1.0:
+            self.tried = [t * self.decay for t in self.tried]
+            self.accepted = [a * self.decay for a in self.accepted]
+        for j in range(min(drafted, accepted + 1, self.k_max)):
+            self.tried[j] += 1.0
+            if j < accepted:
+                self.accepted[j] += 1.0
+
+    def rate(self, j: int) -> float:
+        w = self.prior_weight
+        return (self.accepted[j] + w * self.prior[j]) / (self.tried[j] + w)
+
+    def rates(self) -> list[float]:
+        return [self.rate(j) for j in range(self.k_max)]
+
+    @property
+    def observations(self) -> float:
+        return self.tried[0] if self.k_max else 0.0
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    """Tokens a sequence emits in expectation when it drafts k: 1 + sum of P(first i accepted)."""
+    total, reach = 1.0, 1.0
+    for j in range(k):
+        reach *= rates[j]
+        total += reach
+    return total
+
+
+def leviathan_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) -> float:
+    """Expected speedup over target-only of k drafts per round with i.i.d. acceptance alpha.
+
+    c = drafter step / target step; verify_ratio = verifying k+1 tokens / one target step
+    (1 on hardware where the extra tokens are free; > 1 on a compute-bound CPU).
+    Leviathan et al. 2023, eq. (1) and Theorem 3.8, with the verify cost made explicit.
+    """
+    if k == 0:
+        return 1.0
+    tokens = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + verify_ratio)
+
+
+class LinearCost:
+    """y ≈ w0 + w1·x by least squares with exponential forgetting.
+
+    Two features are all the cost curves need here (a fixed cost plus one that
+    grows with tokens or with batch size). A small ridge term keeps the fit
+    defined before x has varied; it pulls the slope toward 0, which is the
+    optimistic guess ("more tokens are free") that makes the policy try them
+    and learn their real cost.
+    """
+
+    def __init__(self, forget: float = 0.98, ridge: float = 1e-6) -> None:
+        self.forget = forget
+        self.ridge = ridge
+        self.n = 0.0
+        self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.samples = 0
+
+    def observe(self, x: float, y: float) -> None:
+        f = self.forget
+        self.n = self.n * f + 1.0
+        self.sx = self.sx * f + x
+        self.sy = self.sy * f + y
+        self.sxx = self.sxx * f + x * x
+        self.sxy = self.sxy * f + x * y
+        self.samples += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.n == 0:
+            return 0.0, 0.0
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mean_x * mean_x
+        cov = self.sxy / self.n - mean_x * mean_y
+        slope = max(0.0, cov / (var + self.ridge * (1.0 + mean_x * mean_x)))
+        return max(0.0, mean_y - slope * mean_x), slope
+
+    def predict(self, x: float) -> float:
+        w0, w1 = self.coefficients()
+        return w0 + w1 * x
+
+
+class Ewma:
+    def __init__(self, alpha: float = 0.1) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+
+    def observe(self, y: float) -> None:
+        self.value = y if self.value is None else self.value + self.alpha * (y - self.value)
+
+    def get(self, default: float = 0.0) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass
+class CostModel:
+    """Round cost in ns as measured by the gateway."""
+
+    verify: LinearCost = field(default_factory=LinearCost)  # verify exchange ns vs tokens checked
+    step: LinearCost = field(default_factory=LinearCost)  # drafter ns per draft step vs sequences drafted for
+    draft_fixed: Ewma = field(default_factory=Ewma)  # drafter exchange ns outside its steps
+    overhead: Ewma = field(default_factory=Ewma)  # round ns outside both exchanges
+
+    def round_ns(self, ks: Sequence[int]) -> float:
+        longest = max(ks, default=0)
+        cost = self.verify.predict(sum(k + 1 for k in ks)) + self.overhead.get()
+        if longest > 0:
+            drafting = sum(1 for k in ks if k > 0)
+            cost += self.draft_fixed.get() + longest * self.step.predict(drafting)
+        return cost
+
+    @property
+    def ready(self) -> bool:
+        return self.verify.samples > 0 and self.step.samples > 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the policy needs to know of one sequence in the round."""
+
+    cap: int  # most drafts it may take (0 if it does not speculate)
+    rates: Sequence[float]  # its per-position acceptance estimates
+    fixed: int | None = None  # a k the request asked for, not to be chosen
+
+
+@dataclass(frozen=True)
+class Choice:
+    ks: list[int]
+    predicted_rate: float  # expected tokens per second of the round with ks
+    baseline_rate: float  # expected tokens per second of the same round target-only
+
+    @property
+    def predicted_gain(self) -> float:
+        return self.predicted_rate / self.baseline_rate if self.baseline_rate > 0 else 1.0
+
+
+def choose_ks(candidates: Sequence[Candidate], costs: CostModel, k_max: int) -> Choice:
+    """Per-sequence k maximising expected tokens per second of one round."""
+    n = len(candidates)
+
+    def evaluate(ks: list[int]) -> float:
+        tokens = sum(expected_tokens(c.rates, k) for c, k in zip(candidates, ks, strict=True))
+        return tokens / max(costs.round_ns(ks), 1.0) * 1e9
+
+    base = [c.fixed if c.fixed is not None else 0 for c in candidates]
+    baseline_rate = evaluate([0] * n)
+    best_ks, best_rate = base, evaluate(base)
+    _, marginal = costs.verify.coefficients()
+    for m in range(1, k_max + 1):
+        rate = best_rate
+        ks = base
+        for _ in range(4):
+            lam = rate / 1e9  # tokens per ns
+            trial = []
+            for c, fixed in zip(candidates, base, strict=True):
+                if c.fixed is not None:
+                    trial.append(fixed)
+                    continue
+                top = min(m, c.cap)
+                values = [expected_tokens(c.rates, k) - lam * marginal * k for k in range(top + 1)]
+                trial.append(max(range(top + 1), key=lambda k, v=values: (v[k], -k)))  # type: ignore[misc]
+            trial_rate = evaluate(trial)
+            if trial == ks:
+                break
+            ks, rate = trial, trial_rate
+        if rate > best_rate * (1 + 1e-9):
+            best_ks, best_rate = ks, rate
+    return Choice(best_ks, best_rate, baseline_rate)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    k_max: int = 4
+    disable_by_batch_size: int = 0  # 0: never
+    probe_every: int = 64  # rounds between exploratory drafts while auto mode keeps k at 0
+    prior_acceptance: float = 0.7
+    sequence_prior_weight: float = 4.0  # how many observations of a sequence outweigh the overall rates
+
+
+class SpeculationPolicy:
+    """Chooses each round's k per sequence and learns from the round's outcome."""
+
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+        self.k_max = config.k_max
+        self.overall = Acceptance(config.k_max, config.prior_acceptance, prior_weight=2.0, decay=0.999)
+        self.costs = CostModel()
+        self._rounds_without_drafts = 0
+        self.last_choice: Choice | None = None
+        self.observed_gain = Ewma(0.05)
+        self.predicted_gain = Ewma(0.05)
+
+    def new_sequence(self) -> Acceptance:
+        return Acceptance(self.k_max, self.overall.rates(), self.config.sequence_prior_weight)
+
+    def choose(self, candidates: Sequence[Candidate], batch_size: int) -> list[int]:
+        """k per candidate; a candidate's `fixed` k (fixed mode, or asked for by its request) is kept."""
+        cfg = self.config
+        self.last_choice = None
+        if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
+            return [0] * len(candidates)
+        if all(c.fixed is not None for c in candidates) or not self.costs.ready or self.k_max == 0:
+            # Until both services have been timed there is nothing to optimise against:
+            # draft the full k to measure the drafter.
+            return [c.fixed if c.fixed is not None else c.cap for c in candidates]
+        choice = choose_ks(candidates, self.costs, self.k_max)
+        ks = choice.ks
+        if any(ks):
+            self._rounds_without_drafts = 0
+        else:
+            self._rounds_without_drafts += 1
+            if self._rounds_without_drafts >= cfg.probe_every:
+                # Acceptance is only learnt from drafts; probe now and then so a
+                # workload that has become predictable gets its drafts back.
+                self._rounds_without_drafts = 0
+                ks = [c.fixed if c.fixed is not None else min(1, c.cap) for c in candidates]
+        self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate)
+        self.predicted_gain.observe(choice.predicted_gain)
+        return ks
+
+    def observe_round(
+        self,
+        ks: Sequence[int],
+        round_ns: int,
+        draft_ns: int,
+        verify_ns: int,
+        drafter_forward_ns: int,
+        tokens_emitted: int,
+    ) -> float | None:
+        """Learn costs from one round; returns observed rate / predicted target-only rate."""
+        self.costs.verify.observe(sum(k + 1 for k in ks), verify_ns)
+        longest = max(ks, default=0)
+        if longest > 0 and draft_ns > 0:
+            drafting = sum(1 for k in ks if k > 0)
+            self.costs.step.observe(drafting, drafter_forward_ns / longest)
+            self.costs.draft_fixed.observe(max(0, draft_ns - drafter_forward_ns))
+        self.costs.overhead.observe(max(0, round_ns - draft_ns - verify_ns))
+        choice = self.last_choice
+        if choice is None or choice.baseline_rate <= 0 or round_ns <= 0:
+            return None
+        gain = tokens_emitted / round_ns * 1e9 / choice.baseline_rate
+        if math.isfinite(gain):
+            self.observed_gain.observe(gain)
+        return gain

@@ -1,0 +1,109 @@
+"""Adaptive speculation and per-request k through real services."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import stack as st
+import torch
+from stack import base_url
+from test_metrics import parse
+
+PROMPT = "The capital of France is"
+
+
+def scrape(gateway: st.Service) -> dict[str, float]:
+    return parse(httpx.get(base_url(gateway) + "/metrics").text)
+
+
+@pytest.fixture(scope="module")
+def auto_gateway(backends, model_dirs, log_dir) -> Iterator[st.Service]:
+    """A gateway in auto mode whose drafter is the target itself: every draft is accepted."""
+    verifier, _ = backends
+    drafter = st.start_backend(
+        "drafter", ["--model", str(model_dirs["target"]), "--dtype", "float32", "--quantize", "none"], log_dir
+    )
+    try:
+        gateway = st.start_gateway(
+            verifier,
+            drafter,
+            ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--speculative-mode", "auto"],
+            log_dir,
+        )
+        yield gateway
+        gateway.stop()
+    finally:
+        drafter.stop()
+
+
+def complete(gateway: st.Service, **extra) -> httpx.Response:
+    body = {"model": "target", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(base_url(gateway) + "/v1/completions", json=body, timeout=120)
+
+
+def reference(tok, tiny_target, n: int) -> list[int]:
+    ids = tok.encode(PROMPT)
+    out = tiny_target.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_auto_mode_drafts_when_drafts_are_accepted_and_stays_exact(auto_gateway, tok, tiny_target):
+    expected = tok.decode(reference(tok, tiny_target, 20))
+    before = scrape(auto_gateway)
+    for _ in range(4):
+        r = complete(auto_gateway)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
+    after = scrape(auto_gateway)
+    drafts = after["specd_spec_decode_num_drafts_total"] - before.get("specd_spec_decode_num_drafts_total", 0)
+    accepted = after["specd_spec_decode_num_accepted_tokens_total"] - before.get(
+        "specd_spec_decode_num_accepted_tokens_total", 0
+    )
+    assert drafts > 0 and accepted > 0
+    # Each round's chosen k per sequence lands in the histogram; the gains are finite ratios.
+    assert after["specd_spec_decode_chosen_k_count"] > before.get("specd_spec_decode_chosen_k_count", 0)
+    assert after["specd_spec_decode_predicted_gain"] > 0
+    assert after["specd_spec_decode_observed_gain"] > 0
+
+
+def test_request_can_fix_its_own_k(auto_gateway, tok, tiny_target):
+    expected = tok.decode(reference(tok, tiny_target, 20))
+    before = scrape(auto_gateway)
+    r = complete(auto_gateway, num_speculative_tokens=0)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+    middle = scrape(auto_gateway)
+    assert middle["specd_spec_decode_num_drafts_total"] == before["specd_spec_decode_num_drafts_total"]
+    r = complete(auto_gateway, num_speculative_tokens=2)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+    after = scrape(auto_gateway)
+    drafts = after["specd_spec_decode_num_drafts_total"] - middle["specd_spec_decode_num_drafts_total"]
+    tokens = after["specd_spec_decode_num_draft_tokens_total"] - middle["specd_spec_decode_num_draft_tokens_total"]
+    # 20 tokens at k=2, all accepted: a first target-only round, six rounds of 3 tokens, one last round of 1.
+    assert drafts == 6
+    assert tokens == 12
+    r = complete(auto_gateway, num_speculative_tokens="auto")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+
+
+@pytest.mark.parametrize("value", [5, -1, "sometimes", 2.5])
+def test_bad_num_speculative_tokens_is_a_400(auto_gateway, value):
+    r = complete(auto_gateway, num_speculative_tokens=value)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"]
+
+
+def test_disable_by_batch_size_turns_drafting_off(gateway_for, tok, tiny_target):
+    gateway = gateway_for(4, "--speculative-disable-by-batch-size", "1")
+    before = scrape(gateway)
+    r = complete(gateway)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["text"] == tok.decode(reference(tok, tiny_target, 20))
+    after = scrape(gateway)
+    assert after["specd_spec_decode_num_drafts_total"] == before.get("specd_spec_decode_num_drafts_total", 0)
+    assert after["specd_spec_decode_chosen_k_bucket{le=0.0}"] > before.get(
+        "specd_spec_decode_chosen_k_bucket{le=0.0}", 0
+    )

@@ -1,0 +1,191 @@
+"""Adaptive speculation: the maths and the choice of k on synthetic costs and acceptance."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from gateway.speculation import (
+    Acceptance,
+    Candidate,
+    CostModel,
+    LinearCost,
+    PolicyConfig,
+    SpeculationPolicy,
+    choose_ks,
+    expected_tokens,
+    leviathan_speedup,
+)
+
+MS = 1e6
+
+
+def costs(
+    verify_fixed_ms: float, verify_per_token_ms: float, step_ms: float, step_per_seq_ms: float = 0.0
+) -> CostModel:
+    """A cost model fitted from exact synthetic measurements."""
+    model = CostModel()
+    for tokens in (1, 2, 4, 8, 16, 40, 64):
+        model.verify.observe(tokens, (verify_fixed_ms + verify_per_token_ms * tokens) * MS)
+    for batch in (1, 2, 4, 8, 16):
+        model.step.observe(batch, (step_ms + step_per_seq_ms * batch) * MS)
+    model.draft_fixed.observe(0.5 * MS)
+    model.overhead.observe(0.5 * MS)
+    return model
+
+
+def test_expected_tokens_matches_the_geometric_series() -> None:
+    alpha, k = 0.8, 4
+    assert expected_tokens([alpha] * k, k) == pytest.approx((1 - alpha ** (k + 1)) / (1 - alpha))
+    assert expected_tokens([0.9, 0.5, 0.1], 0) == 1.0
+    assert expected_tokens([0.9, 0.5, 0.1], 2) == pytest.approx(1 + 0.9 + 0.45)
+
+
+def test_leviathan_bound() -> None:
+    # Free drafts, free verification: the bound is the expected tokens per round.
+    assert leviathan_speedup(0.8, 4, 0.0) == pytest.approx(3.3616)
+    # The paper's example shape: alpha 0.8, k 4, c 0.05 -> (1 - 0.8^5) / (0.2 * 1.2).
+    assert leviathan_speedup(0.8, 4, 0.05) == pytest.approx(3.3616 / 1.2)
+    assert leviathan_speedup(1.0, 3, 0.0, 2.0) == pytest.approx(2.0)
+    assert leviathan_speedup(0.5, 0, 0.3) == 1.0
+
+
+def test_acceptance_counts_conditional_rates() -> None:
+    acc = Acceptance(3, 0.5, prior_weight=0.0)
+    acc.observe(3, 3)  # all accepted
+    acc.observe(3, 1)  # first accepted, second rejected, third never judged
+    acc.observe(3, 0)
+    assert acc.tried == [3, 2, 1]
+    assert acc.accepted == [2, 1, 1]
+    assert acc.rates() == pytest.approx([2 / 3, 1 / 2, 1.0])
+
+
+def test_acceptance_prior_fills_untried_positions() -> None:
+    acc = Acceptance(2, [0.9, 0.6], prior_weight=4.0)
+    assert acc.rates() == pytest.approx([0.9, 0.6])
+    for _ in range(400):
+        acc.observe(2, 0)
+    assert acc.rate(0) < 0.02
+    assert acc.rate(1) == pytest.approx(0.6)
+
+
+def test_linear_cost_recovers_a_line_and_never_goes_negative() -> None:
+    fit = LinearCost(forget=1.0)
+    for x in range(1, 20):
+        fit.observe(x, 3.0 + 2.0 * x)
+    w0, w1 = fit.coefficients()
+    assert w0 == pytest.approx(3.0, rel=1e-3)
+    assert w1 == pytest.approx(2.0, rel=1e-3)
+    one = LinearCost()
+    one.observe(5, 10.0)  # a single point: flat, the optimistic guess for unseen x
+    assert one.predict(50) == pytest.approx(10.0)
+    falling = LinearCost(forget=1.0)
+    for x in range(1, 10):
+        falling.observe(x, 100.0 - x)
+    assert falling.coefficients()[1] == 0.0
+
+
+def test_cheap_verification_and_good_acceptance_draft_the_most() -> None:
+    # GPU-like: verifying 5 tokens costs about as much as 1; the drafter is 1/10 of the target.
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=0.05, step_ms=2)
+    choice = choose_ks([Candidate(cap=6, rates=[0.9] * 6)], model, 6)
+    assert choice.ks == [6]
+    assert choice.predicted_gain > 2.5
+
+
+def test_poor_acceptance_stops_drafting() -> None:
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=0.05, step_ms=6)
+    choice = choose_ks([Candidate(cap=4, rates=[0.1] * 4)], model, 4)
+    assert choice.ks == [0]
+    assert choice.predicted_gain == pytest.approx(1.0)
+
+
+def test_compute_bound_verification_shrinks_k_as_the_batch_grows() -> None:
+    # CPU-like: every verified token costs; the drafter step is 1/3 of a target step at batch 1.
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8, step_per_seq_ms=1)
+    good = [0.9] * 4
+    chosen = []
+    for batch in (1, 4, 16, 32):
+        choice = choose_ks([Candidate(cap=4, rates=good)] * batch, model, 4)
+        assert len(set(choice.ks)) == 1  # identical sequences get identical k
+        chosen.append(choice.ks[0])
+        assert choice.predicted_rate >= choice.baseline_rate
+    assert chosen[0] >= 3
+    assert chosen == sorted(chosen, reverse=True)
+    assert chosen[-1] == 0  # at high concurrency drafting no longer pays
+
+
+def test_sequences_are_chosen_by_their_own_acceptance() -> None:
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=2, step_ms=4)
+    candidates = [Candidate(cap=4, rates=[0.95] * 4), Candidate(cap=4, rates=[0.05] * 4), Candidate(cap=0, rates=[])]
+    ks = choose_ks(candidates, model, 4).ks
+    assert ks[0] >= 3
+    assert ks[1] == 0
+    assert ks[2] == 0
+
+
+def test_fixed_candidates_keep_their_k() -> None:
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8)
+    ks = choose_ks([Candidate(cap=4, rates=[0.05] * 4, fixed=3), Candidate(cap=4, rates=[0.05] * 4)], model, 4).ks
+    assert ks == [3, 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choice_is_near_the_brute_force_optimum(seed: int) -> None:
+    rng = random.Random(seed)
+    model = costs(
+        verify_fixed_ms=rng.uniform(5, 40),
+        verify_per_token_ms=rng.uniform(0.01, 8),
+        step_ms=rng.uniform(1, 20),
+        step_per_seq_ms=rng.uniform(0, 2),
+    )
+    k_max = 3
+    candidates = [
+        Candidate(cap=rng.randint(0, k_max), rates=[rng.uniform(0.05, 0.99) for _ in range(k_max)]) for _ in range(3)
+    ]
+
+    def rate(ks: tuple[int, ...]) -> float:
+        tokens = sum(expected_tokens(c.rates, k) for c, k in zip(candidates, ks, strict=True))
+        return tokens / model.round_ns(list(ks))
+
+    best = max(
+        rate(ks)
+        for ks in itertools.product(range(k_max + 1), repeat=3)
+        if all(k <= c.cap for k, c in zip(ks, candidates, strict=True))
+    )
+    choice = choose_ks(candidates, model, k_max)
+    assert all(k <= c.cap for k, c in zip(choice.ks, candidates, strict=True))
+    assert rate(tuple(choice.ks)) >= 0.97 * best
+
+
+def test_policy_disables_by_batch_size_and_drafts_fully_until_timed() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4, disable_by_batch_size=3))
+    two = [Candidate(cap=4, rates=[0.9] * 4), Candidate(cap=2, rates=[0.9] * 4)]
+    assert policy.choose(two, batch_size=2) == [4, 2]  # no costs measured yet: full k
+    assert policy.choose([*two, Candidate(cap=4, rates=[0.9] * 4, fixed=4)], batch_size=3) == [0, 0, 0]
+
+
+def test_policy_learns_from_rounds_and_reports_gain() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    # Target-only and speculative rounds on a machine where verification is nearly free.
+    for ks in ([0], [4], [0], [4], [2]):
+        tokens = 1 + sum(ks)
+        verify_ns = int((20 + 0.1 * tokens) * MS)
+        draft_ns = int((1 + 2 * max(ks)) * MS) if max(ks) else 0
+        policy.observe_round(ks, draft_ns + verify_ns + int(0.5 * MS), draft_ns, verify_ns, 2 * max(ks) * MS, tokens)
+    assert policy.costs.ready
+    ks = policy.choose([Candidate(cap=4, rates=[0.9] * 4)], batch_size=1)
+    assert ks == [4]
+    assert policy.last_choice is not None and policy.last_choice.predicted_gain > 2.0
+    gain = policy.observe_round([4], int(30 * MS), int(9 * MS), int(20.5 * MS), int(8 * MS), 5)
+    assert gain == pytest.approx(5 / 30e6 / policy.last_choice.baseline_rate * 1e9)
+
+
+def test_policy_probes_after_a_long_stretch_without_drafts() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4, probe_every=5))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=20)
+    bad = [Candidate(cap=4, rates=[0.05] * 4)]
+    picks = [policy.choose(bad, batch_size=1)[0] for _ in range(10)]
+    assert picks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
