@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specd.serving import peak_rss_bytes
+
 if TYPE_CHECKING:
     from gateway.scheduler import RoundTimes
 
@@ -77,7 +79,8 @@ class GatewayMetrics:
         self.round_latency = Histogram(
             "specd_round_latency_seconds",
             "Round latency split into draft (drafter exchange), verify (verifier exchange) and overhead "
-            "(network, serialisation and gateway scheduling: the round minus both services' own time)",
+            "(network, serialisation and gateway scheduling: the round minus both services' own time); "
+            "drafter_forward and verifier_forward are the models' forward time inside those exchanges",
             ["phase"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -92,6 +95,9 @@ class GatewayMetrics:
             registry=r,
         )
         self._policy: Any = None
+        Gauge("specd_gateway_peak_rss_bytes", "Peak resident set size of the gateway process", registry=r).set_function(
+            peak_rss_bytes
+        )
         Gauge(
             "specd_spec_decode_predicted_gain",
             "Adaptive speculation: predicted tokens/s of the chosen ks over target-only, moving average",
@@ -118,6 +124,9 @@ class GatewayMetrics:
         self.round_latency.labels(phase="draft").observe(times.draft_ns / 1e9)
         self.round_latency.labels(phase="verify").observe(times.verify_ns / 1e9)
         self.round_latency.labels(phase="overhead").observe(max(0, times.overhead_ns) / 1e9)
+        # The models' own forward time, for the bound on speedup that `specd bench` reports.
+        self.round_latency.labels(phase="drafter_forward").observe(times.drafter_forward_ns / 1e9)
+        self.round_latency.labels(phase="verifier_forward").observe(times.verifier_forward_ns / 1e9)
         for drafted, accepted in proposals:
             if drafted == 0:
                 continue

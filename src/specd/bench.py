@@ -1,8 +1,22 @@
-"""`specd bench`: drive an OpenAI-compatible endpoint and report what users measure.
+"""`specd bench`: what speculation buys, measured in one run on one machine.
 
-Streams chat completions at a given concurrency and reports output tokens/s,
-TTFT, TPOT and inter-token latency percentiles; against a specd gateway it also
-reads /metrics before and after for the acceptance rate and mean acceptance length.
+Drives a running specd gateway (or any OpenAI-compatible server) with a workload
+at a sweep of concurrencies, in several modes per level so every ratio comes
+from the same run:
+
+- target: target-only through the same stack (`num_speculative_tokens: 0`);
+- fixed: k drafts every round (`num_speculative_tokens: k`);
+- auto: adaptive speculation (`num_speculative_tokens: "auto"`);
+- server: no specd extension field, whatever the server does (other servers);
+- hf / hf-target: the in-process peer, Hugging Face `generate` with an assistant
+  model (or prompt lookup) / alone, with the same models, k and prompts, one
+  request at a time (assisted generation supports batch size 1 only).
+
+Reports output tokens/s (aggregate and per user), TTFT, TPOT, inter-token latency
+and end-to-end percentiles, and from the gateway's /metrics the acceptance rate,
+mean acceptance length, per-position acceptance, round costs, the Leviathan et
+al. bound on speedup and the stack's efficiency against it. Writes a JSON file
+with every figure and PNG plots.
 """
 
 from __future__ import annotations
@@ -10,29 +24,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
+import os
+import platform
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.traces import percentile
-from specd.workloads import CHAT
+from specd.benchstats import (
+    RequestResult,
+    acceptance,
+    round_costs,
+    serial_schedule,
+    serial_wall_s,
+    speedup_bound,
+    summarize,
+)
+from specd.workloads import WORKLOADS, prompts_for
+
+HTTP_MODES = ("target", "fixed", "auto", "server")
+HF_MODES = ("hf", "hf-target")
 
 
-@dataclass
-class RequestResult:
-    ttft_s: float
-    e2e_s: float
-    completion_tokens: int
-    chunk_gaps_s: list[float] = field(default_factory=list)
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args: argparse.Namespace) -> RequestResult:
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: str, args: argparse.Namespace, extra: dict[str, Any]
+) -> RequestResult:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -40,13 +60,15 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args: 
         "temperature": args.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
     first = last = None
     gaps: list[float] = []
-    tokens = 0
+    tokens = prompt_tokens = 0
+    text: list[str] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
@@ -56,8 +78,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args: 
             payload = json.loads(line[6:])
             if payload.get("usage"):
                 tokens = payload["usage"]["completion_tokens"]
+                prompt_tokens = payload["usage"].get("prompt_tokens", 0)
             choices = payload.get("choices") or []
-            if choices and choices[0].get("delta", {}).get("content"):
+            content = choices[0].get("delta", {}).get("content") if choices else None
+            if content:
+                text.append(content)
                 now = time.perf_counter()
                 if first is None:
                     first = now
@@ -65,12 +90,12 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args: 
                     gaps.append(now - last)  # type: ignore[operator]
                 last = now
     end = time.perf_counter()
-    return RequestResult((first or end) - start, end - start, tokens, gaps)
+    return RequestResult((first or end) - start, end - start, tokens, gaps, "".join(text), prompt_tokens)
 
 
-async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+async def scrape(client: httpx.AsyncClient, url: str = "/metrics") -> dict[str, float]:
     try:
-        r = await client.get("/metrics")
+        r = await client.get(url)
     except httpx.HTTPError:
         return {}
     if r.status_code != 200:
@@ -83,65 +108,213 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     return values
 
 
-def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    drafts = delta("specd_spec_decode_num_drafts_total")
-    draft_tokens = delta("specd_spec_decode_num_draft_tokens_total")
-    accepted = delta("specd_spec_decode_num_accepted_tokens_total")
-    if not drafts:
-        return {}
-    per_pos = {}
-    for key in after:
-        if key.startswith("specd_spec_decode_num_accepted_tokens_per_pos_total|position="):
-            pos = int(key.rsplit("=", 1)[1])
-            per_pos[pos] = delta(key) / drafts
-    return {
-        "acceptance_rate": accepted / draft_tokens if draft_tokens else float("nan"),
-        "mean_acceptance_length": 1.0 + accepted / drafts,
-        "per_position_acceptance": [per_pos[p] for p in sorted(per_pos)],
-    }
+def mode_extra(mode: str, k: int) -> dict[str, Any]:
+    return {"target": {"num_speculative_tokens": 0}, "fixed": {"num_speculative_tokens": k}}.get(
+        mode, {"num_speculative_tokens": "auto"} if mode == "auto" else {}
+    )
 
 
-async def run_level(args: argparse.Namespace, prompts: list[str], concurrency: int) -> dict[str, Any]:
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout) as client:
-        model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        # One untimed request so first-call costs do not land in the figures.
-        await one_request(client, model, prompts[0], args)
+async def run_http(
+    args: argparse.Namespace, model: str, mode: str, prompts: list[str], concurrency: int
+) -> tuple[dict[str, Any], list[RequestResult]]:
+    from tqdm import tqdm
+
+    extra = mode_extra(mode, args.k)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
+        # Untimed requests so first-call costs (and, for auto, the cost model's start) stay out of the figures.
+        await asyncio.gather(*(one_request(client, model, p, args, extra) for p in prompts[: min(2, len(prompts))]))
         before = await scrape(client)
-        queue = list(prompts)
-        results: list[RequestResult] = []
+        results: list[RequestResult | None] = [None] * len(prompts)
+        next_index = iter(range(len(prompts)))
+        bar = tqdm(total=len(prompts), desc=f"{mode:>9} @ {concurrency:>3}", unit="req", file=sys.stderr, leave=False)
 
         async def worker() -> None:
-            while queue:
-                results.append(await one_request(client, model, queue.pop(0), args))
+            for i in next_index:
+                results[i] = await one_request(client, model, prompts[i], args, extra)
+                bar.update(1)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+        bar.close()
         after = await scrape(client)
-    tokens = sum(r.completion_tokens for r in results)
-    tpot = [(r.e2e_s - r.ttft_s) / (r.completion_tokens - 1) for r in results if r.completion_tokens > 1]
-    gaps = [g for r in results for g in r.chunk_gaps_s]
-    summary: dict[str, Any] = {
-        "concurrency": concurrency,
-        "requests": len(results),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "output_tokens_per_s": tokens / wall,
-        "output_tokens_per_s_per_user": statistics.mean(r.completion_tokens / r.e2e_s for r in results),
-    }
-    for name, values in (
-        ("ttft_ms", [r.ttft_s for r in results]),
-        ("tpot_ms", tpot),
-        ("itl_ms", gaps),
-        ("e2e_ms", [r.e2e_s for r in results]),
-    ):
-        for q in (50, 95, 99):
-            summary[f"{name}_p{q}"] = percentile(values, q) * 1000
-    summary.update(acceptance(before, after))
-    return summary
+    done = [r for r in results if r is not None]
+    row = {"mode": mode, "concurrency": concurrency, **summarize(done, wall)}
+    row.update(acceptance(before, after))
+    if after:
+        row.update(round_costs(before, after))
+    return row, done
+
+
+def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
+    """Speedup over target-only, and the Leviathan bound from single-stream model costs."""
+    target = {r["concurrency"]: r for r in rows if r["mode"] == "target"}
+    hf = {r["concurrency"]: r for r in rows if r["mode"] == "hf"}
+    for row in rows:
+        base = target.get(row["concurrency"])
+        if base is not None:
+            row["speedup_vs_target"] = row["output_tokens_per_s"] / base["output_tokens_per_s"]
+        peer = hf.get(row["concurrency"])
+        if peer is not None:
+            row["speedup_vs_hf"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
+        if row["mode"] != "fixed" or row["concurrency"] != 1 or base is None or "acceptance_rate" not in row:
+            continue
+        # At one client each round has one sequence, so per-round means are that
+        # sequence's costs: a target step is a target-only round's forward; the
+        # speculative run's rounds without a draft (each request's first) are
+        # target steps too and come out of its verify time.
+        target_step = base.get("round_verifier_forward_ms", float("nan"))
+        drafts, rounds = row["drafts"], row.get("rounds", 0)
+        if not drafts or not rounds:
+            continue
+        verify_total = row["round_verifier_forward_ms"] * rounds - (rounds - drafts) * target_step
+        draft_total = row["round_drafter_forward_ms"] * rounds
+        bound = speedup_bound(
+            row["acceptance_rate"], k, draft_total / row["draft_tokens"], verify_total / drafts, target_step
+        )
+        if bound:
+            row.update({f"bound_{key}": value for key, value in bound.items()})
+            row["efficiency_vs_bound"] = row["speedup_vs_target"] / bound["bound"]
+
+
+def compare_outputs(outputs: dict[tuple[str, int], list[RequestResult]]) -> dict[str, Any]:
+    """At temperature 0 every mode must produce the target's text; count where they differ."""
+    reference = None
+    for key in sorted(outputs):
+        if key[0] == "target":
+            reference = [r.text for r in outputs[key]]
+            break
+    if reference is None:
+        return {}
+    report = {}
+    for (mode, conc), results in sorted(outputs.items()):
+        texts = [r.text for r in results]
+        n = min(len(texts), len(reference))
+        report[f"{mode}@{conc}"] = sum(1 for a, b in zip(texts[:n], reference[:n], strict=True) if a != b)
+    return report
+
+
+COLUMNS = [
+    ("conc", "concurrency", "{:d}"),
+    ("mode", "mode", "{}"),
+    ("tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("tok/s/user", "output_tokens_per_s_per_user", "{:.1f}"),
+    ("vs target", "speedup_vs_target", "{:.2f}x"),
+    ("vs HF", "speedup_vs_hf", "{:.2f}x"),
+    ("TTFT p50", "ttft_ms_p50", "{:.0f}"),
+    ("TTFT p95", "ttft_ms_p95", "{:.0f}"),
+    ("TPOT p50", "tpot_ms_p50", "{:.1f}"),
+    ("ITL p50", "itl_ms_p50", "{:.1f}"),
+    ("ITL p95", "itl_ms_p95", "{:.1f}"),
+    ("ITL p99", "itl_ms_p99", "{:.1f}"),
+    ("E2E p50", "e2e_ms_p50", "{:.0f}"),
+    ("accept", "acceptance_rate", "{:.3f}"),
+    ("MAL", "mean_acceptance_length", "{:.2f}"),
+    ("mean k", "mean_k", "{:.2f}"),
+    ("bound", "bound_bound", "{:.2f}x"),
+    ("eff", "efficiency_vs_bound", "{:.2f}"),
+]
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
+        value = row.get(key)
+        if value is None or (isinstance(value, float) and value != value):
+            return "-"
+        return fmt.format(value)
+
+    table = [[c[0] for c in COLUMNS]] + [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n(latencies in ms; MAL = mean acceptance length; eff = speedup / bound)"
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    return info
+
+
+async def service_stats(args: argparse.Namespace, prompt_tokens: float) -> dict[str, Any]:
+    """Peak RSS and KV-cache bytes per sequence of each service whose metrics were given."""
+    stats: dict[str, Any] = {}
+    targets = [("gateway", args.base_url.rstrip("/") + "/metrics")]
+    for item in args.service_metrics.split(","):
+        if "=" in item:
+            name, url = item.split("=", 1)
+            targets.append((name.strip(), url.strip()))
+    async with httpx.AsyncClient(timeout=10) as client:
+        for name, url in targets:
+            values = await scrape(client, url)
+            service: dict[str, Any] = {}
+            for key, value in values.items():
+                if key.endswith("_peak_rss_bytes"):
+                    service["peak_rss_mib"] = value / 2**20
+                elif key.endswith("_kv_cache_bytes_per_token") and value:
+                    service["kv_bytes_per_token"] = value
+                    service["kv_bytes_per_sequence"] = value * (prompt_tokens + args.max_tokens)
+            if service:
+                stats[name] = service
+    return stats
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specd bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway (or any OpenAI-compatible server)")
+    p.add_argument("--model", default=None, help="model name; default: the first of /v1/models")
+    p.add_argument(
+        "--modes", default="target,fixed,auto,hf", help=f"comma-separated: {', '.join(HTTP_MODES + HF_MODES)}"
+    )
+    p.add_argument("-k", type=int, default=4, help="draft tokens per round for fixed mode and the HF peer")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
+    p.add_argument("--num-prompts", type=int, default=0, help="requests per level; default max(16, 2 x concurrency)")
+    p.add_argument("--workload", default="chat", help=f"bundled prompts: {', '.join(WORKLOADS)} or mixed")
+    p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': ...} or {'messages': [...]} instead")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--output-dir", default="bench-results", help="where the JSON file and plots go")
+    p.add_argument("--name", default="", help="a label for this run (file names, plot titles)")
+    p.add_argument(
+        "--service-metrics",
+        default="",
+        help="name=URL of the drafter's and verifier's --metrics-port, for peak RSS and KV bytes, e.g.\n"
+        "drafter=http://127.0.0.1:9101/metrics,verifier=http://127.0.0.1:9102/metrics",
+    )
+    hf = p.add_argument_group("the HF peer (modes hf, hf-target): use the same models as the stack")
+    hf.add_argument("--hf-target", default="embedded")
+    hf.add_argument("--hf-target-dtype", default="float32")
+    hf.add_argument("--hf-draft", default="embedded", help="assistant model, or 'ngram' for prompt lookup")
+    hf.add_argument("--hf-draft-dtype", default="bfloat16")
+    hf.add_argument("--hf-draft-quantize", default="int8", choices=["int8", "none"])
+    hf.add_argument("--hf-device", default="cpu")
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for mode in args.modes:
+        if mode not in HTTP_MODES + HF_MODES:
+            p.error(f"unknown mode {mode!r}; choose from {', '.join(HTTP_MODES + HF_MODES)}")
+    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not args.levels or min(args.levels) < 1:
+        p.error("--concurrency needs positive integers")
+    return args
 
 
 def load_prompts(args: argparse.Namespace) -> list[str]:
@@ -151,43 +324,96 @@ def load_prompts(args: argparse.Namespace) -> list[str]:
             if line.strip():
                 item = json.loads(line)
                 prompts.append(item["prompt"] if "prompt" in item else item["messages"][-1]["content"])
-    else:
-        prompts = list(CHAT)
-    return (prompts * (args.num_prompts // len(prompts) + 1))[: args.num_prompts]
+        if not prompts:
+            raise SystemExit(f"{args.dataset} holds no prompts")
+        return prompts
+    return list(prompts_for(args.workload))
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = [
-        ("conc", "concurrency", "{:d}"),
-        ("tok/s", "output_tokens_per_s", "{:.1f}"),
-        ("tok/s/user", "output_tokens_per_s_per_user", "{:.1f}"),
-        ("TTFT p50 ms", "ttft_ms_p50", "{:.0f}"),
-        ("TPOT p50 ms", "tpot_ms_p50", "{:.1f}"),
-        ("ITL p50 ms", "itl_ms_p50", "{:.1f}"),
-        ("ITL p95 ms", "itl_ms_p95", "{:.1f}"),
-        ("accept", "acceptance_rate", "{:.3f}"),
-        ("mean acc len", "mean_acceptance_length", "{:.2f}"),
-    ]
-    print(" | ".join(c[0] for c in cols))
-    for row in rows:
-        print(" | ".join(fmt.format(row[key]) if key in row else "-" for _, key, fmt in cols))
+def level_prompts(prompts: list[str], args: argparse.Namespace, concurrency: int) -> list[str]:
+    n = args.num_prompts or max(16, 2 * concurrency)
+    return (prompts * (n // len(prompts) + 1))[:n]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="specd bench", description=__doc__)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name; default: the first of /v1/models")
-    p.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,4,16")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
-    p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': ...} or {'messages': [...]}")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--output", default=None, help="write every figure to this JSON file")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
     prompts = load_prompts(args)
-    rows = [asyncio.run(run_level(args, prompts, int(c))) for c in args.concurrency.split(",")]
-    print_table(rows)
-    if args.output:
-        Path(args.output).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    name = args.name or f"{args.workload if not args.dataset else Path(args.dataset).stem}"
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    outputs: dict[tuple[str, int], list[RequestResult]] = {}
+    http_modes = [m for m in args.modes if m in HTTP_MODES]
+    model = args.model
+    if http_modes and model is None:
+        model = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    for concurrency in args.levels:
+        batch = level_prompts(prompts, args, concurrency)
+        for mode in http_modes:
+            row, results = asyncio.run(run_http(args, model, mode, batch, concurrency))
+            rows.append(row)
+            outputs[(mode, concurrency)] = results
+            print(f"{mode} @ {concurrency}: {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    hf_runs: dict[str, Any] = {}
+    for mode in [m for m in args.modes if m in HF_MODES]:
+        from tqdm import tqdm
+
+        from specd.hf_baseline import HfBaseline, HfConfig
+
+        config = HfConfig(
+            target=args.hf_target,
+            target_dtype=args.hf_target_dtype,
+            draft="none" if mode == "hf-target" else args.hf_draft,
+            draft_dtype=args.hf_draft_dtype,
+            draft_quantize=args.hf_draft_quantize,
+            device=args.hf_device,
+            k=args.k,
+        )
+        baseline = HfBaseline(config)
+        # One serial pass over the longest level's prompts serves every level: a
+        # batch-size-1 server's queueing at N clients follows from its solo timings.
+        longest = level_prompts(prompts, args, max(args.levels))
+        bar = tqdm(total=len(longest), desc=f"{mode:>9} (serial)", unit="req", file=sys.stderr, leave=False)
+        solo = baseline.run(longest, args.max_tokens, args.temperature, args.ignore_eos, bar)
+        bar.close()
+        hf_runs[mode] = baseline.name
+        del baseline
+        for concurrency in args.levels:
+            n = len(level_prompts(prompts, args, concurrency))
+            served = serial_schedule(solo[:n], concurrency)
+            row = {"mode": mode, "concurrency": concurrency, **summarize(served, serial_wall_s(solo[:n]))}
+            row["peer"] = hf_runs[mode]
+            rows.append(row)
+            outputs[(mode, concurrency)] = served
+    order = {m: i for i, m in enumerate(args.modes)}
+    rows.sort(key=lambda r: (r["concurrency"], order[r["mode"]]))
+    add_bounds(rows, args.k)
+    sent = [r for (mode, _), results in outputs.items() if mode in HTTP_MODES for r in results]
+    prompt_tokens = sum(r.prompt_tokens for r in sent) / len(sent) if sent else 0.0
+    report: dict[str, Any] = {
+        "name": name,
+        "command": "specd bench " + " ".join(sys.argv[2:] if argv is None else argv),
+        "machine": machine(),
+        "args": {k: v for k, v in vars(args).items() if k != "levels"},
+        "hf_peers": hf_runs,
+        "results": rows,
+    }
+    if http_modes:
+        report["services"] = asyncio.run(service_stats(args, prompt_tokens))
+    if args.temperature == 0:
+        report["output_mismatches_vs_target"] = compare_outputs(outputs)
+    print(format_table(rows))
+    if report.get("services"):
+        for service, stats in report["services"].items():
+            parts = [f"peak RSS {stats['peak_rss_mib']:.0f} MiB"] if "peak_rss_mib" in stats else []
+            if "kv_bytes_per_token" in stats:
+                parts.append(f"KV cache {stats['kv_bytes_per_token'] / 1024:.1f} KiB/token")
+            print(f"{service}: {', '.join(parts)}")
+    if report.get("output_mismatches_vs_target"):
+        print("requests whose text differs from target-only:", report["output_mismatches_vs_target"])
+    json_path = out_dir / f"bench-{name}.json"
+    json_path.write_text(json.dumps(report, indent=2, default=float))
+    from specd.benchplots import plot_all
+
+    plots = plot_all(rows, out_dir / f"plots-{name}", name)
+    print(f"wrote {json_path} and {', '.join(str(p) for p in plots)}")

@@ -62,7 +62,11 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-dtype", default="bfloat16")
     p.add_argument("--verifier-dtype", default="float32")
     p.add_argument("--quantize", choices=["auto", "int8", "none"], default="auto", help="draft model weights")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="most draft tokens per round")
+    p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
+    p.add_argument("--drafter-metrics-port", type=int, default=0, help="drafter's Prometheus port; 0: none")
+    p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
@@ -86,6 +90,7 @@ def up(argv: Sequence[str]) -> None:
             "--model", args.target_model,
             "--device", args.verifier_device,
             "--dtype", args.verifier_dtype,
+            "--metrics-port", str(args.verifier_metrics_port),
         ],
     }  # fmt: skip
     if args.drafter != "none":
@@ -98,6 +103,7 @@ def up(argv: Sequence[str]) -> None:
             "--device", args.drafter_device,
             "--dtype", args.drafter_dtype,
             "--quantize", args.quantize,
+            "--metrics-port", str(args.drafter_metrics_port),
         ]  # fmt: skip
     children["gateway"] = [
         "gateway",
@@ -108,6 +114,8 @@ def up(argv: Sequence[str]) -> None:
         "--drafter", f"{args.host}:{args.drafter_port}" if args.drafter != "none" else "",
         "--tokenizer", args.target_model,
         "--num-speculative-tokens", str(args.num_speculative_tokens),
+        "--speculative-mode", args.speculative_mode,
+        "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--max-batch", str(args.max_batch),
         *tracing,
     ]  # fmt: skip

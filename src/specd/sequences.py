@@ -132,3 +132,6 @@ class SequenceTable:
 
     def kv_bytes(self) -> int:
         return self.lm.cache.allocated_bytes() if self.lm is not None else 0
+
+    def kv_bytes_per_token(self) -> int:
+        return self.lm.cache.bytes_per_token() if self.lm is not None else 0

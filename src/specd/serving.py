@@ -211,6 +211,14 @@ class ServiceMetrics:
         Gauge(f"specd_{service}_kv_cache_bytes", "Bytes allocated for the KV cache", registry=r).set_function(
             engine.kv_bytes
         )
+        Gauge(
+            f"specd_{service}_kv_cache_bytes_per_token",
+            "KV-cache bytes one token of one sequence takes (all layers, keys and values)",
+            registry=r,
+        ).set_function(engine.table.kv_bytes_per_token)
+        Gauge(f"specd_{service}_peak_rss_bytes", "Peak resident set size of this process", registry=r).set_function(
+            peak_rss_bytes
+        )
 
     def observe(self, timing: RoundTiming | None) -> None:
         if timing is None:
@@ -222,6 +230,14 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size (Linux reports ru_maxrss in KiB, macOS in bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def trace_round(

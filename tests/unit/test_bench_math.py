@@ -1,10 +1,21 @@
+"""The arithmetic behind `specd bench`'s figures."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from specd.bench import acceptance
+from specd.bench import add_bounds, compare_outputs, format_table, mode_extra
+from specd.benchstats import (
+    RequestResult,
+    acceptance,
+    histogram_mean,
+    serial_schedule,
+    serial_wall_s,
+    speedup_bound,
+    summarize,
+)
 from specd.traces import percentile
 
 
@@ -30,4 +41,86 @@ def test_acceptance_from_counter_deltas():
     assert result["acceptance_rate"] == pytest.approx(0.75)
     assert result["mean_acceptance_length"] == pytest.approx(4.0)
     assert result["per_position_acceptance"] == [pytest.approx(0.9), pytest.approx(0.8)]
+    assert result["drafts"] == 10
     assert acceptance({}, {}) == {}
+
+
+def test_histogram_mean_between_scrapes():
+    before = {"h_sum|phase=verify": 1.0, "h_count|phase=verify": 2.0}
+    after = {"h_sum|phase=verify": 4.0, "h_count|phase=verify": 8.0}
+    assert histogram_mean(before, after, "h", "|phase=verify") == pytest.approx(0.5)
+    assert math.isnan(histogram_mean(before, before, "h", "|phase=verify"))
+
+
+def test_summarize_throughput_and_latency():
+    results = [
+        RequestResult(ttft_s=0.1, e2e_s=1.1, completion_tokens=11, chunk_gaps_s=[0.1] * 10),
+        RequestResult(ttft_s=0.3, e2e_s=2.3, completion_tokens=21, chunk_gaps_s=[0.2] * 10),
+    ]
+    s = summarize(results, wall_s=2.5)
+    assert s["output_tokens"] == 32
+    assert s["output_tokens_per_s"] == pytest.approx(32 / 2.5)
+    assert s["output_tokens_per_s_per_user"] == pytest.approx((11 / 1.1 + 21 / 2.3) / 2)
+    assert s["tpot_ms_p50"] == pytest.approx(100.0)  # both requests: 0.1 s per token after the first
+    assert s["ttft_ms_p50"] == pytest.approx(200.0)
+    assert s["itl_ms_p95"] == pytest.approx(200.0)
+    assert s["e2e_ms_p99"] == pytest.approx(1000 * (1.1 + 0.99 * 1.2))
+
+
+def test_serial_schedule_queues_closed_loop_clients():
+    solo = [RequestResult(0.1, 1.0, 10), RequestResult(0.2, 2.0, 10), RequestResult(0.1, 1.0, 10)]
+    one = serial_schedule(solo, 1)  # one client: no waiting at all
+    assert [r.e2e_s for r in one] == [1.0, 2.0, 1.0]
+    two = serial_schedule(solo, 2)
+    # Request 1 waits for request 0 (1 s); request 2 is sent when request 0 ends (t=1) and starts at t=3.
+    assert [r.ttft_s for r in two] == pytest.approx([0.1, 1.2, 2.1])
+    assert [r.e2e_s for r in two] == pytest.approx([1.0, 3.0, 3.0])
+    assert serial_wall_s(solo) == 4.0
+
+
+def test_speedup_bound_from_model_costs():
+    bound = speedup_bound(alpha=0.8, k=4, draft_step_ms=2.0, verify_ms=44.0, target_step_ms=40.0)
+    assert bound["c"] == pytest.approx(0.05)
+    assert bound["verify_ratio"] == pytest.approx(1.1)
+    assert bound["bound"] == pytest.approx(3.3616 / (4 * 0.05 + 1.1))
+    assert speedup_bound(0.8, 0, 1, 1, 1) == {}
+
+
+def test_add_bounds_uses_single_stream_costs():
+    target = {"mode": "target", "concurrency": 1, "output_tokens_per_s": 25.0, "round_verifier_forward_ms": 40.0}
+    fixed = {
+        "mode": "fixed",
+        "concurrency": 1,
+        "output_tokens_per_s": 50.0,
+        "acceptance_rate": 0.8,
+        "drafts": 10.0,
+        "draft_tokens": 40.0,
+        "rounds": 12.0,  # two requests' first rounds are target-only
+        # Means over all 12 rounds: 10 verifies of 5 tokens at 44 ms and 2 target steps at 40 ms.
+        "round_verifier_forward_ms": (10 * 44.0 + 2 * 40.0) / 12,
+        "round_drafter_forward_ms": 40 * 2.0 / 12,  # 40 draft steps of 2 ms
+    }
+    hf = {"mode": "hf", "concurrency": 1, "output_tokens_per_s": 40.0}
+    rows = [target, fixed, hf]
+    add_bounds(rows, k=4)
+    assert fixed["speedup_vs_target"] == pytest.approx(2.0)
+    assert fixed["speedup_vs_hf"] == pytest.approx(1.25)
+    assert fixed["bound_c"] == pytest.approx(0.05)
+    assert fixed["bound_verify_ratio"] == pytest.approx(1.1)
+    assert fixed["efficiency_vs_bound"] == pytest.approx(2.0 / (3.3616 / 1.3))
+    assert "x" in format_table(rows)
+
+
+def test_modes_map_to_the_request_extension():
+    assert mode_extra("target", 4) == {"num_speculative_tokens": 0}
+    assert mode_extra("fixed", 4) == {"num_speculative_tokens": 4}
+    assert mode_extra("auto", 4) == {"num_speculative_tokens": "auto"}
+    assert mode_extra("server", 4) == {}
+
+
+def test_compare_outputs_counts_differences_from_target():
+    def texts(*t):
+        return [RequestResult(0, 1, 1, [], x) for x in t]
+
+    outputs = {("target", 1): texts("a", "b"), ("fixed", 1): texts("a", "b"), ("hf", 1): texts("a", "c")}
+    assert compare_outputs(outputs) == {"fixed@1": 0, "hf@1": 1, "target@1": 0}
