@@ -277,7 +277,7 @@ def test_compose_services():
 # -- Kubernetes ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["cpu", "gpu"])
+@pytest.fixture(scope="module", params=["cpu", "gpu", "gpu-tls"])
 def rendered(request) -> tuple[str, list[dict[str, Any]]]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
@@ -332,18 +332,38 @@ def test_kubernetes_topology(rendered):
         assert container["args"] == [role]
         assert container["envFrom"][0]["configMapRef"]["name"] == config["metadata"]["name"]
         grpc_port = ports.get(role, 50050)
-        assert container["livenessProbe"]["grpc"]["port"] == grpc_port
-        assert container["startupProbe"]["grpc"]["port"] == grpc_port
-        if role != "gateway":
-            assert container["readinessProbe"]["grpc"]["port"] == grpc_port
+        probes = ["livenessProbe", "startupProbe"] + (["readinessProbe"] if role != "gateway" else [])
+        for probe in probes:
+            if overlay.endswith("-tls"):
+                # kubelet's gRPC probe has no TLS: `specd health` checks the certificate.
+                command = container[probe]["exec"]["command"]
+                assert command[:3] == ["specd", "health", f"127.0.0.1:{grpc_port}"], (name, probe)
+                assert command[3:] == ["--server-name", name]
+            else:
+                assert container[probe]["grpc"]["port"] == grpc_port, (name, probe)
+        if role == "gateway":
+            readiness = container["readinessProbe"]["httpGet"]
+            assert readiness["path"] == "/health"
+            assert readiness.get("scheme", "HTTP") == ("HTTPS" if overlay.endswith("-tls") else "HTTP")
         resources = container["resources"]
         assert "memory" in resources["requests"] and "memory" in resources["limits"]
         gpus = resources["limits"].get("nvidia.com/gpu")
-        if overlay == "gpu" and role != "gateway":
+        if overlay.startswith("gpu") and role != "gateway":
             assert gpus == "1" and container["image"].endswith(":cuda")
             assert config["data"][f"SPECD_{role.upper()}_DEVICE"] == "cuda"
         else:
             assert gpus is None
+    if overlay.endswith("-tls"):
+        for variable in ("TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"):
+            for role in ports:
+                assert config["data"][f"SPECD_{role.upper()}_{variable}"].startswith("/etc/specd/tls/")
+        assert config["data"]["SPECD_GATEWAY_BACKEND_TLS_CA"] == "/etc/specd/tls/ca.crt"
+        for deployment in deployments.values():
+            mounts = {
+                m["name"]: m["mountPath"]
+                for m in deployment["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+            }
+            assert mounts["tls"] == "/etc/specd/tls"
     if overlay == "cpu":
         assert not by_kind(docs, "PersistentVolumeClaim"), "the CPU overlay runs the embedded model, no volume"
         assert config["data"]["SPECD_VERIFIER_MODEL"] == "embedded"
