@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specd.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specd.serving import channel_options, fingerprint_from_pb
+from specd.tls import server_name_option
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +75,24 @@ def describe(exc: BaseException) -> str:
 
 
 class _Backend:
-    def __init__(self, address: str, name: str, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
+    ) -> None:
         self.address = address
         self.name = name
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        options = channel_options(max_message_bytes)
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            options += server_name_option(server_name)
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: common_pb2.ModelInfo | None = None
 
@@ -106,8 +120,15 @@ class _Backend:
 
 
 class VerifierClient(_Backend):
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
-        super().__init__(address, "verifier", timeout_s, max_message_bytes)
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
+    ) -> None:
+        super().__init__(address, "verifier", timeout_s, max_message_bytes, credentials, server_name)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Verify(), "verifier", timeout_s)
 
@@ -132,8 +153,15 @@ class VerifierClient(_Backend):
 
 
 class DrafterClient(_Backend):
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
-        super().__init__(address, "drafter", timeout_s, max_message_bytes)
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
+    ) -> None:
+        super().__init__(address, "drafter", timeout_s, max_message_bytes, credentials, server_name)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Draft(), "drafter", timeout_s)
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED

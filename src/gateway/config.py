@@ -36,6 +36,15 @@ class GatewayConfig:
     log_stats_interval_s: float = field(10.0, "seconds between speculation summary log lines; 0 disables them")
     otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
     trace_file: str = field("", "append spans as JSON lines to this file")
+    tls_cert: str = field("", "PEM certificate (chain): serve the HTTP and gRPC APIs over TLS")
+    tls_key: str = field("", "PEM private key of --tls-cert")
+    api_key: tuple[str, ...] = field(
+        (), "comma-separated API keys: HTTP and gRPC callers must send 'Authorization: Bearer KEY'", secret=True
+    )
+    backend_tls_ca: str = field("", "PEM CA that signed the drafter's and verifier's certificates: TLS to both")
+    backend_tls_cert: str = field("", "PEM client certificate for the backends (mutual TLS); needs --backend-tls-ca")
+    backend_tls_key: str = field("", "PEM private key of --backend-tls-cert")
+    backend_tls_server_name: str = field("", "name the backends' certificates are checked against; default: the host")
 
     def validate(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -44,6 +53,12 @@ class GatewayConfig:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if bool(self.backend_tls_cert) != bool(self.backend_tls_key):
+            raise ValueError("--backend-tls-cert and --backend-tls-key go together")
+        if self.backend_tls_cert and not self.backend_tls_ca:
+            raise ValueError("--backend-tls-cert (mutual TLS) needs --backend-tls-ca")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:

@@ -20,7 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.openai_api import OpenAIApi
 from gateway.scheduler import Scheduler
-from specd import models
+from specd import models, tls
 from specd.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specd.serving import channel_options, setup_logging
@@ -32,12 +32,13 @@ log = logging.getLogger(__name__)
 async def run(config: GatewayConfig) -> None:
     tokenizer = models.load_tokenizer(config.tokenizer)
     model_name = config.served_model_name or models.display_name(config.tokenizer)
-    verifier = VerifierClient(config.verifier, config.backend_timeout_s, config.max_message_bytes)
-    drafter = (
-        DrafterClient(config.drafter, config.backend_timeout_s, config.max_message_bytes)
-        if config.drafter and config.num_speculative_tokens > 0
-        else None
-    )
+    # Credentials first: a bad certificate path is a startup error, before any wait.
+    backend_tls = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
+    api_tls = tls.server_credentials(config.tls_cert, config.tls_key)
+    api_keys = tls.ApiKeys(config.api_key)
+    channel = (config.backend_timeout_s, config.max_message_bytes, backend_tls, config.backend_tls_server_name)
+    verifier = VerifierClient(config.verifier, *channel)
+    drafter = DrafterClient(config.drafter, *channel) if config.drafter and config.num_speculative_tokens > 0 else None
     backends: list[Any] = [verifier] + ([drafter] if drafter else [])
     for backend in backends:
         log.info("waiting for the %s at %s", backend.name, backend.address)
@@ -76,7 +77,8 @@ async def run(config: GatewayConfig) -> None:
     api = OpenAIApi(scheduler, tokenizer, model_name, health_status)
     grpc_server = None
     if config.grpc_port:
-        grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+        interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
+        grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayServicer(scheduler, tokenizer, model_name), grpc_server
         )
@@ -84,13 +86,22 @@ async def run(config: GatewayConfig) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
         reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
-        if grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}") == 0:
-            raise OSError(f"cannot listen on {config.host}:{config.grpc_port}")
+        tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}", api_tls)
         await grpc_server.start()
         for service in ("", name):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    # /health answers probes and /metrics scrapers without a key; neither shows prompts or outputs.
+    app = tls.http_api_key_middleware(api.app(), api_keys, open_paths=("/health", "/metrics"))
     server = uvicorn.Server(
-        uvicorn.Config(api.app(), host=config.host, port=config.http_port, log_level="warning", lifespan="off")
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            lifespan="off",
+            ssl_certfile=config.tls_cert or None,
+            ssl_keyfile=config.tls_key or None,
+        )
     )
     # uvicorn's own signal handlers would stop only the HTTP side.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -99,12 +110,15 @@ async def run(config: GatewayConfig) -> None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     log.info(
-        "gateway ready: model %r, k=%d, HTTP http://%s:%d/v1, gRPC %s",
+        "gateway ready: model %r, k=%d, HTTP %s://%s:%d/v1, gRPC %s%s%s",
         model_name,
         config.num_speculative_tokens,
+        "https" if api_tls else "http",
         config.host,
         config.http_port,
         f"{config.host}:{config.grpc_port}" if grpc_server else "off",
+        " (TLS)" if grpc_server and api_tls else "",
+        ", API key required" if api_keys.enabled else "",
     )
     try:
         await server.serve()
@@ -122,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level)
     try:
         asyncio.run(run(config))
-    except (BackendError, models.ModelLoadError) as exc:
+    except (BackendError, models.ModelLoadError, tls.TlsConfigError) as exc:
         log.error("%s", exc)
         sys.exit(2)
 

@@ -14,6 +14,7 @@ commands:
   drafter     run the drafter service
   verifier    run the verifier service
   gateway     run the gateway (OpenAI-compatible HTTP + gRPC)
+  health      check a service's gRPC health (exit 0 when SERVING), for probes
   bench       benchmark a running gateway (or any OpenAI-compatible server)
   traces      summarise a --trace-file (or OTLP JSON) per service and round phase
 
@@ -36,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from specd.bench import main as run
     elif command == "traces":
         from specd.traces import main as run
+    elif command == "health":
+        from specd.health import main as run
     elif command == "up":
         run = up
     else:
@@ -71,6 +74,20 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
     p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
+    tls = p.add_argument_group(
+        "TLS", "one server certificate for all three services (its names must cover --host or --tls-server-name)"
+    )
+    tls.add_argument("--tls-cert", default="", help="PEM certificate: every gRPC hop and the HTTP API use TLS")
+    tls.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    tls.add_argument("--tls-ca", default="", help="PEM CA that signed --tls-cert (and --tls-client-cert)")
+    tls.add_argument(
+        "--tls-client-cert",
+        default="",
+        help="mutual TLS: the gateway's client certificate; drafter and verifier "
+        "then refuse clients without a certificate signed by --tls-ca",
+    )
+    tls.add_argument("--tls-client-key", default="", help="PEM private key of --tls-client-cert")
+    tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
     return p
 
@@ -78,7 +95,14 @@ def _up_parser() -> argparse.ArgumentParser:
 def up(argv: Sequence[str]) -> None:
     from specd.launch import Launcher  # imports grpc; keep `specd --help` light
 
-    args = _up_parser().parse_args(argv)
+    parser = _up_parser()
+    args = parser.parse_args(argv)
+    if len({bool(args.tls_cert), bool(args.tls_key), bool(args.tls_ca)}) > 1:
+        parser.error("--tls-cert, --tls-key and --tls-ca go together")
+    if bool(args.tls_client_cert) != bool(args.tls_client_key) or (args.tls_client_cert and not args.tls_cert):
+        parser.error("--tls-client-cert and --tls-client-key go together, and need --tls-cert")
+    server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
+    backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     draft_model = args.draft_model or args.target_model
     tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
     common = ["--host", args.host, "--max-context", str(args.max_context), *tracing]
@@ -91,6 +115,7 @@ def up(argv: Sequence[str]) -> None:
             "--device", args.verifier_device,
             "--dtype", args.verifier_dtype,
             "--metrics-port", str(args.verifier_metrics_port),
+            *backend_tls,
         ],
     }  # fmt: skip
     if args.drafter != "none":
@@ -104,6 +129,7 @@ def up(argv: Sequence[str]) -> None:
             "--dtype", args.drafter_dtype,
             "--quantize", args.quantize,
             "--metrics-port", str(args.drafter_metrics_port),
+            *backend_tls,
         ]  # fmt: skip
     children["gateway"] = [
         "gateway",
@@ -118,12 +144,23 @@ def up(argv: Sequence[str]) -> None:
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--max-batch", str(args.max_batch),
         *tracing,
+        *server_tls,
     ]  # fmt: skip
+    if args.tls_ca:
+        children["gateway"] += ["--backend-tls-ca", args.tls_ca, "--backend-tls-server-name", args.tls_server_name]
+    if args.tls_client_cert:
+        children["gateway"] += ["--backend-tls-cert", args.tls_client_cert, "--backend-tls-key", args.tls_client_key]
     health = {
         "verifier": f"{args.host}:{args.verifier_port}",
         "drafter": f"{args.host}:{args.drafter_port}",
         "gateway": f"{args.host}:{args.grpc_port}",
     }
+    from specd.tls import TlsConfigError, channel_credentials
+
+    try:
+        credentials = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     launcher = Launcher()
     signal.signal(signal.SIGTERM, lambda *_: launcher.request_stop())
     signal.signal(signal.SIGINT, lambda *_: launcher.request_stop())
@@ -137,9 +174,10 @@ def up(argv: Sequence[str]) -> None:
         for name, child_args in children.items():
             launcher.spawn(name, [sys.executable, "-m", "specd.cli", *child_args])
         for name in children:
-            launcher.wait_healthy(name, health[name], args.startup_timeout)
+            launcher.wait_healthy(name, health[name], args.startup_timeout, credentials, args.tls_server_name)
+        scheme = "https" if args.tls_cert else "http"
         print(
-            f"specd is up: OpenAI API at http://{args.host}:{args.http_port}/v1, "
+            f"specd is up: OpenAI API at {scheme}://{args.host}:{args.http_port}/v1, "
             f"gRPC gateway at {args.host}:{args.grpc_port} (Ctrl-C stops)",
             flush=True,
         )

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -
             parse = _parse_list
         if env in os.environ:
             default = parse(os.environ[env])
-        help_text = f"{f.metadata.get('help', '')} (env {env}; default {default!r})"
+        shown = "set" if f.metadata.get("secret") and default else repr(default)
+        help_text = f"{f.metadata.get('help', '')} (env {env}; default {shown})"
         if kind is bool:
             parser.add_argument(flag, type=_parse_bool, nargs="?", const=True, default=default, help=help_text)
         else:
@@ -66,8 +67,9 @@ def parse(cls: type[T], env_prefix: str, argv: Sequence[str] | None, prog: str, 
         raise  # unreachable: parser.error exits
 
 
-def field(default: Any, help: str, choices: Sequence[str] | None = None) -> Any:
-    metadata: dict[str, Any] = {"help": help}
+def field(default: Any, help: str, choices: Sequence[str] | None = None, secret: bool = False) -> Any:
+    """A config field; `secret` keeps its value (say, from the environment) out of --help."""
+    metadata: dict[str, Any] = {"help": help, "secret": secret}
     if choices:
         metadata["choices"] = list(choices)
     if isinstance(default, (list, tuple)):
@@ -96,7 +98,14 @@ class ModelServiceConfig:
     otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
     trace_file: str = field("", "append spans as JSON lines to this file")
     metrics_port: int = field(0, "serve Prometheus metrics over HTTP on this port; 0 disables")
+    tls_cert: str = field("", "PEM certificate (chain) to serve gRPC over TLS; empty serves plaintext")
+    tls_key: str = field("", "PEM private key of --tls-cert")
+    tls_client_ca: str = field("", "PEM CA: require client certificates it signed (mutual TLS); needs --tls-cert")
 
     def validate(self) -> None:
         if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:
             raise ValueError("max_sequences >= 1, max_context >= 2 and max_draft_tokens >= 0 are required")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")

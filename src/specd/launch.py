@@ -7,7 +7,8 @@ import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.health import check
 
 
 class Launcher:
@@ -27,24 +28,28 @@ class Launcher:
             if code is not None:
                 raise RuntimeError(f"the {name} exited with code {code} (its log is above)")
 
-    def wait_healthy(self, name: str, address: str, timeout_s: float) -> None:
+    def wait_healthy(
+        self,
+        name: str,
+        address: str,
+        timeout_s: float,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str = "",
+    ) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                if self._stop:
-                    raise RuntimeError("interrupted during startup")
-                self._check_alive()
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        print(f"specd up: {name} is healthy at {address}", file=sys.stderr, flush=True)
-                        return
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the {name} was not healthy at {address} after {timeout_s:.0f}s")
-                time.sleep(0.5)
+        while True:
+            if self._stop:
+                raise RuntimeError("interrupted during startup")
+            self._check_alive()
+            try:
+                if check(address, credentials, server_name, timeout_s=1.0) == "SERVING":
+                    print(f"specd up: {name} is healthy at {address}", file=sys.stderr, flush=True)
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {name} was not healthy at {address} after {timeout_s:.0f}s")
+            time.sleep(0.5)
 
     def supervise(self) -> int:
         """Block until a stop is requested (exit 0) or a child dies (exit 1)."""

@@ -24,6 +24,7 @@ from specd.models import ModelLoadError
 from specd.proto.speculative.v1 import common_pb2
 from specd.sampling import SamplingParams
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist
+from specd.tls import add_port, server_credentials
 from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -285,6 +286,8 @@ def run_service(
     log.info("loading the %s: model %s on %s", name, config.model, config.device)
     runner = EngineRunner(name)
     try:
+        # Before the model loads: a bad certificate path should not cost a model load.
+        credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         engine, info = runner.call(build, config)
     except (ModelLoadError, ValueError) as exc:
         log.error("cannot start the %s: %s", name, exc)
@@ -299,6 +302,7 @@ def run_service(
             config.port,
             config.max_message_bytes,
             lambda server: register(server, engine, info, runner, tracing, metrics),
+            credentials=credentials,
         )
     )
     tracing.shutdown()
@@ -311,20 +315,20 @@ async def serve(
     max_message_bytes: int,
     register: Callable[[grpc.aio.Server], Iterable[str]],
     grace_s: float = 5.0,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> None:
-    """Start a gRPC server with health checking and reflection; run until SIGTERM/SIGINT."""
+    """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
     server = grpc.aio.server(options=channel_options(max_message_bytes))
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
+    add_port(server, address, credentials)
     await server.start()
     for service in ["", *service_names]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s", name, address)
+    log.info("%s serving on %s (%s)", name, address, "TLS" if credentials is not None else "plaintext")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
