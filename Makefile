@@ -30,7 +30,7 @@ test: install
 	$(BIN)/pytest
 
 bench: install
-	scripts/bench_single_stream.sh
+	scripts/bench.sh
 
 lint: install
 	$(BIN)/ruff check --fix src tests scripts
