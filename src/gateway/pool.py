@@ -128,6 +128,7 @@ class _Pool:
         self.info: common_pb2.ModelInfo | None = None
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
         self._monitor: asyncio.Task[None] | None = None
+        self._dns_errors: dict[Endpoint, str] = {}
 
     # -- membership -----------------------------------------------------
     async def resolve(self) -> None:
@@ -140,10 +141,14 @@ class _Pool:
                 try:
                     addresses = await self._resolver(endpoint.host, endpoint.port)
                 except OSError as exc:
-                    # A transient DNS failure must not drain every replica of the name.
-                    log.warning("resolving %s failed: %s; keeping its replicas", endpoint.host, exc)
+                    # A transient DNS failure must not drain every replica of the name. A Service
+                    # has no records until its first pod is ready: say so once, not every retry.
+                    if self._dns_errors.get(endpoint) != str(exc):
+                        log.warning("resolving %s failed: %s; keeping its replicas", endpoint.host, exc)
+                    self._dns_errors[endpoint] = str(exc)
                     seen.update(a for a, r in self.replicas.items() if r.endpoint == endpoint)
                     continue
+                self._dns_errors.pop(endpoint, None)
             for address in addresses:
                 seen.add(address)
                 replica = self.replicas.get(address)

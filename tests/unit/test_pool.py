@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.backends import BackendError
-from gateway.pool import DrafterPool, Endpoint, PoolCollector, VerifierPool, parse_endpoints
+from gateway.config import GatewayConfig
+from gateway.pool import DrafterPool, Endpoint, PoolCollector, VerifierPool, parse_endpoints, resolve_host
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 T = TypeVar("T")
@@ -411,3 +412,17 @@ def test_per_replica_metrics() -> None:
         await pool.close()
 
     run(go())
+
+
+def test_resolve_host_lists_every_address_with_the_port() -> None:
+    addresses = run(resolve_host("localhost", 50052))
+    assert "127.0.0.1:50052" in addresses
+    assert all(a.endswith(":50052") for a in addresses)
+
+
+def test_gateway_flags_take_lists_and_reject_malformed_entries(capsys) -> None:
+    config = GatewayConfig.from_args(["--verifier", "a:1,dns:///svc:2", "--drafter", ""])
+    assert [e.dns for e in parse_endpoints(config.verifier)] == [False, True]
+    with pytest.raises(SystemExit):
+        GatewayConfig.from_args(["--verifier", "a:1,dns:///svc"])
+    assert "bad backend endpoint 'dns:///svc'" in capsys.readouterr().err
