@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.pool import parse_endpoints
 from specd import configuration
 from specd.configuration import field
 
@@ -14,8 +15,18 @@ class GatewayConfig:
     host: str = field("127.0.0.1", "address to listen on (HTTP and gRPC)")
     http_port: int = field(8000, "OpenAI-compatible HTTP port")
     grpc_port: int = field(50050, "gRPC GatewayService port; 0 disables it")
-    verifier: str = field("127.0.0.1:50052", "verifier service address host:port")
-    drafter: str = field("127.0.0.1:50051", "drafter service address host:port; empty serves target-only")
+    verifier: str = field(
+        "127.0.0.1:50052",
+        "verifier replicas: comma-separated host:port, or dns:///NAME:PORT for every address NAME resolves to "
+        "(a headless Service); each sequence stays on one replica, new ones go to the least loaded healthy one",
+    )
+    drafter: str = field(
+        "127.0.0.1:50051", "drafter replicas, as --verifier (placed independently of it); empty serves target-only"
+    )
+    backend_health_interval_s: float = field(
+        1.5, "seconds between health checks of each replica; a failed one takes no new sequences until it passes"
+    )
+    backend_resolve_interval_s: float = field(10.0, "seconds between re-resolving dns:/// backend names")
     tokenizer: str = field("embedded", "tokenizer of the target: a local HF directory, a .gguf file, or 'embedded'")
     served_model_name: str = field("", "model name in the API; default: derived from --tokenizer")
     num_speculative_tokens: int = field(4, "most draft tokens per sequence per round (k); 0 is target-only")
@@ -51,6 +62,12 @@ class GatewayConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
+        if self.backend_health_interval_s <= 0 or self.backend_resolve_interval_s <= 0:
+            raise ValueError("backend_health_interval_s and backend_resolve_interval_s must be > 0")
+        parse_endpoints(self.verifier)  # raises ValueError naming a malformed entry
+        parse_endpoints(self.drafter)
+        if not parse_endpoints(self.verifier):
+            raise ValueError("--verifier needs at least one endpoint")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if bool(self.tls_cert) != bool(self.tls_key):

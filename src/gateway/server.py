@@ -15,10 +15,11 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.backends import BackendError, DrafterClient, VerifierClient, check_compatible
+from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
 from gateway.openai_api import OpenAIApi
+from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.scheduler import Scheduler
 from specd import models, tls
 from specd.fingerprint import TokenizerFingerprint
@@ -37,8 +38,17 @@ async def run(config: GatewayConfig) -> None:
     api_tls = tls.server_credentials(config.tls_cert, config.tls_key)
     api_keys = tls.ApiKeys(config.api_key)
     channel = (config.backend_timeout_s, config.max_message_bytes, backend_tls, config.backend_tls_server_name)
-    verifier = VerifierClient(config.verifier, *channel)
-    drafter = DrafterClient(config.drafter, *channel) if config.drafter and config.num_speculative_tokens > 0 else None
+    intervals = {
+        "health_interval_s": config.backend_health_interval_s,
+        "resolve_interval_s": config.backend_resolve_interval_s,
+    }
+    # Pools stand where single clients stood: one replica is a pool of one.
+    verifier = verifier_pool(config.verifier, *channel, **intervals)
+    drafter = (
+        drafter_pool(config.drafter, *channel, **intervals)
+        if config.drafter and config.num_speculative_tokens > 0
+        else None
+    )
     backends: list[Any] = [verifier] + ([drafter] if drafter else [])
     for backend in backends:
         log.info("waiting for the %s at %s", backend.name, backend.address)
@@ -58,6 +68,7 @@ async def run(config: GatewayConfig) -> None:
         speculative_mode=config.speculative_mode,
         disable_by_batch_size=config.speculative_disable_by_batch_size,
     )
+    scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)
 
     async def health_status() -> dict[str, Any]:
@@ -68,10 +79,12 @@ async def run(config: GatewayConfig) -> None:
             "drafter": "disabled",
             "running": scheduler.num_running,
             "waiting": scheduler.num_waiting,
+            "verifier_replicas": verifier.status(),
         }
         if drafter is not None:
             status["drafter"] = "ok" if await drafter.healthy() else "unavailable"
             status["drafter_kind"] = common_pb2.DrafterKind.Name(drafter.kind)
+            status["drafter_replicas"] = drafter.status()
         return status
 
     api = OpenAIApi(scheduler, tokenizer, model_name, health_status)

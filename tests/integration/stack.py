@@ -106,7 +106,8 @@ def start_backend(kind: str, args: list[str], log_dir: Path) -> Service:
     return service
 
 
-def start_gateway(verifier: Service, drafter: Service | None, args: list[str], log_dir: Path) -> Service:
+def start_gateway(verifier: Service | str, drafter: Service | str | None, args: list[str], log_dir: Path) -> Service:
+    """A gateway over these backends; a string is passed as is (several replicas: "a:1,b:2")."""
     http_port, grpc_port = free_port(), free_port()
     gateway = spawn(
         "gateway",
@@ -114,8 +115,8 @@ def start_gateway(verifier: Service, drafter: Service | None, args: list[str], l
             "--host", HOST,
             "--http-port", str(http_port),
             "--grpc-port", str(grpc_port),
-            "--verifier", verifier.address,
-            "--drafter", drafter.address if drafter else "",
+            "--verifier", verifier if isinstance(verifier, str) else verifier.address,
+            "--drafter", drafter if isinstance(drafter, str) else drafter.address if drafter else "",
             *args,
         ],
         log_dir,

@@ -322,7 +322,8 @@ def test_kubernetes_topology(rendered):
         assert service["spec"]["clusterIP"] == "None", "drafter and verifier Services are headless"
         assert service["spec"]["ports"][0]["port"] == port
         assert config["data"][f"SPECD_{role.upper()}_PORT"] == str(port)
-        assert config["data"][f"SPECD_GATEWAY_{role.upper()}"] == f"specd-{role}:{port}"
+        # The dns form: the gateway resolves the headless Service to every ready pod.
+        assert config["data"][f"SPECD_GATEWAY_{role.upper()}"] == f"dns:///specd-{role}:{port}"
     assert services["specd-gateway"]["spec"].get("clusterIP") != "None"
     for name, deployment in deployments.items():
         role = name.removeprefix("specd-")

@@ -1,0 +1,160 @@
+"""Two drafters and two verifiers behind one gateway: sequences spread over all four, greedy
+output stays the target's own, and a verifier that stops only moves new requests to the other."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import stack as st
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "Translate to French: good morning",
+    '{"name": "specd", "version":',
+    "1, 2, 3, 4, 5,",
+    "Speculative decoding makes large models",
+    "Q: What is 2 + 2?\nA:",
+    "a",
+    "Hello",
+]
+MAX_TOKENS = 16
+
+
+@dataclass
+class Replicas:
+    verifiers: list[st.Service]
+    drafters: list[st.Service]
+    metrics_ports: dict[str, int]  # service address -> its --metrics-port
+    gateway: st.Service
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dirs, log_dir) -> Iterator[Replicas]:
+    started: list[st.Service] = []
+    metrics_ports: dict[str, int] = {}
+    try:
+        # Spawn all four before waiting for any: model loading overlaps. The tiny draft model
+        # almost never agrees with the target, so the second drafter serves the target itself:
+        # sequences placed there have every draft accepted, and both paths cross the pools.
+        for kind, model, extra in [
+            ("verifier", model_dirs["target"], []),
+            ("verifier", model_dirs["target"], []),
+            ("drafter", model_dirs["draft"], ["--quantize", "none"]),
+            ("drafter", model_dirs["target"], ["--quantize", "none"]),
+        ]:
+            port, metrics_port = st.free_port(), st.free_port()
+            args = ["--host", st.HOST, "--port", str(port), "--model", str(model), "--dtype", "float32"]
+            args += ["--metrics-port", str(metrics_port), *extra]
+            started.append(st.spawn(kind, args, log_dir, port))
+            metrics_ports[started[-1].address] = metrics_port
+        for service in started:
+            try:
+                st.wait_grpc_healthy(service.address, service.proc)
+            except Exception:
+                raise RuntimeError(f"{service.name} failed to start:\n{service.output()}") from None
+        verifiers = [s for s in started if s.name == "verifier"]
+        drafters = [s for s in started if s.name == "drafter"]
+        gateway = st.start_gateway(
+            ",".join(v.address for v in verifiers),
+            ",".join(d.address for d in drafters),
+            [
+                "--tokenizer", str(model_dirs["target"]),
+                "--num-speculative-tokens", "4",
+                "--speculative-mode", "fixed",
+                "--backend-health-interval-s", "0.5",
+            ],
+            log_dir,
+        )  # fmt: skip
+        started.append(gateway)
+        yield Replicas(verifiers, drafters, metrics_ports, gateway)
+    finally:
+        for service in reversed(started):
+            service.stop()
+
+
+@pytest.fixture(scope="module")
+def references(tok, tiny_target) -> dict[str, list[int]]:
+    refs = {}
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        out = tiny_target.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        refs[prompt] = out[0, len(ids) :].tolist()
+    return refs
+
+
+def scrape(url: str) -> dict[str, float]:
+    return {
+        s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text)
+        for s in family.samples
+    }
+
+
+def complete_texts(gateway: st.Service, prompts: list[str]) -> list[str]:
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    return asyncio.run(run())
+
+
+def test_sequences_spread_over_every_replica_and_stay_exact(replicas, references, tok):
+    texts = complete_texts(replicas.gateway, PROMPTS)
+    for prompt, text in zip(PROMPTS, texts, strict=True):
+        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+    gateway = scrape(st.base_url(replicas.gateway) + "/metrics")
+    for service in [*replicas.verifiers, *replicas.drafters]:
+        key = f"specd_backend_sequences_placed_total{{address={service.address}}}{{service={service.name}}}"
+        assert gateway[key] >= 1, (service.name, service.address, gateway)
+        assert gateway[f"specd_backend_up{{address={service.address}}}{{service={service.name}}}"] == 1
+        # The service itself ran rounds for them, not just opened them.
+        own = scrape(f"http://{st.HOST}:{replicas.metrics_ports[service.address]}/metrics")
+        assert own[f"specd_{service.name}_rounds_total"] >= 1, (service.name, service.address)
+    assert gateway["specd_spec_decode_num_accepted_tokens_total"] > 0
+    health = httpx.get(st.base_url(replicas.gateway) + "/health").json()
+    assert [r["healthy"] for r in health["verifier_replicas"]] == [True, True]
+    assert [r["open_sequences"] for r in health["drafter_replicas"]] == [0, 0]
+
+
+def test_a_stopped_verifier_replica_takes_no_new_requests(replicas, references, tok):
+    stopped, other = replicas.verifiers
+    stopped.stop()
+    # Requests right after the failure: an open on the dead replica moves to the other one.
+    prompts = PROMPTS[:4]
+    texts = complete_texts(replicas.gateway, prompts)
+    for prompt, text in zip(prompts, texts, strict=True):
+        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+    deadline = time.monotonic() + 10
+    while True:
+        health = httpx.get(st.base_url(replicas.gateway) + "/health")
+        states = {r["address"]: r["healthy"] for r in health.json()["verifier_replicas"]}
+        if not states[stopped.address] or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert health.status_code == 200 and states == {stopped.address: False, other.address: True}
+    before = scrape(st.base_url(replicas.gateway) + "/metrics")
+    texts = complete_texts(replicas.gateway, PROMPTS[4:8])
+    for prompt, text in zip(PROMPTS[4:8], texts, strict=True):
+        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+    after = scrape(st.base_url(replicas.gateway) + "/metrics")
+    placed = "specd_backend_sequences_placed_total{{address={}}}{{service=verifier}}"
+    assert after[placed.format(other.address)] - before[placed.format(other.address)] == 4
+    assert after[placed.format(stopped.address)] == before[placed.format(stopped.address)]
+    assert after[f"specd_backend_up{{address={stopped.address}}}{{service=verifier}}"] == 0
