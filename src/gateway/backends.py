@@ -19,6 +19,9 @@ from specd.serving import channel_options, fingerprint_from_pb
 
 log = logging.getLogger(__name__)
 
+# Tokens a drafter's open may prefill per drafter deadline before it counts as stalled.
+PREFILL_TOKENS_PER_DEADLINE = 4096
+
 
 class BackendError(Exception):
     """A backend could not be reached or answered out of protocol."""
@@ -145,8 +148,12 @@ class DrafterClient(_Backend):
         return reply.model
 
     async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
+        # Opening prefills every committed token, which takes longer than a draft
+        # round: the short drafter deadline grows with the tokens to prefill.
+        tokens = sum(len(s.prompt_token_ids) for s in specs)
         reply = await self.stub.OpenDraftSequences(
-            drafter_pb2.OpenDraftSequencesRequest(sequences=specs), timeout=self.timeout_s
+            drafter_pb2.OpenDraftSequencesRequest(sequences=specs),
+            timeout=self.timeout_s * (1 + tokens / PREFILL_TOKENS_PER_DEADLINE),
         )
         return list(reply.results)
 

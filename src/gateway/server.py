@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.backends import BackendError, DrafterClient, VerifierClient, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
+from gateway.limits import RateLimiter
 from gateway.openai_api import OpenAIApi
 from gateway.scheduler import Scheduler
 from specd import models
@@ -34,7 +35,7 @@ async def run(config: GatewayConfig) -> None:
     model_name = config.served_model_name or models.display_name(config.tokenizer)
     verifier = VerifierClient(config.verifier, config.backend_timeout_s, config.max_message_bytes)
     drafter = (
-        DrafterClient(config.drafter, config.backend_timeout_s, config.max_message_bytes)
+        DrafterClient(config.drafter, config.drafter_timeout_s, config.max_message_bytes)
         if config.drafter and config.num_speculative_tokens > 0
         else None
     )
@@ -47,25 +48,39 @@ async def run(config: GatewayConfig) -> None:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
     scheduler = Scheduler(
-        tokenizer, verifier, drafter, config.num_speculative_tokens, config.max_batch, eos, tracing=tracing
+        tokenizer,
+        verifier,
+        drafter,
+        config.num_speculative_tokens,
+        config.max_batch,
+        eos,
+        tracing=tracing,
+        max_waiting=config.max_waiting,
+        request_timeout_s=config.request_timeout_s,
     )
     scheduler.start(config.log_stats_interval_s)
 
     async def health_status() -> dict[str, Any]:
         verifier_ok = await verifier.healthy()
         status: dict[str, Any] = {
-            "status": "ok" if verifier_ok else "unavailable",
+            "status": "draining" if scheduler.draining else "ok" if verifier_ok else "unavailable",
             "verifier": "ok" if verifier_ok else "unavailable",
             "drafter": "disabled",
             "running": scheduler.num_running,
             "waiting": scheduler.num_waiting,
         }
-        if drafter is not None:
-            status["drafter"] = "ok" if await drafter.healthy() else "unavailable"
+        if drafter is not None and scheduler.drafter_link is not None:
+            # Whether the gateway uses the drafter now, not whether it answers a
+            # health check: a drafter is taken back only after one.
+            link = scheduler.drafter_link
+            status["drafter"] = link.status()
             status["drafter_kind"] = common_pb2.DrafterKind.Name(drafter.kind)
+            status["speculation"] = "on" if link.up else "off (target-only until the drafter is back)"
+            if not link.up:
+                status["drafter_error"] = link.last_error
         return status
 
-    api = OpenAIApi(scheduler, tokenizer, model_name, health_status)
+    api = OpenAIApi(scheduler, tokenizer, model_name, health_status, RateLimiter(config.rate_limit))
     grpc_server = None
     if config.grpc_port:
         grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes))
@@ -82,14 +97,40 @@ async def run(config: GatewayConfig) -> None:
         for service in ("", name):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     server = uvicorn.Server(
-        uvicorn.Config(api.app(), host=config.host, port=config.http_port, log_level="warning", lifespan="off")
+        uvicorn.Config(
+            api.app(),
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            lifespan="off",
+            # In-flight requests already had the grace period (see drain below).
+            timeout_graceful_shutdown=1,
+        )
     )
     # uvicorn's own signal handlers would stop only the HTTP side.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
+    shutdown: list[asyncio.Task[None]] = []
+
+    async def drain() -> None:
+        """Stop admitting, give in-flight requests the grace period, fail the rest, then stop serving."""
+        log.info("stopping: no new requests; %d in flight get %.0f s", scheduler.num_running, config.shutdown_grace_s)
+        scheduler.drain()
+        stops = [asyncio.create_task(grpc_server.stop(config.shutdown_grace_s))] if grpc_server else []
+        deadline = loop.time() + config.shutdown_grace_s
+        while not scheduler.idle and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await scheduler.stop()
+        await asyncio.gather(*stops)
+        server.should_exit = True
+
+    def on_signal() -> None:
+        if not shutdown:
+            shutdown.append(asyncio.create_task(drain(), name="specd-drain"))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, on_signal)
     log.info(
         "gateway ready: model %r, k=%d, HTTP http://%s:%d/v1, gRPC %s",
         model_name,
