@@ -44,7 +44,8 @@ class RoundStream:
             try:
                 await asyncio.wait_for(self._call.write(request), self._timeout_s)
                 response = await asyncio.wait_for(self._call.read(), self._timeout_s)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                # InvalidStateError: the call ended (its peer died) since the last round.
                 self._reset()
                 raise BackendError(f"{self._name} round failed: {describe(exc)}") from exc
             except BaseException:

@@ -68,6 +68,8 @@ class DrafterLink:
         if not self.up:
             return
         self.up = False
+        # Rounds start on a fresh stream once it is back: this one may be dead or mid-exchange.
+        self.drafter.rounds.close()
         self._streak += 1
         self._up_gauge.set(0)
         log.warning("drafter lost (%s); its sequences continue target-only", reason)
@@ -77,7 +79,9 @@ class DrafterLink:
         delay = min(self._max_backoff_s, self._first_backoff_s * 2 ** (self._streak - 1))
         while True:
             await asyncio.sleep(delay)
-            if await self.drafter.healthy(timeout_s=self.drafter.timeout_s):
+            # Closing the stale ids before it counts as up means no sequence the
+            # scheduler opens there afterwards can be closed by mistake.
+            if await self.drafter.healthy(timeout_s=self.drafter.timeout_s) and await self._close_stale():
                 break
             delay = min(self._max_backoff_s, delay * 2)
         self.up = True
@@ -91,6 +95,12 @@ class DrafterLink:
 
         Returns False (and marks the drafter down again) if the drafter fails.
         """
+        if await self._close_stale():
+            return True
+        self.mark_down("closing stale sequences failed", ())
+        return False
+
+    async def _close_stale(self) -> bool:
         if not self.stale:
             return True
         ids = sorted(self.stale)
@@ -98,7 +108,7 @@ class DrafterLink:
             await self.drafter.close_sequences(ids)
         except Exception as exc:
             if not not_found_error(exc):
-                self.mark_down(f"close failed: {exc}", ())
+                log.debug("closing stale sequences on the drafter failed: %s", exc)
                 return False
         self.stale.difference_update(ids)
         return True
