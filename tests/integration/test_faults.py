@@ -327,7 +327,9 @@ def test_rate_limit_per_api_key(gateway_for):
     assert 200 in burst("bob")  # another key has its own budget
 
 
-SOAK_REQUESTS = int(os.environ.get("SPECD_SOAK_REQUESTS", "240"))
+# 100 requests take about three minutes on a busy 2-core machine; the issue's
+# 1,000 is SPECD_SOAK_REQUESTS=1000.
+SOAK_REQUESTS = int(os.environ.get("SPECD_SOAK_REQUESTS", "100"))
 SOAK_CONCURRENCY = int(os.environ.get("SPECD_SOAK_CONCURRENCY", "32"))
 SOAK_CANCEL_RATE = 0.15
 
@@ -340,6 +342,7 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+@pytest.mark.slow
 def test_soak_with_random_cancellations(gateway_for, backends, tok, references):
     """SPECD_SOAK_REQUESTS requests at SPECD_SOAK_CONCURRENCY, some cancelled mid-stream."""
     gateway = gateway_for(4)
@@ -392,7 +395,7 @@ def test_soak_with_random_cancellations(gateway_for, backends, tok, references):
             await asyncio.wait_for(asyncio.gather(*(bounded(*p) for p in requests)), 600)
 
     procs = {"verifier": verifier.proc.pid, "drafter": drafter.proc.pid, "gateway": gateway.proc.pid}
-    warm = max(SOAK_CONCURRENCY * 2, SOAK_REQUESTS // 5)
+    warm = max(SOAK_CONCURRENCY, SOAK_REQUESTS // 3)
     t0 = time.monotonic()
     asyncio.run(run(plan[:warm]))
     wait_closed(verifier, drafter)
