@@ -107,8 +107,9 @@ async def run(config: GatewayConfig) -> None:
             timeout_graceful_shutdown=1,
         )
     )
-    # uvicorn's own signal handlers would stop only the HTTP side.
+    # uvicorn's own signal handlers would stop only the HTTP side, at once.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
     shutdown: list[asyncio.Task[None]] = []
 

@@ -311,6 +311,39 @@ def test_request_timeout_fails_clearly_and_frees_the_sequence(gateway_for, backe
     wait_closed(*backends)
 
 
+def test_gateway_sigterm_finishes_in_flight_requests_and_exits_0(backends, model_dirs, log_dir, tok, references):
+    verifier, drafter = backends
+    gateway = st.start_gateway(
+        verifier,
+        drafter,
+        ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--shutdown-grace-s", "60"],
+        log_dir,
+    )
+    try:
+
+        async def run() -> tuple[list[str], int]:
+            async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
+                started = [asyncio.Event() for _ in PROMPTS[:4]]
+                tasks = [
+                    asyncio.create_task(stream_text(client, p, LONGEST, e))
+                    for p, e in zip(PROMPTS[:4], started, strict=True)
+                ]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+                gateway.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                body = {"model": MODEL, "prompt": "late", "max_tokens": 4}
+                late = (await client.post("/v1/completions", json=body)).status_code
+                return await asyncio.gather(*tasks), late
+
+        texts, late = asyncio.run(run())
+        assert texts == [expected_text(tok, references, p, LONGEST) for p in PROMPTS[:4]]
+        assert late == 503  # draining: no new requests
+        assert gateway.proc.wait(30) == 0
+    finally:
+        gateway.stop()
+    wait_closed(verifier, drafter)
+
+
 def test_rate_limit_per_api_key(gateway_for):
     gateway = gateway_for(4, "--rate-limit", "2")
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "temperature": 0}
