@@ -22,7 +22,14 @@ import stack as st
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.proto.speculative.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specd.proto.speculative.v1 import (
+    drafter_pb2,
+    drafter_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
 
 MODEL = "target"
 PROMPTS = [
@@ -265,6 +272,12 @@ def test_verifier_killed_fails_fast_then_recovers(own_stack, model_dirs, log_dir
     # A request while it is down is refused at once with 503.
     r = httpx.post(st.base_url(gateway) + "/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
     assert r.status_code == 503 and "error" in r.json()
+    with grpc.insecure_channel(f"{st.HOST}:{gateway.grpc_port}") as ch:
+        stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+        params = gateway_pb2.GenerationParams(max_tokens=4, temperature=0.0)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(gateway_pb2.GenerateRequest(prompt="Hi", params=params), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
     own_stack["verifier"] = backend(
         "verifier", model_args(model_dirs["target"], "verifier"), log_dir, port=verifier.port
