@@ -167,6 +167,7 @@ def own_stack(model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
             s.stop()
 
 
+@pytest.mark.slow  # 25-100 s here, by machine load: it restarts the drafter and waits for the gateway
 def test_drafter_killed_mid_stream_costs_no_request(own_stack, model_dirs, log_dir, tok, references):
     gateway, drafter, verifier = own_stack["gateway"], own_stack["drafter"], own_stack["verifier"]
     prompts = (PROMPTS * 2)[:16]
