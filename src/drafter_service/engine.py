@@ -50,6 +50,8 @@ class _DrafterBase:
                     raise invalid(f"sequence {task.sequence_id!r} appears twice in one round")
                 seen.add(task.sequence_id)
                 state = self.table.get(task.sequence_id)
+                if task.num_draft_tokens < 0:
+                    raise invalid(f"num_draft_tokens must be >= 0, got {task.num_draft_tokens}")
                 if task.num_draft_tokens > self.max_draft_tokens:
                     raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
                 self.table.check_tokens(task.new_tokens, "new tokens")

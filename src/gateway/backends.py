@@ -20,6 +20,9 @@ from specd.tls import server_name_option
 
 log = logging.getLogger(__name__)
 
+# Tokens a drafter's open may prefill per drafter deadline before it counts as stalled.
+PREFILL_TOKENS_PER_DEADLINE = 4096
+
 
 class BackendError(Exception):
     """A backend could not be reached or answered out of protocol."""
@@ -42,7 +45,8 @@ class RoundStream:
             try:
                 await asyncio.wait_for(self._call.write(request), self._timeout_s)
                 response = await asyncio.wait_for(self._call.read(), self._timeout_s)
-            except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError) as exc:
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                # InvalidStateError: the call ended (its peer died) since the last round.
                 self._reset()
                 raise BackendError(f"{self._name} round failed: {describe(exc)}") from exc
             except BaseException:
@@ -173,8 +177,12 @@ class DrafterClient(_Backend):
         return reply.model
 
     async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
+        # Opening prefills every committed token, which takes longer than a draft
+        # round: the short drafter deadline grows with the tokens to prefill.
+        tokens = sum(len(s.prompt_token_ids) for s in specs)
         reply = await self.stub.OpenDraftSequences(
-            drafter_pb2.OpenDraftSequencesRequest(sequences=specs), timeout=self.timeout_s
+            drafter_pb2.OpenDraftSequencesRequest(sequences=specs),
+            timeout=self.timeout_s * (1 + tokens / PREFILL_TOKENS_PER_DEADLINE),
         )
         return list(reply.results)
 

@@ -40,7 +40,14 @@ class GatewayConfig:
         0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"
     )
     max_batch: int = field(32, "most sequences in one round")
-    backend_timeout_s: float = field(60.0, "deadline for each backend call and round exchange")
+    backend_timeout_s: float = field(60.0, "deadline for each verifier call and round exchange")
+    drafter_timeout_s: float = field(
+        5.0, "deadline for each drafter call and round; past it the gateway continues target-only"
+    )
+    request_timeout_s: float = field(600.0, "a request not finished by then fails (HTTP 504); 0 disables")
+    max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
+    rate_limit: float = field(0.0, "requests per second per API key (Authorization: Bearer); 0 disables")
+    shutdown_grace_s: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     connect_timeout_s: float = field(300.0, "how long to wait for the backends at startup")
     max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
     log_level: str = field("INFO", "logging level")
@@ -76,6 +83,10 @@ class GatewayConfig:
             raise ValueError("--backend-tls-cert and --backend-tls-key go together")
         if self.backend_tls_cert and not self.backend_tls_ca:
             raise ValueError("--backend-tls-cert (mutual TLS) needs --backend-tls-ca")
+        if self.drafter_timeout_s <= 0 or self.backend_timeout_s <= 0:
+            raise ValueError("drafter_timeout_s and backend_timeout_s must be > 0")
+        if self.max_waiting < 0 or self.request_timeout_s < 0 or self.rate_limit < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("max_waiting, request_timeout_s, rate_limit and shutdown_grace_s must be >= 0")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:

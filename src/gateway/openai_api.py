@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.limits import RateLimiter, api_key
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.scheduler import Delta, Failed, Finished, GenerationError, GenerationParams, Scheduler, _Sequence
 
@@ -37,8 +38,11 @@ def error_response(status: int, message: str, code: str | None = None, param: st
 class OpenAIApi:
     """Routes and handlers; `health` reports backend readiness."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Any, model_name: str, health: Any) -> None:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Any, model_name: str, health: Any, limiter: RateLimiter | None = None
+    ) -> None:
         self.scheduler = scheduler
+        self.limiter = limiter or RateLimiter(0)
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.health = health
@@ -48,6 +52,8 @@ class OpenAIApi:
         app = FastAPI(title="specd gateway", version="0.1.0")
         app.add_exception_handler(RequestValidationError, self._invalid)
         app.add_exception_handler(StarletteHTTPException, self._http_error)
+        if self.limiter.enabled:
+            app.middleware("http")(self._rate_limit)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -69,6 +75,14 @@ class OpenAIApi:
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
+
+    async def _rate_limit(self, request: Request, call_next: Any) -> Response:
+        limited = request.method == "POST" and request.url.path.startswith("/v1/")
+        if limited and not await self.limiter.allow(api_key(request.headers.get("authorization"))):
+            return error_response(
+                429, f"rate limit of {self.limiter.rate:g} requests/s for this API key", "rate_limit_exceeded"
+            )
+        return await call_next(request)
 
     # -- routes ----------------------------------------------------------
     async def models(self) -> dict[str, Any]:

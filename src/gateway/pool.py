@@ -342,7 +342,7 @@ class _Pool:
                 results[spec.sequence_id] = common_pb2.OpenResult(
                     sequence_id=spec.sequence_id,
                     error=common_pb2.SequenceError(
-                        code=common_pb2.ERROR_CODE_INTERNAL,
+                        code=common_pb2.ERROR_CODE_UNAVAILABLE,
                         message=f"no {self.service} replica could open it: {reason}",
                     ),
                 )
@@ -430,7 +430,7 @@ class _Pool:
                 for i in idx:
                     items[i] = self._error_item(
                         request.tasks[i].sequence_id,
-                        common_pb2.ERROR_CODE_INTERNAL,
+                        common_pb2.ERROR_CODE_UNAVAILABLE,
                         f"{self.service} replica {replica.address} failed: {problem}",
                     )
                 continue

@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from gateway.backends import BackendError, DrafterClient, VerifierClient
 from gateway.detokenize import TextStream
+from gateway.drafter_link import DrafterLink, not_found_error
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -44,6 +45,8 @@ class GenerationError(Exception):
 
 
 CANCELLED = GenerationError(499, "the client closed the request", "cancelled")
+# How often a sequence is re-opened on a drafter that answers it has lost it.
+MAX_DRAFTER_REJOINS = 3
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class _Sequence:
     wants_drafter: bool = False  # to be opened on the drafter once it has its first token
     on_drafter: bool = False  # open on the drafter (must be closed there)
     speculating: bool = False  # the drafter still drafts for it
+    drafter_rejoins: int = 0  # re-opened on the drafter after it lost the sequence
+    deadline: float = 0.0  # time.monotonic() by which the request must end; 0 = none
     cancelled: bool = False
     done: bool = False
     drafted: int = 0
@@ -146,6 +151,8 @@ class Scheduler:
         tracing: Tracing | None = None,
         speculative_mode: str = "auto",
         disable_by_batch_size: int = 0,
+        max_waiting: int = 0,
+        request_timeout_s: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.verifier = verifier
@@ -175,6 +182,12 @@ class Scheduler:
         self.speculative_mode = speculative_mode
         self.policy = SpeculationPolicy(PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size))
         self.metrics.bind_policy(self.policy)
+        self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        self.draining = False
+        self.drafter_link = (
+            DrafterLink(drafter, self.metrics.registry, self._wakeup.set) if drafter is not None else None
+        )
 
     # -- lifecycle ------------------------------------------------------
     def start(self, stats_interval_s: float = 0.0) -> None:
@@ -193,6 +206,8 @@ class Scheduler:
             before = after
 
     async def stop(self) -> None:
+        if self.drafter_link is not None:
+            await self.drafter_link.stop()
         if self._stats_task is not None:
             self._stats_task.cancel()
         if self._task is not None:
@@ -207,6 +222,7 @@ class Scheduler:
         self, prompt: list[int], params: GenerationParams, trace_parent: Mapping[str, str] | None = None
     ) -> _Sequence:
         """Validate and enqueue; raises GenerationError for requests that cannot fit."""
+        self._check_admission()
         if not prompt:
             raise GenerationError(400, "the prompt is empty")
         if len(prompt) >= self.max_context:
@@ -237,6 +253,8 @@ class Scheduler:
             stream=TextStream(self.tokenizer, params.stop),
             tokens=list(prompt),
         )
+        if self.request_timeout_s > 0:
+            seq.deadline = time.monotonic() + self.request_timeout_s
         if self.tracing.enabled:
             seq.span = self.tracing.start(
                 "specd.request",
@@ -260,12 +278,40 @@ class Scheduler:
         """Yield the sequence's events until it finishes; cancels it if the consumer stops early."""
         try:
             while True:
-                event = await seq.events.get()
+                event = await self._next_event(seq)
                 yield event
                 if isinstance(event, Finished | Failed):
                     return
         finally:
             self.cancel(seq)
+
+    def _check_admission(self) -> None:
+        """Refuse at once what would only wait: a full queue, or a gateway shutting down."""
+        if self.draining:
+            raise GenerationError(503, "the gateway is shutting down", "service_unavailable")
+        if self.max_waiting and len(self.waiting) >= self.max_waiting:
+            raise GenerationError(
+                429, f"the gateway is overloaded: {len(self.waiting)} requests are already waiting", "overloaded"
+            )
+
+    async def _next_event(self, seq: _Sequence) -> Event:
+        if not seq.deadline:
+            return await seq.events.get()
+        try:
+            return await asyncio.wait_for(seq.events.get(), max(0.0, seq.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            # events() cancels the sequence on the way out, which frees it on both services.
+            return Failed(
+                GenerationError(504, f"the request did not finish within {self.request_timeout_s:g} s", "timeout")
+            )
+
+    def drain(self) -> None:
+        """Stop admitting requests; those already submitted go on."""
+        self.draining = True
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.waiting
 
     @property
     def num_running(self) -> int:
@@ -350,12 +396,18 @@ class Scheduler:
         joining = [s for s in batch if s.wants_drafter and not s.on_drafter and s.output and not s.done]
         if not joining or self.drafter is None:
             return
+        if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
+            return  # they stay wanting: they join once the drafter is back
         for s in joining:
             s.wants_drafter = False  # one attempt; on failure the sequence runs target-only
         try:
             results = await self.drafter.open([self._spec(s) for s in joining])
+            if [r.sequence_id for r in results] != [s.id for s in joining]:
+                raise BackendError("the drafter answered an open out of protocol")
         except Exception as exc:
-            log.warning("drafter open failed, %d sequences run target-only: %s", len(joining), exc)
+            for s in joining:
+                s.wants_drafter = True
+            self._drafter_failed(f"open failed: {exc}", [s.id for s in joining])
             return
         for s, r in zip(joining, results, strict=True):
             if r.error.code:
@@ -415,10 +467,18 @@ class Scheduler:
                 reply = await self.drafter.draft(request)
             except BackendError as exc:
                 # Speculation is an optimisation: without drafts the round still makes progress.
-                log.warning("drafting skipped this round: %s", exc)
+                self._drafter_failed(str(exc))
             else:
                 drafter_ns, drafter_forward_ns = reply.timings.total_ns, reply.timings.forward_ns
-                for s, proposal in zip(to_draft, reply.proposals, strict=True):
+                if [p.sequence_id for p in reply.proposals] != [s.id for s in to_draft]:
+                    self._drafter_failed("the drafter answered a round out of protocol")
+                    reply.ClearField("proposals")
+                elif self.drafter_link is not None:
+                    self.drafter_link.succeeded()
+                for s, proposal in zip(to_draft, reply.proposals, strict=False):
+                    if proposal.error.code in LOST_ON_DRAFTER:
+                        self._rejoin_drafter(s, proposal.error.message)
+                        continue
                     if proposal.error.code:
                         log.warning("drafter refused %s: %s; continuing target-only", s.id, proposal.error.message)
                         s.speculating = False
@@ -457,10 +517,13 @@ class Scheduler:
         emitted = 0
         for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
             k = len(task.draft_token_ids)
-            if result.error.code:
-                self._fail(
-                    s, GenerationError(500, f"verifier refused the round: {result.error.message}", "internal_error")
-                )
+            if result.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and k > 0:
+                # The verifier checks a round before changing anything, so bad drafts
+                # cost this sequence one round; it goes on target-only.
+                log.warning("verifier refused drafts for %s: %s; continuing target-only", s.id, result.error.message)
+                s.speculating = False
+            elif result.error.code:
+                self._fail(s, verifier_round_error(result.error))
             else:
                 proposals.append((k, result.num_accepted))
                 s.drafted += k
@@ -579,8 +642,38 @@ class Scheduler:
         closes = [self._close_quietly(self.verifier, [s.id for s in seqs])]
         on_drafter = [s.id for s in seqs if s.on_drafter]
         if on_drafter and self.drafter is not None:
-            closes.append(self._close_quietly(self.drafter, on_drafter))
+            closes.append(self._close_on_drafter(on_drafter))
         await asyncio.gather(*closes)
+
+    async def _close_on_drafter(self, ids: list[str]) -> None:
+        assert self.drafter is not None and self.drafter_link is not None
+        try:
+            await self.drafter.close_sequences(ids)
+        except Exception as exc:
+            if not_found_error(exc):
+                return
+            # Closed once the drafter answers again, before any id is reused there.
+            self.drafter_link.stale.update(ids)
+            log.debug("close on the drafter failed: %s", exc)
+
+    # -- drafter failures -------------------------------------------------
+    def _drafter_failed(self, reason: str, also_open: Sequence[str] = ()) -> None:
+        """Continue every sequence target-only; they re-open on the drafter once it is back."""
+        assert self.drafter_link is not None
+        lost = [s for s in self.active if s.on_drafter]
+        for s in lost:
+            s.on_drafter = s.speculating = False
+            s.wants_drafter = True
+        self.drafter_link.mark_down(reason, [*(s.id for s in lost), *also_open])
+
+    def _rejoin_drafter(self, seq: _Sequence, reason: str) -> None:
+        """The drafter lost this sequence (it restarted between two rounds): open it there again."""
+        assert self.drafter_link is not None
+        log.warning("drafter lost %s (%s); re-opening it there", seq.id, reason)
+        seq.on_drafter = seq.speculating = False
+        seq.wants_drafter = seq.drafter_rejoins < MAX_DRAFTER_REJOINS
+        seq.drafter_rejoins += 1
+        self.drafter_link.stale.add(seq.id)
 
     @staticmethod
     async def _close_quietly(backend: Any, ids: list[str]) -> None:
@@ -590,10 +683,31 @@ class Scheduler:
             log.debug("close on %s failed: %s", getattr(backend, "name", backend), exc)
 
 
+LOST_ON_DRAFTER = (
+    common_pb2.ERROR_CODE_NOT_FOUND,
+    common_pb2.ERROR_CODE_FAILED_PRECONDITION,
+    common_pb2.ERROR_CODE_UNAVAILABLE,  # its drafter replica failed: re-open it on another
+)
+
+
+def verifier_round_error(error: common_pb2.SequenceError) -> GenerationError:
+    """The HTTP-level error for a sequence the verifier refused in a round."""
+    if error.code in (
+        common_pb2.ERROR_CODE_NOT_FOUND,
+        common_pb2.ERROR_CODE_FAILED_PRECONDITION,
+        common_pb2.ERROR_CODE_UNAVAILABLE,
+    ):
+        # A restarted or unreachable verifier has lost the sequence: the request cannot go on, a new one can.
+        return GenerationError(503, f"the verifier lost the sequence: {error.message}", "service_unavailable")
+    return GenerationError(500, f"verifier refused the round: {error.message}", "internal_error")
+
+
 def open_error(error: common_pb2.SequenceError) -> GenerationError:
     """The HTTP-level error for a sequence the verifier would not open."""
     if error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT:
         return GenerationError(400, error.message)
     if error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED:
         return GenerationError(503, f"the verifier is full: {error.message}", "service_unavailable")
+    if error.code == common_pb2.ERROR_CODE_UNAVAILABLE:
+        return GenerationError(503, f"no verifier could open the sequence: {error.message}", "service_unavailable")
     return GenerationError(500, f"the verifier could not open the sequence: {error.message}", "internal_error")

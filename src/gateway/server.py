@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
+from gateway.limits import RateLimiter
 from gateway.openai_api import OpenAIApi
 from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.scheduler import Scheduler
@@ -45,7 +46,7 @@ async def run(config: GatewayConfig) -> None:
     # Pools stand where single clients stood: one replica is a pool of one.
     verifier = verifier_pool(config.verifier, *channel, **intervals)
     drafter = (
-        drafter_pool(config.drafter, *channel, **intervals)
+        drafter_pool(config.drafter, config.drafter_timeout_s, *channel[1:], **intervals)
         if config.drafter and config.num_speculative_tokens > 0
         else None
     )
@@ -67,6 +68,8 @@ async def run(config: GatewayConfig) -> None:
         tracing=tracing,
         speculative_mode=config.speculative_mode,
         disable_by_batch_size=config.speculative_disable_by_batch_size,
+        max_waiting=config.max_waiting,
+        request_timeout_s=config.request_timeout_s,
     )
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)
@@ -74,20 +77,26 @@ async def run(config: GatewayConfig) -> None:
     async def health_status() -> dict[str, Any]:
         verifier_ok = await verifier.healthy()
         status: dict[str, Any] = {
-            "status": "ok" if verifier_ok else "unavailable",
+            "status": "draining" if scheduler.draining else "ok" if verifier_ok else "unavailable",
             "verifier": "ok" if verifier_ok else "unavailable",
             "drafter": "disabled",
             "running": scheduler.num_running,
             "waiting": scheduler.num_waiting,
             "verifier_replicas": verifier.status(),
         }
-        if drafter is not None:
-            status["drafter"] = "ok" if await drafter.healthy() else "unavailable"
+        if drafter is not None and scheduler.drafter_link is not None:
+            # Whether the gateway uses the drafter now, not whether it answers a
+            # health check: a drafter is taken back only after one.
+            link = scheduler.drafter_link
+            status["drafter"] = link.status()
             status["drafter_kind"] = common_pb2.DrafterKind.Name(drafter.kind)
             status["drafter_replicas"] = drafter.status()
+            status["speculation"] = "on" if link.up else "off (target-only until the drafter is back)"
+            if not link.up:
+                status["drafter_error"] = link.last_error
         return status
 
-    api = OpenAIApi(scheduler, tokenizer, model_name, health_status)
+    api = OpenAIApi(scheduler, tokenizer, model_name, health_status, RateLimiter(config.rate_limit))
     grpc_server = None
     if config.grpc_port:
         interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
@@ -114,14 +123,35 @@ async def run(config: GatewayConfig) -> None:
             lifespan="off",
             ssl_certfile=config.tls_cert or None,
             ssl_keyfile=config.tls_key or None,
+            # In-flight requests already had the grace period (see drain below).
+            timeout_graceful_shutdown=1,
         )
     )
-    # uvicorn's own signal handlers would stop only the HTTP side.
+    # uvicorn's own signal handlers would stop only the HTTP side, at once.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
     loop = asyncio.get_running_loop()
+    shutdown: list[asyncio.Task[None]] = []
+
+    async def drain() -> None:
+        """Stop admitting, give in-flight requests the grace period, fail the rest, then stop serving."""
+        log.info("stopping: no new requests; %d in flight get %.0f s", scheduler.num_running, config.shutdown_grace_s)
+        scheduler.drain()
+        stops = [asyncio.create_task(grpc_server.stop(config.shutdown_grace_s))] if grpc_server else []
+        deadline = loop.time() + config.shutdown_grace_s
+        while not scheduler.idle and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        await scheduler.stop()
+        await asyncio.gather(*stops)
+        server.should_exit = True
+
+    def on_signal() -> None:
+        if not shutdown:
+            shutdown.append(asyncio.create_task(drain(), name="specd-drain"))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, on_signal)
     log.info(
         "gateway ready: model %r, k=%d, HTTP %s://%s:%d/v1, gRPC %s%s%s",
         model_name,

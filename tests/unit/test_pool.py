@@ -236,7 +236,7 @@ def test_a_failed_replica_costs_only_its_sequences_and_takes_no_new_ones() -> No
         reply = await pool.verify(verify_request(ids))
         for result in reply.results:
             if pool.replica_of(result.sequence_id) == bad.address:
-                assert result.error.code == common_pb2.ERROR_CODE_INTERNAL
+                assert result.error.code == common_pb2.ERROR_CODE_UNAVAILABLE
                 assert "verifier replica 127.0.0.1:2 failed" in result.error.message
             else:
                 assert not result.error.code and result.next_token_id == 1
@@ -333,7 +333,7 @@ def test_drafter_pool_splits_drafts() -> None:
         assert [p.sequence_id for p in reply.proposals] == ["c", "b", "a"]
         for p in reply.proposals:
             if pool.replica_of(p.sequence_id) == "127.0.0.1:1":
-                assert p.error.code == common_pb2.ERROR_CODE_INTERNAL and not p.token_ids
+                assert p.error.code == common_pb2.ERROR_CODE_UNAVAILABLE and not p.token_ids
             else:
                 assert list(p.token_ids) == [2, 2]
         await pool.close()

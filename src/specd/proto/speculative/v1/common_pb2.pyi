@@ -21,6 +21,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_RESOURCE_EXHAUSTED: _ClassVar[ErrorCode]
     ERROR_CODE_FAILED_PRECONDITION: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
 DRAFTER_KIND_UNSPECIFIED: DrafterKind
 DRAFTER_KIND_MODEL: DrafterKind
 DRAFTER_KIND_NGRAM: DrafterKind
@@ -30,6 +31,7 @@ ERROR_CODE_INVALID_ARGUMENT: ErrorCode
 ERROR_CODE_RESOURCE_EXHAUSTED: ErrorCode
 ERROR_CODE_FAILED_PRECONDITION: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_UNAVAILABLE: ErrorCode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
