@@ -119,6 +119,12 @@ class _Backend:
     def fingerprint(self) -> TokenizerFingerprint | None:
         return fingerprint_from_pb(self.info.tokenizer) if self.info is not None else None
 
+    def reset_rounds(self) -> None:
+        """Drop the round stream (it may be dead or mid-exchange); the next round opens a fresh one."""
+        rounds = getattr(self, "rounds", None)
+        if rounds is not None:
+            rounds.close()
+
     async def close(self) -> None:
         await self.channel.close()
 

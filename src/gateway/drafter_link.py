@@ -69,7 +69,7 @@ class DrafterLink:
             return
         self.up = False
         # Rounds start on a fresh stream once it is back: this one may be dead or mid-exchange.
-        self.drafter.rounds.close()
+        self.drafter.reset_rounds()
         self._streak += 1
         self._up_gauge.set(0)
         log.warning("drafter lost (%s); its sequences continue target-only", reason)

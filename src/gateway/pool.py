@@ -112,8 +112,10 @@ class _Pool:
         health_interval_s: float = 1.5,
         resolve_interval_s: float = 10.0,
         resolver: Resolver = resolve_host,
+        timeout_s: float = 5.0,
     ) -> None:
         self.endpoints = parse_endpoints(spec)
+        self.timeout_s = timeout_s  # each replica's call deadline (its client has the same)
         if not self.endpoints:
             raise BackendError(f"no {self.service} endpoint given")
         self.address = ",".join(e.address if not e.dns else DNS_SCHEME + e.address for e in self.endpoints)
@@ -124,6 +126,9 @@ class _Pool:
         self.resolve_interval_s = resolve_interval_s
         self.replicas: dict[str, Replica] = {}
         self._owner: dict[str, Replica] = {}
+        # Replicas whose open of a sequence failed in transit (a deadline, a stall):
+        # they may have opened it all the same, so its close goes there too.
+        self._maybe: dict[str, set[Replica]] = {}
         self._turn = 0  # round-robin among equally loaded replicas
         self.info: common_pb2.ModelInfo | None = None
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
@@ -323,6 +328,8 @@ class _Pool:
                     if not isinstance(outcome, Exception):
                         raise outcome
                     # Its sequences try the remaining replicas.
+                    for spec in batch:
+                        self._maybe.setdefault(spec.sequence_id, set()).add(replica)
                     self._mark_down(replica, outcome)
                     failed.add(replica)
                     pending.extend(batch)
@@ -370,16 +377,26 @@ class _Pool:
         replica = self._owner.get(sequence_id)
         return replica.address if replica is not None else None
 
+    def reset_rounds(self) -> None:
+        """Drop every replica's round stream: the next round starts on fresh ones."""
+        for replica in self.replicas.values():
+            replica.client.reset_rounds()
+
     async def close_sequences(self, ids: list[str]) -> None:
         groups: dict[Replica, list[str]] = {}
+        unsure: dict[Replica, list[str]] = {}
         for sid in ids:
             replica = self._owner.pop(sid, None)
             if replica is not None:
                 replica.sequences.discard(sid)
                 groups.setdefault(replica, []).append(sid)
+            for maybe in self._maybe.pop(sid, set()) - {replica}:
+                unsure.setdefault(maybe, []).append(sid)
         outcomes = await asyncio.gather(
             *(r.client.close_sequences(batch) for r, batch in groups.items()), return_exceptions=True
         )
+        # Best effort: a replica that never opened them answers NOT_FOUND, which is fine.
+        await asyncio.gather(*(r.client.close_sequences(batch) for r, batch in unsure.items()), return_exceptions=True)
         errors = [o for o in outcomes if isinstance(o, BaseException)]
         for replica in [r for r in groups if r.removed and not r.sequences]:
             self.replicas.pop(replica.address, None)
@@ -517,7 +534,7 @@ def verifier_pool(
     def factory(address: str, name_hint: str) -> VerifierClient:
         return VerifierClient(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
 
-    return VerifierPool(spec, factory, **options)
+    return VerifierPool(spec, factory, timeout_s=timeout_s, **options)
 
 
 def drafter_pool(
@@ -531,7 +548,7 @@ def drafter_pool(
     def factory(address: str, name_hint: str) -> DrafterClient:
         return DrafterClient(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
 
-    return DrafterPool(spec, factory, **options)
+    return DrafterPool(spec, factory, timeout_s=timeout_s, **options)
 
 
 class PoolCollector(Collector):

@@ -306,6 +306,27 @@ def test_an_open_that_fails_moves_to_another_replica() -> None:
     run(go())
 
 
+def test_an_open_lost_in_transit_is_closed_where_it_may_have_landed() -> None:
+    async def go() -> None:
+        pool, clients = make_pool()
+        await started(pool)
+        stalled = clients["127.0.0.1:1"]
+        real_open = stalled.open
+
+        async def opens_then_times_out(batch: list[Any]) -> list[Any]:
+            await real_open(batch)  # it did open them, but the answer never arrived
+            raise BackendError("DEADLINE_EXCEEDED")
+
+        stalled.open = opens_then_times_out  # type: ignore[method-assign]
+        await pool.open(specs("a", "b"))
+        assert stalled.open_ids  # it holds what it opened in vain
+        await pool.close_sequences(["a", "b"])
+        assert not stalled.open_ids and not clients["127.0.0.1:2"].open_ids
+        await pool.close()
+
+    run(go())
+
+
 def test_close_goes_to_each_sequence_s_replica() -> None:
     async def go() -> None:
         pool, clients = make_pool()
