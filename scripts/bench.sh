@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 OUT=${OUT:-bench-results}
 K=${K:-4}
-MAX_TOKENS=${MAX_TOKENS:-128}
+MAX_TOKENS=${MAX_TOKENS:-96}
+N=${N:-12}
 mkdir -p "$OUT"
 up_pid=""
 cleanup() { if [ -n "$up_pid" ]; then kill -INT "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true; fi; }
@@ -40,14 +41,14 @@ bench() {  # bench NAME [specd bench flags...]
 
 EXTRA=("$@")
 start_stack f32
-bench chat-f32 --workload chat --concurrency 1,8 --num-prompts 16 --modes target,fixed,auto,hf
-bench chat-f32-c32 --workload chat --concurrency 32 --num-prompts 64 --max-tokens 64 --modes target,fixed,auto
+bench chat-f32 --workload chat --concurrency 1,8 --num-prompts "$N" --modes target,fixed,auto,hf
+bench chat-f32-c32 --workload chat --concurrency 32 --num-prompts 64 --max-tokens 48 --modes target,fixed,auto
 cleanup; up_pid=""
 
 start_stack bf16 --verifier-dtype bfloat16
-bench chat-bf16 --workload chat --concurrency 1 --num-prompts 16 --modes target,fixed,auto,hf --hf-target-dtype bfloat16
+bench chat-bf16 --workload chat --concurrency 1 --num-prompts "$N" --modes target,fixed,auto,hf --hf-target-dtype bfloat16
 cleanup; up_pid=""
 
 start_stack ngram --drafter ngram
-bench rewrite-ngram --workload rewrite --concurrency 1 --num-prompts 16 --modes target,fixed,hf --hf-draft ngram
+bench rewrite-ngram --workload rewrite --concurrency 1 --num-prompts "$N" --modes target,fixed,hf --hf-draft ngram
 cleanup; up_pid=""

@@ -214,6 +214,7 @@ COLUMNS = [
     ("mean k", "mean_k", "{:.2f}"),
     ("bound", "bound_bound", "{:.2f}x"),
     ("eff", "efficiency_vs_bound", "{:.2f}"),
+    ("outside", "round_outside_models", "{:.0%}"),
 ]
 
 
@@ -228,7 +229,10 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(latencies in ms; MAL = mean acceptance length; eff = speedup / bound)"
+    return "\n".join(lines) + (
+        "\n(latencies in ms; MAL = mean acceptance length; eff = speedup / bound;"
+        " outside = share of round time outside the models' forward passes)"
+    )
 
 
 def machine() -> dict[str, Any]:

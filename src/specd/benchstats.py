@@ -123,6 +123,11 @@ def round_costs(before: Mapping[str, float], after: Mapping[str, float]) -> dict
         f"round_{phase}_ms": histogram_mean(before, after, name, f"|phase={phase}") * 1000
         for phase in ("draft", "verify", "overhead", "drafter_forward", "verifier_forward")
     }
+    round_ms = out["round_draft_ms"] + out["round_verify_ms"] + out["round_overhead_ms"]
+    model_ms = out["round_drafter_forward_ms"] + out["round_verifier_forward_ms"]
+    # What disaggregation costs: the share of a round spent outside the two models'
+    # forward passes (network hops, serialisation, scheduling, sampling).
+    out["round_outside_models"] = 1.0 - model_ms / round_ms if round_ms > 0 else float("nan")
     out["rounds"] = delta(before, after, "specd_rounds_total")
     out["mean_k"] = histogram_mean(before, after, "specd_spec_decode_chosen_k")
     out["mean_batch"] = histogram_mean(before, after, "specd_round_batch_size")
