@@ -11,6 +11,7 @@ from specd.benchstats import (
     RequestResult,
     acceptance,
     histogram_mean,
+    round_costs,
     serial_schedule,
     serial_wall_s,
     speedup_bound,
@@ -124,3 +125,16 @@ def test_compare_outputs_counts_differences_from_target():
 
     outputs = {("target", 1): texts("a", "b"), ("fixed", 1): texts("a", "b"), ("hf", 1): texts("a", "c")}
     assert compare_outputs(outputs) == {"fixed@1": 0, "hf@1": 1, "target@1": 0}
+
+
+def test_round_costs_split_a_round_and_its_share_outside_the_models():
+    after = {"specd_rounds_total": 10.0}
+    for phase, total_s in (("draft", 1.0), ("verify", 0.9), ("overhead", 0.1), ("drafter_forward", 0.95)):
+        after[f"specd_round_latency_seconds_sum|phase={phase}"] = total_s
+        after[f"specd_round_latency_seconds_count|phase={phase}"] = 10.0
+    after["specd_round_latency_seconds_sum|phase=verifier_forward"] = 0.85
+    after["specd_round_latency_seconds_count|phase=verifier_forward"] = 10.0
+    costs = round_costs({}, after)
+    assert costs["round_draft_ms"] == pytest.approx(100.0)
+    assert costs["round_outside_models"] == pytest.approx(1 - 180 / 200)
+    assert costs["rounds"] == 10
