@@ -20,7 +20,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -523,32 +523,33 @@ class DrafterPool(_Pool):
         )
 
 
-def verifier_pool(
+P = TypeVar("P", "VerifierPool", "DrafterPool")
+
+
+def _pool(
+    pool_cls: type[P],
+    client_cls: type[VerifierClient] | type[DrafterClient],
     spec: str,
     timeout_s: float,
     max_message_bytes: int,
     credentials: Any = None,
     server_name: str = "",
     **options: Any,
-) -> VerifierPool:
-    def factory(address: str, name_hint: str) -> VerifierClient:
-        return VerifierClient(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
+) -> P:
+    def factory(address: str, name_hint: str) -> Any:
+        return client_cls(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
 
-    return VerifierPool(spec, factory, timeout_s=timeout_s, **options)
+    return pool_cls(spec, factory, timeout_s=timeout_s, **options)
 
 
-def drafter_pool(
-    spec: str,
-    timeout_s: float,
-    max_message_bytes: int,
-    credentials: Any = None,
-    server_name: str = "",
-    **options: Any,
-) -> DrafterPool:
-    def factory(address: str, name_hint: str) -> DrafterClient:
-        return DrafterClient(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
+def verifier_pool(spec: str, *args: Any, **options: Any) -> VerifierPool:
+    """A pool of verifiers; arguments as their clients take them, plus the pool's options."""
+    return _pool(VerifierPool, VerifierClient, spec, *args, **options)
 
-    return DrafterPool(spec, factory, timeout_s=timeout_s, **options)
+
+def drafter_pool(spec: str, *args: Any, **options: Any) -> DrafterPool:
+    """A pool of drafters; arguments as their clients take them, plus the pool's options."""
+    return _pool(DrafterPool, DrafterClient, spec, *args, **options)
 
 
 class PoolCollector(Collector):

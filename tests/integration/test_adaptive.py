@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import stack as st
-import torch
+from references import greedy_references
 from stack import base_url
 from test_metrics import parse
 
@@ -44,11 +44,7 @@ def complete(gateway: st.Service, **extra) -> httpx.Response:
 
 
 def reference(tok, tiny_target, n: int) -> list[int]:
-    ids = tok.encode(PROMPT)
-    out = tiny_target.generate(
-        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(ids) :].tolist()
+    return greedy_references(tok, tiny_target, [PROMPT], n)[PROMPT]
 
 
 def test_auto_mode_drafts_when_drafts_are_accepted_and_stays_exact(auto_gateway, tok, tiny_target):

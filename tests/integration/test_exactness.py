@@ -7,35 +7,19 @@ import asyncio
 import grpc
 import httpx
 import pytest
-import torch
+from references import PROMPTS as ALL_PROMPTS
+from references import greedy_references
 from stack import base_url
 
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "Translate to French: good morning",
-    '{"name": "specd", "version":',
-    "1, 2, 3, 4, 5,",
-    "Speculative decoding makes large models",
-    "Q: What is 2 + 2?\nA:",
-    "a",
-]
+PROMPTS = list(ALL_PROMPTS[:9])
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def references(tok, tiny_target) -> dict[str, list[int]]:
-    refs = {}
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        out = tiny_target.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        refs[prompt] = out[0, len(ids) :].tolist()
-    return refs
+    return greedy_references(tok, tiny_target, PROMPTS, MAX_TOKENS)
 
 
 def grpc_generate(gateway, prompt: str, max_tokens: int = MAX_TOKENS) -> gateway_pb2.GenerateResponse:

@@ -19,8 +19,9 @@ import grpc
 import httpx
 import pytest
 import stack as st
-import torch
 from prometheus_client.parser import text_string_to_metric_families
+from references import PROMPTS as ALL_PROMPTS
+from references import greedy_references
 
 from specd.proto.speculative.v1 import (
     drafter_pb2,
@@ -32,30 +33,14 @@ from specd.proto.speculative.v1 import (
 )
 
 MODEL = "target"
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "Translate to French: good morning",
-    '{"name": "specd", "version":',
-    "1, 2, 3, 4, 5,",
-    "Speculative decoding makes large models",
-    "Q: What is 2 + 2?\nA:",
-]
+PROMPTS = list(ALL_PROMPTS[:8])
 LONGEST = 48
 
 
 @pytest.fixture(scope="module")
 def references(tok, tiny_target) -> dict[str, list[int]]:
     """Target-only greedy tokens of each prompt (a prefix of them for shorter max_tokens)."""
-    refs = {}
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        out = tiny_target.generate(
-            torch.tensor([ids]), max_new_tokens=LONGEST, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        refs[prompt] = out[0, len(ids) :].tolist()
-    return refs
+    return greedy_references(tok, tiny_target, PROMPTS, LONGEST)
 
 
 def expected_text(tok, references, prompt: str, max_tokens: int) -> str:

@@ -11,21 +11,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import stack as st
-import torch
 from prometheus_client.parser import text_string_to_metric_families
+from references import PROMPTS as ALL_PROMPTS
+from references import greedy_references
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a land far away,",
-    "Translate to French: good morning",
-    '{"name": "specd", "version":',
-    "1, 2, 3, 4, 5,",
-    "Speculative decoding makes large models",
-    "Q: What is 2 + 2?\nA:",
-    "a",
-    "Hello",
-]
+PROMPTS = list(ALL_PROMPTS)
 MAX_TOKENS = 16
 
 
@@ -83,14 +73,7 @@ def replicas(model_dirs, log_dir) -> Iterator[Replicas]:
 
 @pytest.fixture(scope="module")
 def references(tok, tiny_target) -> dict[str, list[int]]:
-    refs = {}
-    for prompt in PROMPTS:
-        ids = tok.encode(prompt)
-        out = tiny_target.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-        refs[prompt] = out[0, len(ids) :].tolist()
-    return refs
+    return greedy_references(tok, tiny_target, PROMPTS, MAX_TOKENS)
 
 
 def scrape(url: str) -> dict[str, float]:
