@@ -362,9 +362,9 @@ def test_rate_limit_per_api_key(gateway_for):
     assert 200 in burst("bob")  # another key has its own budget
 
 
-# 100 requests take about three minutes on a busy 2-core machine; the issue's
-# 1,000 is SPECD_SOAK_REQUESTS=1000.
-SOAK_REQUESTS = int(os.environ.get("SPECD_SOAK_REQUESTS", "100"))
+# The issue asks for 1,000 requests at concurrency 32; about two minutes here (tiny models).
+# SPECD_SOAK_REQUESTS=100 makes a quicker run.
+SOAK_REQUESTS = int(os.environ.get("SPECD_SOAK_REQUESTS", "1000"))
 SOAK_CONCURRENCY = int(os.environ.get("SPECD_SOAK_CONCURRENCY", "32"))
 SOAK_CANCEL_RATE = 0.15
 
