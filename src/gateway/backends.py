@@ -79,6 +79,8 @@ def describe(exc: BaseException) -> str:
 
 
 class _Backend:
+    rounds: RoundStream  # each kind's round stream, set by the subclass
+
     def __init__(
         self,
         address: str,
@@ -121,9 +123,7 @@ class _Backend:
 
     def reset_rounds(self) -> None:
         """Drop the round stream (it may be dead or mid-exchange); the next round opens a fresh one."""
-        rounds = getattr(self, "rounds", None)
-        if rounds is not None:
-            rounds.close()
+        self.rounds.close()
 
     async def close(self) -> None:
         await self.channel.close()

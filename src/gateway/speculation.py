@@ -73,11 +73,16 @@ class Acceptance:
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
     """Tokens a sequence emits in expectation when it drafts k: 1 + sum of P(first i accepted)."""
-    total, reach = 1.0, 1.0
-    for j in range(k):
+    return expected_tokens_table(rates, k)[k]
+
+
+def expected_tokens_table(rates: Sequence[float], k_max: int) -> list[float]:
+    """E(0), E(1), …, E(k_max) for one sequence (see expected_tokens)."""
+    table, reach = [1.0], 1.0
+    for j in range(k_max):
         reach *= rates[j]
-        total += reach
-    return total
+        table.append(table[-1] + reach)
+    return table
 
 
 def leviathan_speedup(alpha: float, k: int, c: float, verify_ratio: float = 1.0) -> float:
@@ -189,33 +194,34 @@ class Choice:
 
 def choose_ks(candidates: Sequence[Candidate], costs: CostModel, k_max: int) -> Choice:
     """Per-sequence k maximising expected tokens per second of one round."""
-    n = len(candidates)
+    # Each sequence's expected tokens for every k it may draft, computed once per round.
+    tables = [expected_tokens_table(c.rates, c.fixed if c.fixed is not None else c.cap) for c in candidates]
 
     def evaluate(ks: list[int]) -> float:
-        tokens = sum(expected_tokens(c.rates, k) for c, k in zip(candidates, ks, strict=True))
+        tokens = sum(table[k] for table, k in zip(tables, ks, strict=True))
         return tokens / max(costs.round_ns(ks), 1.0) * 1e9
 
     base = [c.fixed if c.fixed is not None else 0 for c in candidates]
-    baseline_rate = evaluate([0] * n)
+    baseline_rate = evaluate([0] * len(candidates))
     best_ks, best_rate = base, evaluate(base)
     _, marginal = costs.verify.coefficients()
     for m in range(1, k_max + 1):
-        rate = best_rate
-        ks = base
+        rate, ks = best_rate, base
         for _ in range(4):
-            lam = rate / 1e9  # tokens per ns
+            price = rate / 1e9 * marginal  # tokens one more verified token must pay for
             trial = []
-            for c, fixed in zip(candidates, base, strict=True):
+            for c, table, fixed in zip(candidates, tables, base, strict=True):
                 if c.fixed is not None:
                     trial.append(fixed)
                     continue
-                top = min(m, c.cap)
-                values = [expected_tokens(c.rates, k) - lam * marginal * k for k in range(top + 1)]
-                trial.append(max(range(top + 1), key=lambda k, v=values: (v[k], -k)))  # type: ignore[misc]
-            trial_rate = evaluate(trial)
+                best_k = 0  # ties go to the smaller k: the same rate for less work
+                for k in range(1, min(m, c.cap) + 1):
+                    if table[k] - price * k > table[best_k] - price * best_k:
+                        best_k = k
+                trial.append(best_k)
             if trial == ks:
                 break
-            ks, rate = trial, trial_rate
+            ks, rate = trial, evaluate(trial)
         if rate > best_rate * (1 + 1e-9):
             best_ks, best_rate = ks, rate
     return Choice(best_ks, best_rate, baseline_rate)

@@ -109,9 +109,9 @@ async def scrape(client: httpx.AsyncClient, url: str = "/metrics") -> dict[str, 
 
 
 def mode_extra(mode: str, k: int) -> dict[str, Any]:
-    return {"target": {"num_speculative_tokens": 0}, "fixed": {"num_speculative_tokens": k}}.get(
-        mode, {"num_speculative_tokens": "auto"} if mode == "auto" else {}
-    )
+    """The specd request extension that selects a mode; `server` sends none."""
+    speculation = {"target": 0, "fixed": k, "auto": "auto"}
+    return {"num_speculative_tokens": speculation[mode]} if mode in speculation else {}
 
 
 async def run_http(
