@@ -34,9 +34,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif command == "gateway":
         from gateway.server import main as run
     elif command == "bench":
-        from specd.bench import main as run
+        from specd.tools.bench import main as run
     elif command == "traces":
-        from specd.traces import main as run
+        from specd.tools.traces import main as run
     elif command == "health":
         from specd.health import main as run
     elif command == "up":

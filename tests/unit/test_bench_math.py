@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from specd.bench import add_bounds, compare_outputs, format_table, mode_extra
-from specd.benchstats import (
+from specd.tools.bench import add_bounds, compare_outputs, format_table, mode_extra
+from specd.tools.benchstats import (
     RequestResult,
     acceptance,
     histogram_mean,
@@ -17,7 +17,7 @@ from specd.benchstats import (
     speedup_bound,
     summarize,
 )
-from specd.traces import percentile
+from specd.tools.traces import percentile
 
 
 def test_percentile_interpolates_like_numpy():

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from specd.traces import load_spans, main, percentile, render_text, summarise
+from specd.tools.traces import load_spans, main, percentile, render_text, summarise
 
 TRACE_A = "a" * 32
 TRACE_B = "b" * 32

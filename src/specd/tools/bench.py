@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.benchstats import (
+from specd.tools.benchstats import (
     RequestResult,
     acceptance,
     round_costs,
@@ -44,7 +44,7 @@ from specd.benchstats import (
     speedup_bound,
     summarize,
 )
-from specd.workloads import WORKLOADS, prompts_for
+from specd.tools.workloads import prompts_for, workload_names
 
 HTTP_MODES = ("target", "fixed", "auto", "server")
 HF_MODES = ("hf", "hf-target")
@@ -289,7 +289,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("-k", type=int, default=4, help="draft tokens per round for fixed mode and the HF peer")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level; default max(16, 2 x concurrency)")
-    p.add_argument("--workload", default="chat", help=f"bundled prompts: {', '.join(WORKLOADS)} or mixed")
+    p.add_argument("--workload", default="chat", help=f"bundled prompts: {', '.join(workload_names())} or mixed")
     p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': ...} or {'messages': [...]} instead")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mode in [m for m in args.modes if m in HF_MODES]:
         from tqdm import tqdm
 
-        from specd.hf_baseline import HfBaseline, HfConfig
+        from specd.tools.hf_baseline import HfBaseline, HfConfig
 
         config = HfConfig(
             target=args.hf_target,
@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("requests whose text differs from target-only:", report["output_mismatches_vs_target"])
     json_path = out_dir / f"bench-{name}.json"
     json_path.write_text(json.dumps(report, indent=2, default=float))
-    from specd.benchplots import plot_all
+    from specd.tools.benchplots import plot_all
 
     plots = plot_all(rows, out_dir / f"plots-{name}", name)
     print(f"wrote {json_path} and {', '.join(str(p) for p in plots)}")

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from specd.benchstats import RequestResult
 from specd.models import load_model, load_tokenizer, parse_device, parse_dtype
 from specd.quant import quantize_int8
+from specd.tools.benchstats import RequestResult
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.speculation import leviathan_speedup
-from specd.traces import percentile
+from specd.tools.traces import percentile
 
 QUANTILES = (50, 95, 99)
 

@@ -1,0 +1,48 @@
+"""Bundled benchmark prompts, written originally for this project (not taken from any dataset).
+
+The prompts live in ``data/prompts.jsonl``, one ``{"workload": ..., "prompt": ...}`` object a line.
+Each workload stresses speculative decoding differently:
+
+* ``chat``: short everyday questions and instructions, each answerable in a paragraph. Free-form text
+  with little overlap with the prompt.
+* ``code``: programming requests (Python functions, explaining a snippet, SQL, shell one-liners, regular
+  expressions, small algorithms). Outputs are syntax-heavy and fairly predictable.
+* ``json``: structured-output requests whose exact expected structure is spelled out in the prompt.
+* ``rewrite``: prompts that quote a source text (prose or a code file) and ask for a rewrite, summary,
+  tone change or code edit. Outputs copy large spans of the prompt, where prompt lookup shines.
+
+``mixed`` (see :func:`prompts_for`) is every prompt of every workload, in file order.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+
+
+@cache
+def _load() -> dict[str, tuple[str, ...]]:
+    by_workload: dict[str, list[str]] = {}
+    text = resources.files("specd.tools").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    for line in text.splitlines():
+        if line.strip():
+            row = json.loads(line)
+            by_workload.setdefault(row["workload"], []).append(row["prompt"])
+    return {name: tuple(prompts) for name, prompts in by_workload.items()}
+
+
+def workload_names() -> tuple[str, ...]:
+    return tuple(_load())
+
+
+def prompts_for(workload: str) -> tuple[str, ...]:
+    """Return the prompts of ``workload`` (a bundled workload's name, or ``"mixed"`` for all of them)."""
+    workloads = _load()
+    if workload == "mixed":
+        return tuple(p for prompts in workloads.values() for p in prompts)
+    try:
+        return workloads[workload]
+    except KeyError:
+        choices = ", ".join([*workloads, "mixed"])
+        raise ValueError(f"unknown workload {workload!r}; choose one of: {choices}") from None
