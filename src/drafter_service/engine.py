@@ -39,10 +39,15 @@ class _DrafterBase:
 
     def _accept_tasks(
         self, tasks: Sequence[DraftTask]
-    ) -> tuple[list[DraftProposal], list[tuple[int, SequenceState, int]]]:
-        """Validate tasks and append their committed tokens; returns (proposals, live)."""
+    ) -> tuple[list[DraftProposal], list[tuple[int, SequenceState, int, list[int]]]]:
+        """Validate tasks and append their committed tokens.
+
+        Returns the proposals and, per live task, (index, state, k, context): the
+        context is the committed tokens plus any assumed ones, which drafting
+        continues from.
+        """
         proposals = [DraftProposal(t.sequence_id) for t in tasks]
-        live: list[tuple[int, SequenceState, int]] = []
+        live: list[tuple[int, SequenceState, int, list[int]]] = []
         seen: set[str] = set()
         for i, task in enumerate(tasks):
             try:
@@ -55,22 +60,24 @@ class _DrafterBase:
                 if task.num_draft_tokens > self.max_draft_tokens:
                     raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
                 self.table.check_tokens(task.new_tokens, "new tokens")
+                self.table.check_tokens(task.assumed, "assumed tokens")
                 total = len(state.committed) + len(task.new_tokens)
                 if total != task.num_committed:
                     raise precondition(
                         f"sequence {task.sequence_id!r} would have {total} committed tokens, "
                         f"the caller says {task.num_committed}"
                     )
-                if total + task.num_draft_tokens > self.table.max_context:
+                if total + len(task.assumed) + task.num_draft_tokens > self.table.max_context:
                     raise invalid(
-                        f"{total} committed + {task.num_draft_tokens} draft tokens exceed "
-                        f"the context window {self.table.max_context}"
+                        f"{total} committed + {len(task.assumed)} assumed + {task.num_draft_tokens} draft "
+                        f"tokens exceed the context window {self.table.max_context}"
                     )
             except EngineError as exc:
                 proposals[i].error = exc
                 continue
             state.committed.extend(task.new_tokens)
-            live.append((i, state, task.num_draft_tokens))
+            context = state.committed + list(task.assumed) if task.assumed else state.committed
+            live.append((i, state, task.num_draft_tokens, context))
         return proposals, live
 
 
@@ -92,27 +99,28 @@ class ModelDrafter(_DrafterBase):
         self.max_support = max_support
 
     @staticmethod
-    def _roll_back(state: SequenceState) -> None:
-        """Keep the cached prefix that the committed tokens confirm; drop the rest."""
+    def _roll_back(state: SequenceState, context: list[int]) -> None:
+        """Keep the cached prefix that the context (committed + assumed tokens) confirms; drop the rest."""
         n = 0
-        limit = min(len(state.cached), len(state.committed) - 1)
-        while n < limit and state.cached[n] == state.committed[n]:
+        limit = min(len(state.cached), len(context) - 1)
+        while n < limit and state.cached[n] == context[n]:
             n += 1
         del state.cached[n:]
 
     def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
         proposals, live = self._accept_tasks(tasks)
-        active = [(i, s, k) for i, s, k in live if k > 0]
+        active = [(i, s, k) for i, s, k, _ in live if k > 0]
+        contexts = {i: context for i, _, _, context in live}
         timing = RoundTiming(batch_size=len(active))
         start = time.time_ns()
-        for _, state, _ in live:
-            self._roll_back(state)
+        for _, state, _, context in live:
+            self._roll_back(state, context)
         timing.phases.append(("rollback", start, time.time_ns()))
         forward_ns = 0
         # Step 0 feeds every committed token not yet cached (1 after a rejection,
         # 2 when all drafts were accepted, more after a target-only stretch);
         # later steps feed the token just drafted.
-        feed = {i: state.committed[len(state.cached) :] for i, state, _ in active}
+        feed = {i: contexts[i][len(state.cached) :] for i, state, _ in active}
         step = 0
         while active:
             rows = [Row(s.slot, len(s.cached), feed[i], len(feed[i]) - 1) for i, s, _ in active]
@@ -167,6 +175,6 @@ class NgramDrafter(_DrafterBase):
 
     def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
         proposals, live = self._accept_tasks(tasks)
-        for i, state, k in live:
-            proposals[i].tokens = ngram.propose(state.committed, k, self.min_n, self.max_n)
+        for i, _, k, context in live:
+            proposals[i].tokens = ngram.propose(context, k, self.min_n, self.max_n)
         return proposals, RoundTiming(batch_size=len(live))

@@ -11,6 +11,7 @@ from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd import models
 from specd.kvcache import BatchedCausalLM
+from specd.placement import pin
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.quant import quantize_int8
 from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
@@ -22,6 +23,7 @@ NGRAM_VOCAB_LIMIT = 2**31 - 1
 
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
     if config.drafter == "ngram":
+        pin(config.cpus)
         engine: ModelDrafter | NgramDrafter = NgramDrafter(
             NGRAM_VOCAB_LIMIT,
             config.max_sequences,
@@ -38,7 +40,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
             max_draft_tokens=config.max_draft_tokens,
         )
         return engine, info
-    loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads)
+    loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
     if config.quantization == "int8":
         if loaded.device.type != "cpu":
             raise ValueError("--quantize int8 uses a CPU kernel; use --quantize none on GPUs")

@@ -51,7 +51,13 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
         async for request in request_iterator:
             tasks = [
-                DraftTask(t.sequence_id, list(t.new_token_ids), t.num_committed, t.num_draft_tokens)
+                DraftTask(
+                    t.sequence_id,
+                    list(t.new_token_ids),
+                    t.num_committed,
+                    t.num_draft_tokens,
+                    tuple(t.assumed_token_ids),
+                )
                 for t in request.tasks
             ]
             proposals, timings = await self.run_round(

@@ -8,18 +8,12 @@ from typing import Any
 
 import grpc
 
-from gateway.scheduler import Delta, Failed, Finished, GenerationError, GenerationParams, Scheduler, _Sequence
+from gateway.failures import GenerationError
+from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 from specd.sampling import SamplingParams, validate_sampling
 
 FINISH = {"stop": gateway_pb2.FINISH_REASON_STOP, "length": gateway_pb2.FINISH_REASON_LENGTH}
-HTTP_TO_GRPC = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -54,12 +48,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 if params.HasField("num_speculative_tokens")
                 else ("auto" if params.adaptive_speculation else None)
             ),
+            pipeline=params.pipeline or None,
         )
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
         return self.scheduler.submit(self.tokenizer.encode(prompt), generation, metadata)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> None:
-        await context.abort(HTTP_TO_GRPC.get(error.status, grpc.StatusCode.INTERNAL), error.message)
+        await context.abort(error.kind.grpc_status, error.message)
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         try:

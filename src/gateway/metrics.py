@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from specd.serving import peak_rss_bytes
 
 if TYPE_CHECKING:
-    from gateway.scheduler import RoundTimes
+    from gateway.observer import RoundTimes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -52,6 +52,11 @@ class GatewayMetrics:
             "1 + accepted tokens / drafts since start (tokens emitted per sequence-round with a draft)",
             registry=r,
         ).set_function(self._mean_acceptance_length)
+        self.wasted_draft_tokens = Counter(
+            "specd_spec_decode_num_wasted_draft_tokens",
+            "Draft tokens drafted ahead (or for a cohort) and discarded before verification",
+            registry=r,
+        )
         self.rounds = Counter("specd_rounds", "Draft/verify rounds run", registry=r)
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)

@@ -15,23 +15,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.scheduler import Delta, Failed, Finished, GenerationError, GenerationParams, Scheduler, _Sequence
-
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "param": param,
-            "code": code,
-        }
-    }
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
+    kind = failure_kind(status)
+    body = {"error": {"message": message, "type": kind.openai_type, "param": param, "code": code}}
+    headers = {"Retry-After": "1"} if kind.retry else None
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -253,7 +246,7 @@ class OpenAIApi:
                             yield sse(last)
                     elif isinstance(event, Failed):
                         err = event.error
-                        yield sse({"error": {"message": err.message, "type": "server_error", "code": err.code}})
+                        yield sse({"error": {"message": err.message, "type": err.kind.openai_type, "code": err.code}})
                 yield b"data: [DONE]\n\n"
             finally:
                 # Runs when the client disconnects too: the sequence is freed on both services.

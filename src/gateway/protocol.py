@@ -37,6 +37,9 @@ class _Sampling(BaseModel):
     # specd extension: draft tokens per round for this request (0 = target-only), or
     # "auto" for adaptive speculation; absent follows the gateway's --speculative-mode.
     num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
+    # specd extension: how drafting is scheduled against the verifier for this request;
+    # absent follows the gateway's --pipeline.
+    pipeline: Literal["sequential", "cohort", "ahead"] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -59,6 +62,7 @@ class _Sampling(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             speculation=self.num_speculative_tokens,
+            pipeline=self.pipeline,
         )
 
 

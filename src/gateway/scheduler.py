@@ -24,29 +24,29 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from gateway.backends import BackendError, DrafterClient, VerifierClient
 from gateway.detokenize import TextStream
 from gateway.drafter_link import DrafterLink, not_found_error
+from gateway.failures import CANCELLED, GenerationError, internal, open_error, unavailable
+from gateway.membership import DrafterMembership
 from gateway.metrics import GatewayMetrics, stats_line
+from gateway.observer import RoundObserver, RoundOutcome, RoundTimes
+from gateway.round import (
+    Block,
+    DraftItem,
+    DraftVerdicts,
+    ProtocolError,
+    RoundPlan,
+    Verdict,
+    draft_request,
+    read_drafts,
+    read_verdicts,
+    verify_request,
+)
 from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
-from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2
 from specd.sampling import SamplingParams
 from specd.serving import sampling_pb
 from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
-
-
-class GenerationError(Exception):
-    """A request that cannot be served; `status` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-
-
-CANCELLED = GenerationError(499, "the client closed the request", "cancelled")
-# How often a sequence is re-opened on a drafter that answers it has lost it.
-MAX_DRAFTER_REJOINS = 3
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class GenerationParams:
     ignore_eos: bool = False
     # None: the gateway's --speculative-mode; "auto": k chosen per round; an int: that k every round.
     speculation: int | str | None = None
+    # None: the gateway's --pipeline; else "sequential", "cohort" or "ahead".
+    pipeline: str | None = None
 
 
 @dataclass
@@ -90,11 +92,9 @@ class _Sequence:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     output: list[int] = field(default_factory=list)
-    drafter_synced: int = 0  # committed tokens the drafter has been told about
-    wants_drafter: bool = False  # to be opened on the drafter once it has its first token
-    on_drafter: bool = False  # open on the drafter (must be closed there)
-    speculating: bool = False  # the drafter still drafts for it
-    drafter_rejoins: int = 0  # re-opened on the drafter after it lost the sequence
+    drafter: DrafterMembership = field(default_factory=DrafterMembership)
+    block: Block | None = None  # drafts made ahead of its next verify (cohort, draft-ahead)
+    cohort: int = 0  # which of the two cohorts it is verified with (cohort pipeline)
     deadline: float = 0.0  # time.monotonic() by which the request must end; 0 = none
     cancelled: bool = False
     done: bool = False
@@ -107,35 +107,14 @@ class _Sequence:
     acceptance: Acceptance | None = None  # its own per-position acceptance, for choosing its k
 
 
-@dataclass(frozen=True)
-class RoundTimes:
-    """Where one round's time went, as the gateway saw it and as the services reported."""
+@dataclass
+class _DraftExchange:
+    verdicts: DraftVerdicts
+    timings: common_pb2.ServiceTimings
+    elapsed_ns: int
 
-    round_ns: int
-    draft_ns: int
-    verify_ns: int
-    drafter_ns: int
-    verifier_ns: int
-    drafter_forward_ns: int
-    verifier_forward_ns: int
 
-    @property
-    def overhead_ns(self) -> int:
-        """Network, serialisation and gateway scheduling: the round minus the services' own time."""
-        return self.round_ns - self.drafter_ns - self.verifier_ns
-
-    def attributes(self, batch_size: int) -> dict[str, float | int]:
-        return {
-            "specd.batch_size": batch_size,
-            "specd.round_ms": self.round_ns / 1e6,
-            "specd.draft_ms": self.draft_ns / 1e6,
-            "specd.verify_ms": self.verify_ns / 1e6,
-            "specd.drafter_ms": self.drafter_ns / 1e6,
-            "specd.verifier_ms": self.verifier_ns / 1e6,
-            "specd.drafter_forward_ms": self.drafter_forward_ns / 1e6,
-            "specd.verifier_forward_ms": self.verifier_forward_ns / 1e6,
-            "specd.overhead_ms": self.overhead_ns / 1e6,
-        }
+PIPELINES = ("sequential", "cohort", "ahead")
 
 
 class Scheduler:
@@ -153,7 +132,10 @@ class Scheduler:
         disable_by_batch_size: int = 0,
         max_waiting: int = 0,
         request_timeout_s: float = 0.0,
+        pipeline: str = "sequential",
     ) -> None:
+        if pipeline not in PIPELINES:
+            raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
         self.tokenizer = tokenizer
         self.verifier = verifier
         self.drafter = drafter
@@ -164,8 +146,11 @@ class Scheduler:
         self.max_context = verifier.info.max_context
         self.k_limit = min(self.k, verifier.info.max_draft_tokens)
         self.drafter_context = self.max_context
+        # A draft-ahead asks for one draft more than it will verify: its guess at the verifier's token.
+        self.ahead_limit = self.k_limit
         if drafter is not None and drafter.info is not None:
             self.k_limit = min(self.k_limit, drafter.info.max_draft_tokens)
+            self.ahead_limit = min(self.k_limit, drafter.info.max_draft_tokens - 1)
             self.drafter_context = min(self.max_context, drafter.info.max_context)
         # A batch larger than a backend's sequence slots would only see refusals.
         self.max_batch = min(self.max_batch, verifier.info.max_sequences)
@@ -182,6 +167,8 @@ class Scheduler:
         self.speculative_mode = speculative_mode
         self.policy = SpeculationPolicy(PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size))
         self.metrics.bind_policy(self.policy)
+        self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
+        self.pipeline = pipeline
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.draining = False
@@ -240,6 +227,8 @@ class Scheduler:
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                 f"window of {self.max_context} tokens",
             )
+        if params.pipeline is not None and params.pipeline not in PIPELINES:
+            raise GenerationError(400, f"pipeline must be one of {', '.join(PIPELINES)}, got {params.pipeline!r}")
         spec = params.speculation
         if spec is not None and spec != "auto" and not (isinstance(spec, int) and 0 <= spec <= self.k_limit):
             raise GenerationError(
@@ -330,19 +319,23 @@ class Scheduler:
                 await self._wakeup.wait()
                 continue
             await self._admit()
-            if self.active:
-                try:
-                    await self._round()
-                except BackendError as exc:
-                    log.error("round failed: %s", exc)
-                    for seq in list(self.active):
-                        self._fail(seq, GenerationError(503, f"backend failure: {exc}", "service_unavailable"))
-                    await self._retire([s for s in self.active if s.done])
-                except Exception:
-                    log.exception("round failed unexpectedly")
-                    for seq in list(self.active):
-                        self._fail(seq, GenerationError(500, "internal error in the gateway", "internal_error"))
-                    await self._retire([s for s in self.active if s.done])
+            if not self.active:
+                continue
+            try:
+                await self._round()
+            except (BackendError, ProtocolError) as exc:
+                # The verifier failed the round as a whole: nothing of it was committed.
+                log.error("round failed: %s", exc)
+                for seq in list(self.active):
+                    self._fail(seq, unavailable(f"backend failure: {exc}"))
+                await self._retire([s for s in self.active if s.done])
+            except Exception as exc:
+                # Per-sequence work is isolated in _apply; what reaches here is a bug in the
+                # round itself, and no sequence's state can be trusted to go on.
+                error = self._internal_error("running a round", exc)
+                for seq in list(self.active):
+                    self._fail(seq, error)
+                await self._retire([s for s in self.active if s.done])
 
     async def _drop_cancelled(self) -> None:
         if any(s.cancelled for s in self.waiting):
@@ -366,15 +359,27 @@ class Scheduler:
         # the first token, nor competes for the CPU with the verifier's prefill.
         try:
             results = await self.verifier.open([self._spec(s) for s in batch])
-        except Exception as exc:
+            if [r.sequence_id for r in results] != [s.id for s in batch]:
+                raise BackendError("the verifier answered an open out of protocol")
+        except BackendError as exc:
             for s in batch:
-                self._fail(s, GenerationError(503, f"verifier unavailable: {exc}", "service_unavailable"))
+                self._fail(s, unavailable(f"verifier unavailable: {exc}"))
             return
+        except Exception as exc:
+            # Not the verifier being away: a gateway bug, which must not read as an outage.
+            error = self._internal_error(f"opening {len(batch)} sequences", exc)
+            for s in batch:
+                self._fail(s, error)
+            await self._close_quietly(self.verifier, [s.id for s in batch])
+            return
+        wants_drafter = self.drafter is not None and self.k_limit > 0
         for s, r in zip(batch, results, strict=True):
             if r.error.code:
                 self._fail(s, open_error(r.error))
                 continue
-            s.wants_drafter = self.drafter is not None and self.k_limit > 0
+            if wants_drafter:
+                s.drafter.want()
+            s.cohort = self._smaller_cohort()
             self.metrics.prompt_tokens.inc(len(s.prompt))
             if s.cancelled:
                 self._fail(s, CANCELLED)
@@ -384,6 +389,10 @@ class Scheduler:
         self.metrics.running.set(len(self.active))
         self.metrics.waiting.set(len(self.waiting))
 
+    def _smaller_cohort(self) -> int:
+        ones = sum(s.cohort for s in self.active)
+        return int(ones < len(self.active) - ones)
+
     @staticmethod
     def _spec(seq: _Sequence) -> common_pb2.SequenceSpec:
         """The sequence as committed so far (prompt plus any output), for opening it on a service."""
@@ -391,40 +400,36 @@ class Scheduler:
             sequence_id=seq.id, prompt_token_ids=seq.tokens, sampling=sampling_pb(seq.params.sampling)
         )
 
-    async def _join_drafter(self, batch: list[_Sequence]) -> None:
+    async def _join_drafter(self, seqs: list[_Sequence]) -> None:
         """Open on the drafter the sequences that have their first token and want drafts."""
-        joining = [s for s in batch if s.wants_drafter and not s.on_drafter and s.output and not s.done]
+        joining = [s for s in seqs if s.drafter.pending and s.output and not s.done]
         if not joining or self.drafter is None:
             return
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
-            return  # they stay wanting: they join once the drafter is back
-        for s in joining:
-            s.wants_drafter = False  # one attempt; on failure the sequence runs target-only
+            return  # they stay pending: they join once the drafter is back
         try:
             results = await self.drafter.open([self._spec(s) for s in joining])
             if [r.sequence_id for r in results] != [s.id for s in joining]:
                 raise BackendError("the drafter answered an open out of protocol")
         except Exception as exc:
-            for s in joining:
-                s.wants_drafter = True
             self._drafter_failed(f"open failed: {exc}", [s.id for s in joining])
             return
         for s, r in zip(joining, results, strict=True):
             if r.error.code:
                 log.warning("drafter refused %s: %s; it runs target-only", s.id, r.error.message)
-                continue
-            s.on_drafter = s.speculating = True
-            s.drafter_synced = len(s.tokens)
+                s.drafter.refused()
+            else:
+                s.drafter.opened(len(s.tokens))
 
-    def _cap(self, seq: _Sequence) -> int:
-        """The most drafts the sequence can use this round."""
-        if not seq.speculating:
+    # -- plan ---------------------------------------------------------------
+    def _cap(self, seq: _Sequence, after: int = 0) -> int:
+        """The most drafts the sequence can use in a block that starts `after` tokens from now."""
+        if not seq.drafter.drafting:
             return 0
-        remaining = seq.max_tokens - len(seq.output)
-        return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens)))
+        remaining = seq.max_tokens - len(seq.output) - after
+        return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens) - after))
 
-    def _candidate(self, seq: _Sequence) -> Candidate:
-        cap = self._cap(seq)
+    def _candidate(self, seq: _Sequence, cap: int) -> Candidate:
         spec = seq.params.speculation
         if spec is None:
             spec = "auto" if self.speculative_mode == "auto" else cap
@@ -433,136 +438,203 @@ class Scheduler:
         fixed = None if spec == "auto" else min(int(spec), cap)
         return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed)
 
-    def _choose_ks(self, batch: list[_Sequence]) -> dict[str, int]:
-        ks = self.policy.choose([self._candidate(s) for s in batch], len(batch))
-        return {s.id: k for s, k in zip(batch, ks, strict=True)}
+    def _choose_ks(self, seqs: list[_Sequence], batch_size: int) -> dict[str, int]:
+        caps = [self._cap(s) for s in seqs]
+        try:
+            ks = self.policy.choose([self._candidate(s, c) for s, c in zip(seqs, caps, strict=True)], batch_size)
+        except Exception:
+            # The policy is an optimisation: without it, each sequence drafts what it may.
+            log.exception("the speculation policy failed; drafting the full k this round")
+            ks = caps
+        return {s.id: k for s, k in zip(seqs, ks, strict=True)}
 
+    def _pipeline(self, seq: _Sequence) -> str:
+        return seq.params.pipeline or self.pipeline
+
+    def _plan(self, seqs: list[_Sequence], round_id: int) -> RoundPlan:
+        """Which sequences draft before the verify, which are verified, and which draft during it."""
+        cohorts = [s for s in seqs if self._pipeline(s) == "cohort"]
+        # A cohort alone has no partner to overlap with: it runs sequentially.
+        paired = len({s.cohort for s in cohorts}) == 2
+        plan = RoundPlan()
+        ks = self._choose_ks(seqs, len(seqs))
+        for s in seqs:
+            k = ks[s.id]
+            mode = self._pipeline(s)
+            ready = self._ready(s)
+            if mode == "cohort" and paired:
+                if s.cohort != round_id % 2:
+                    if k > 0 and ready is None:
+                        plan.ahead.append(DraftItem(s, k))  # verified next round, with these drafts
+                    continue
+                plan.verify.append(s)
+                plan.ks[s.id] = min(len(ready.tokens), self._cap(s)) if ready is not None else 0
+                continue
+            plan.verify.append(s)
+            if ready is not None:
+                plan.ks[s.id] = min(len(ready.tokens), self._cap(s))
+            elif k > 0:
+                plan.ks[s.id] = k
+                plan.pre_draft.append(DraftItem(s, k))
+            if mode == "ahead" and k > 0:
+                # Drafted while the verifier checks this block, assuming all of it is
+                # accepted: the first draft is a guess at the verifier's own token.
+                n = min(self._cap(s, after=plan.ks.get(s.id, 0) + 1), self.ahead_limit)
+                if n > 0:
+                    plan.ahead.append(DraftItem(s, n + 1, assumed=()))
+        return plan
+
+    def _ready(self, seq: _Sequence) -> Block | None:
+        if seq.block is not None and seq.block.valid_for(seq.tokens):
+            return seq.block
+        return None
+
+    # -- one round ------------------------------------------------------------
     async def _round(self) -> None:
         round_id = next(self._round_ids)
-        batch = list(self.active)
-        await self._join_drafter(batch)
-        started = time.perf_counter_ns()
-        # One round span per request, under that request's span: a trace viewer
-        # shows one request's trace at a time, and each then holds all of its
-        # rounds and the services' work in them. The batch a round served is in
-        # the specd.round_id / specd.batch_size attributes, shared by its spans.
-        spans = self._start_round_spans(round_id, batch) if self.tracing.enabled else {}
+        seqs = list(self.active)
+        await self._join_drafter(seqs)
+        wasted = self._drop_stale_blocks(seqs)
+        plan = self._plan(seqs, round_id)
+        # Sequences drafting for the next round only (cohort) get a round span too: their draft is in it.
+        taking_part = {s.id: s for s in [*plan.verify, *(item.seq for item in plan.ahead)]}
+        spans = self.observer.start_spans(round_id, list(taking_part.values()))
         contexts = {sid: self.tracing.inject(span) for sid, span in spans.items()}
-        ks = self._choose_ks(batch)
-        drafts: dict[str, drafter_pb2.DraftProposal] = {}
-        to_draft = [s for s in batch if ks[s.id] > 0]
-        draft_ns = drafter_ns = drafter_forward_ns = 0
-        if to_draft and self.drafter is not None:
-            request = drafter_pb2.DraftRequest(round_id=round_id)
-            for s in to_draft:
-                task = request.tasks.add(
-                    sequence_id=s.id,
-                    new_token_ids=s.tokens[s.drafter_synced :],
-                    num_committed=len(s.tokens),
-                    num_draft_tokens=ks[s.id],
-                )
-                if s.id in contexts:
-                    task.trace_context.update(contexts[s.id])
-            try:
-                reply = await self.drafter.draft(request)
-            except BackendError as exc:
-                # Speculation is an optimisation: without drafts the round still makes progress.
-                self._drafter_failed(str(exc))
-            else:
-                drafter_ns, drafter_forward_ns = reply.timings.total_ns, reply.timings.forward_ns
-                if [p.sequence_id for p in reply.proposals] != [s.id for s in to_draft]:
-                    self._drafter_failed("the drafter answered a round out of protocol")
-                    reply.ClearField("proposals")
-                elif self.drafter_link is not None:
-                    self.drafter_link.succeeded()
-                for s, proposal in zip(to_draft, reply.proposals, strict=False):
-                    if proposal.error.code in LOST_ON_DRAFTER:
-                        self._rejoin_drafter(s, proposal.error.message)
-                        continue
-                    if proposal.error.code:
-                        log.warning("drafter refused %s: %s; continuing target-only", s.id, proposal.error.message)
-                        s.speculating = False
-                        continue
-                    s.drafter_synced = len(s.tokens)
-                    drafts[s.id] = proposal
-            draft_ns = time.perf_counter_ns() - started
-        request = verifier_pb2.VerifyRequest(round_id=round_id)
-        for s in batch:
-            proposal = drafts.get(s.id)
-            task = request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens))
+        started = time.perf_counter_ns()
+
+        # 1. Drafts the verify needs now; a verified sequence's block is used up by this round.
+        blocks: dict[str, Block] = {}
+        for s in plan.verify:
+            if (ready := self._ready(s)) is not None:
+                blocks[s.id] = ready
+            s.block = None
+        pre = await self._draft(round_id, plan.pre_draft, contexts) if plan.pre_draft else None
+        for item in plan.pre_draft if pre is not None else ():
+            proposal = pre.verdicts.proposals.get(item.seq.id)
             if proposal is not None:
-                task.draft_token_ids.extend(proposal.token_ids[: ks[s.id]])
-                task.draft_distributions.extend(proposal.distributions[: ks[s.id]])
-            if s.id in contexts:
-                task.trace_context.update(contexts[s.id])
-        verify_started = time.perf_counter_ns()
+                blocks[item.seq.id] = Block(
+                    list(proposal.token_ids), list(proposal.distributions), len(item.seq.tokens)
+                )
+        ks = {s.id: min(plan.ks.get(s.id, 0), len(blocks[s.id].tokens)) if s.id in blocks else 0 for s in plan.verify}
+        draft_done = time.perf_counter_ns()
+
+        # 2. The verify, and meanwhile the drafts of the next round.
+        ahead_items = [
+            self._assume_block(item, blocks, ks)
+            for item in plan.ahead
+            if item.seq.drafter.drafting and not item.seq.done
+        ]
+        request = verify_request(round_id, plan.verify, blocks, ks, contexts)
+        ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
         try:
             reply = await self.verifier.verify(request)
-        except BaseException:
-            for span in spans.values():
-                span.end()
-            raise
+        finally:
+            ahead = await ahead_task if ahead_task is not None else None
+        for item in ahead_items if ahead is not None else ():
+            item.seq.block = self._ahead_block(item, ahead.verdicts.proposals.get(item.seq.id))
         now = time.perf_counter_ns()
-        timing = RoundTimes(
+        times = RoundTimes(
             round_ns=now - started,
-            draft_ns=draft_ns,
-            verify_ns=now - verify_started,
-            drafter_ns=drafter_ns,
+            draft_ns=draft_done - started,
+            verify_ns=now - draft_done,
+            drafter_ns=pre.timings.total_ns if pre else 0,
             verifier_ns=reply.timings.total_ns,
-            drafter_forward_ns=drafter_forward_ns,
+            drafter_forward_ns=pre.timings.forward_ns if pre else 0,
             verifier_forward_ns=reply.timings.forward_ns,
+            overlap_ns=ahead.elapsed_ns if ahead else 0,
         )
-        proposals: list[tuple[int, int]] = []
-        drafted = [len(task.draft_token_ids) for task in request.tasks]
-        emitted = 0
-        for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
-            k = len(task.draft_token_ids)
-            if result.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and k > 0:
-                # The verifier checks a round before changing anything, so bad drafts
-                # cost this sequence one round; it goes on target-only.
-                log.warning("verifier refused drafts for %s: %s; continuing target-only", s.id, result.error.message)
-                s.speculating = False
-            elif result.error.code:
-                self._fail(s, verifier_round_error(result.error))
-            else:
-                proposals.append((k, result.num_accepted))
-                s.drafted += k
-                s.accepted += result.num_accepted
-                emitted += result.num_accepted + 1
-                if k and s.acceptance is not None:
-                    s.acceptance.observe(k, result.num_accepted)
-                    self.policy.overall.observe(k, result.num_accepted)
-                self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
-        choice = self.policy.last_choice
-        observed_gain = self.policy.observe_round(
-            drafted, timing.round_ns, timing.draft_ns, timing.verify_ns, timing.drafter_forward_ns, emitted
-        )
-        for s, task, result in zip(batch, request.tasks, reply.results, strict=True):
-            if s.id in spans:
-                span = spans[s.id]
-                span.set_attributes(
-                    {
-                        "specd.k": len(task.draft_token_ids),
-                        "specd.accepted": result.num_accepted,
-                        "specd.round_k_max": max(drafted, default=0),
-                        **timing.attributes(len(batch)),
-                    }
-                )
-                if choice is not None:
-                    span.set_attribute("specd.predicted_gain", choice.predicted_gain)
-                if observed_gain is not None:
-                    span.set_attribute("specd.observed_gain", observed_gain)
-                span.end()
-        self.metrics.observe_round(proposals, len(batch), timing)
-        self.metrics.observe_ks(drafted)
-        await self._retire([s for s in batch if s.done])
 
-    def _start_round_spans(self, round_id: int, batch: list[_Sequence]) -> dict[str, Any]:
-        spans = {}
-        for s in batch:
-            if s.span is not None:
-                spans[s.id] = self.tracing.start("specd.round", s.span, attributes={"specd.round_id": round_id})
-        return spans
+        # 3. Apply the verdicts, each sequence on its own; draft-ahead blocks that missed are dropped.
+        verdicts = read_verdicts(request, reply, plan.verify)
+        for v in verdicts:
+            self._apply(v)
+        wasted += self._drop_stale_blocks([item.seq for item in ahead_items])
+
+        # 4. Observe, then retire.
+        pipeline = "+".join(sorted({self._pipeline(s) for s in seqs}))
+        self.observer.observe(RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans))
+        await self._retire([s for s in seqs if s.done])
+
+    def _drop_stale_blocks(self, seqs: list[_Sequence]) -> int:
+        """Forget blocks the committed tokens no longer match; returns how many drafts that throws away."""
+        wasted = 0
+        for s in seqs:
+            if s.block is not None and (s.done or self._ready(s) is None):
+                wasted += len(s.block.tokens) + (1 if s.block.tail else 0)
+                s.block = None
+        return wasted
+
+    @staticmethod
+    def _assume_block(item: DraftItem, blocks: dict[str, Block], ks: dict[str, int]) -> DraftItem:
+        """A draft-ahead item assumes the block now being verified is accepted whole."""
+        if item.assumed is None:  # not verified this round (cohort): nothing to assume
+            return item
+        block = blocks.get(item.seq.id)
+        k = ks.get(item.seq.id, 0)
+        return DraftItem(item.seq, item.num_draft_tokens, tuple(block.tokens[:k]) if block is not None else ())
+
+    @staticmethod
+    def _ahead_block(item: DraftItem, proposal: drafter_pb2.DraftProposal | None) -> Block | None:
+        """The block drafted during the verify, and what the verify must commit for it to stand."""
+        if proposal is None or not proposal.token_ids:
+            return None
+        tokens, dists = list(proposal.token_ids), list(proposal.distributions)
+        base = len(item.seq.tokens)
+        if item.assumed is None:
+            return Block(tokens, dists, base)
+        # The first draft guessed the verifier's own token after the assumed block.
+        tail = (*item.assumed, tokens[0])
+        return Block(tokens[1:], dists[1:], base + len(tail), tail)
+
+    async def _draft(
+        self, round_id: int, items: list[DraftItem], contexts: dict[str, dict[str, str]]
+    ) -> _DraftExchange | None:
+        """One draft exchange; a failed drafter marks itself down and the round goes on without drafts."""
+        assert self.drafter is not None
+        started = time.perf_counter_ns()
+        request = draft_request(round_id, items, contexts)
+        try:
+            reply = await self.drafter.draft(request)
+        except BackendError as exc:
+            # Speculation is an optimisation: without drafts the round still makes progress.
+            self._drafter_failed(str(exc))
+            return None
+        verdicts = read_drafts(items, reply)
+        if verdicts.protocol_error:
+            self._drafter_failed(verdicts.protocol_error)
+            return None
+        if self.drafter_link is not None:
+            self.drafter_link.succeeded()
+        for s, reason in verdicts.lost:
+            self._rejoin_drafter(s, reason)
+        for s, reason in verdicts.refused:
+            log.warning("drafter refused %s: %s; continuing target-only", s.id, reason)
+            s.drafter.park()
+        for item in items:
+            if item.seq.id in verdicts.proposals:
+                item.seq.drafter.synced_to(len(item.seq.tokens))
+        return _DraftExchange(verdicts, reply.timings, time.perf_counter_ns() - started)
+
+    def _apply(self, verdict: Verdict) -> None:
+        s = verdict.seq
+        try:
+            if verdict.drafts_refused:
+                log.warning("verifier refused the drafts of %s; continuing target-only", s.id)
+                s.drafter.park()
+            elif verdict.error is not None:
+                self._fail(s, verdict.error)
+            else:
+                s.drafted += verdict.drafted
+                s.accepted += verdict.accepted
+                self._commit(s, list(verdict.tokens))
+        except Exception as exc:
+            self._fail(s, self._internal_error(f"applying the verdict of {s.id}", exc))
+
+    def _internal_error(self, what: str, exc: BaseException) -> GenerationError:
+        """Log a gateway bug under an id the client is told, so the two can be matched."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("internal error %s while %s", error_id, what, exc_info=exc)
+        return internal(f"internal error in the gateway (error id {error_id})")
 
     def _commit(self, seq: _Sequence, new_tokens: list[int]) -> None:
         """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
@@ -640,7 +712,7 @@ class Scheduler:
         self.active = [s for s in self.active if s.id not in gone]
         self.metrics.running.set(len(self.active))
         closes = [self._close_quietly(self.verifier, [s.id for s in seqs])]
-        on_drafter = [s.id for s in seqs if s.on_drafter]
+        on_drafter = [s.id for s in seqs if s.drafter.on_drafter]
         if on_drafter and self.drafter is not None:
             closes.append(self._close_on_drafter(on_drafter))
         await asyncio.gather(*closes)
@@ -660,19 +732,16 @@ class Scheduler:
     def _drafter_failed(self, reason: str, also_open: Sequence[str] = ()) -> None:
         """Continue every sequence target-only; they re-open on the drafter once it is back."""
         assert self.drafter_link is not None
-        lost = [s for s in self.active if s.on_drafter]
+        lost = [s for s in self.active if s.drafter.on_drafter]
         for s in lost:
-            s.on_drafter = s.speculating = False
-            s.wants_drafter = True
+            s.drafter.drafter_down()
         self.drafter_link.mark_down(reason, [*(s.id for s in lost), *also_open])
 
     def _rejoin_drafter(self, seq: _Sequence, reason: str) -> None:
         """The drafter lost this sequence (it restarted between two rounds): open it there again."""
         assert self.drafter_link is not None
         log.warning("drafter lost %s (%s); re-opening it there", seq.id, reason)
-        seq.on_drafter = seq.speculating = False
-        seq.wants_drafter = seq.drafter_rejoins < MAX_DRAFTER_REJOINS
-        seq.drafter_rejoins += 1
+        seq.drafter.lost()
         self.drafter_link.stale.add(seq.id)
 
     @staticmethod
@@ -681,33 +750,3 @@ class Scheduler:
             await backend.close_sequences(ids)
         except Exception as exc:  # a backend that lost them already freed them
             log.debug("close on %s failed: %s", getattr(backend, "name", backend), exc)
-
-
-LOST_ON_DRAFTER = (
-    common_pb2.ERROR_CODE_NOT_FOUND,
-    common_pb2.ERROR_CODE_FAILED_PRECONDITION,
-    common_pb2.ERROR_CODE_UNAVAILABLE,  # its drafter replica failed: re-open it on another
-)
-
-
-def verifier_round_error(error: common_pb2.SequenceError) -> GenerationError:
-    """The HTTP-level error for a sequence the verifier refused in a round."""
-    if error.code in (
-        common_pb2.ERROR_CODE_NOT_FOUND,
-        common_pb2.ERROR_CODE_FAILED_PRECONDITION,
-        common_pb2.ERROR_CODE_UNAVAILABLE,
-    ):
-        # A restarted or unreachable verifier has lost the sequence: the request cannot go on, a new one can.
-        return GenerationError(503, f"the verifier lost the sequence: {error.message}", "service_unavailable")
-    return GenerationError(500, f"verifier refused the round: {error.message}", "internal_error")
-
-
-def open_error(error: common_pb2.SequenceError) -> GenerationError:
-    """The HTTP-level error for a sequence the verifier would not open."""
-    if error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT:
-        return GenerationError(400, error.message)
-    if error.code == common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED:
-        return GenerationError(503, f"the verifier is full: {error.message}", "service_unavailable")
-    if error.code == common_pb2.ERROR_CODE_UNAVAILABLE:
-        return GenerationError(503, f"no verifier could open the sequence: {error.message}", "service_unavailable")
-    return GenerationError(500, f"the verifier could not open the sequence: {error.message}", "internal_error")

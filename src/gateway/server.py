@@ -70,6 +70,7 @@ async def run(config: GatewayConfig) -> None:
         disable_by_batch_size=config.speculative_disable_by_batch_size,
         max_waiting=config.max_waiting,
         request_timeout_s=config.request_timeout_s,
+        pipeline=config.pipeline,
     )
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)

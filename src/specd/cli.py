@@ -68,6 +68,13 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="most draft tokens per round")
     p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
+    p.add_argument(
+        "--pipeline", choices=["sequential", "cohort", "ahead"], default="sequential", help="see specd gateway --help"
+    )
+    p.add_argument("--drafter-threads", type=int, default=0, help="drafter's torch threads; 0: torch's default")
+    p.add_argument("--verifier-threads", type=int, default=0, help="verifier's torch threads; 0: torch's default")
+    p.add_argument("--drafter-cpus", default="", help="pin the drafter to these CPUs, e.g. 1; empty: no pinning")
+    p.add_argument("--verifier-cpus", default="", help="pin the verifier to these CPUs, e.g. 0; empty: no pinning")
     p.add_argument("--drafter-metrics-port", type=int, default=0, help="drafter's Prometheus port; 0: none")
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
@@ -115,6 +122,8 @@ def up(argv: Sequence[str]) -> None:
             "--device", args.verifier_device,
             "--dtype", args.verifier_dtype,
             "--metrics-port", str(args.verifier_metrics_port),
+            "--threads", str(args.verifier_threads),
+            "--cpus", args.verifier_cpus,
             *backend_tls,
         ],
     }  # fmt: skip
@@ -129,6 +138,8 @@ def up(argv: Sequence[str]) -> None:
             "--dtype", args.drafter_dtype,
             "--quantize", args.quantize,
             "--metrics-port", str(args.drafter_metrics_port),
+            "--threads", str(args.drafter_threads),
+            "--cpus", args.drafter_cpus,
             *backend_tls,
         ]  # fmt: skip
     children["gateway"] = [
@@ -142,6 +153,7 @@ def up(argv: Sequence[str]) -> None:
         "--num-speculative-tokens", str(args.num_speculative_tokens),
         "--speculative-mode", args.speculative_mode,
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
+        "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
         *tracing,
         *server_tls,

@@ -93,7 +93,8 @@ class ModelServiceConfig:
     max_context: int = field(2048, "most positions per sequence (capped by the model's own limit)")
     max_draft_tokens: int = field(16, "most draft tokens per sequence per round")
     max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
-    threads: int = field(0, "torch intra-op threads; 0 keeps torch's default")
+    threads: int = field(0, "torch intra-op threads; 0 keeps torch's default (with --cpus: one per CPU)")
+    cpus: str = field("", "pin the service to these CPUs, e.g. 0 or 2-3 (Linux); empty: no pinning")
     log_level: str = field("INFO", "logging level")
     otlp_endpoint: str = field("", "OTLP gRPC endpoint for traces (also OTEL_EXPORTER_OTLP_ENDPOINT)")
     trace_file: str = field("", "append spans as JSON lines to this file")
@@ -103,6 +104,9 @@ class ModelServiceConfig:
     tls_client_ca: str = field("", "PEM CA: require client certificates it signed (mutual TLS); needs --tls-cert")
 
     def validate(self) -> None:
+        from specd.placement import parse_cpus
+
+        parse_cpus(self.cpus)
         if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:
             raise ValueError("max_sequences >= 1, max_context >= 2 and max_draft_tokens >= 0 are required")
         if bool(self.tls_cert) != bool(self.tls_key):

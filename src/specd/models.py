@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from specd.fingerprint import TokenizerFingerprint
+from specd.placement import pin
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +167,15 @@ class LoadedModel:
     fingerprint: TokenizerFingerprint
 
 
-def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int = 0) -> LoadedModel:
-    """What a model service loads at startup: weights on their device, and the tokenizer's identity."""
+def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int = 0, cpus: str = "") -> LoadedModel:
+    """What a model service loads at startup: weights on their device, and the tokenizer's identity.
+
+    Pinning comes first, so every thread torch starts afterwards inherits it.
+    """
+    pinned = pin(cpus)
     device = parse_device(device_name)
     dtype = parse_dtype(dtype_name)
-    if threads:
-        torch.set_num_threads(threads)
+    if threads or pinned:
+        torch.set_num_threads(threads or len(pinned))
     model = load_model(spec, device, dtype)
     return LoadedModel(model, device, dtype, TokenizerFingerprint.of(load_tokenizer(spec)))

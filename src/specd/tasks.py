@@ -27,6 +27,8 @@ class DraftTask:
     new_tokens: list[int]
     num_committed: int
     num_draft_tokens: int
+    # Drafted after, not committed: a block the verifier is still checking.
+    assumed: tuple[int, ...] = ()
 
 
 @dataclass

@@ -17,7 +17,7 @@ from verifier_service.servicer import VerifierServicer
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
-    loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads)
+    loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     engine = VerifierEngine(lm, loaded.fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens)

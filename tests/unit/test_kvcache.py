@@ -298,7 +298,7 @@ class History:
             state = self.drafter.table.get(sid)
             told = self.committed[sid][: len(self.committed[sid]) - len(self.unsent[sid])]
             assert state.committed == told
-            ModelDrafter._roll_back(state)
+            ModelDrafter._roll_back(state, state.committed)
             assert state.cached == state.committed[: len(state.cached)]
             fed = state.committed[len(state.cached) :]
             assert fed

@@ -48,7 +48,7 @@ class CloseDraftSequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context")
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,12 +61,14 @@ class DraftTask(_message.Message):
     NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_committed: int
     num_draft_tokens: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("round_id", "tasks")

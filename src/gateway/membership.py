@@ -1,0 +1,100 @@
+"""A sequence's standing with the drafter, as one explicit state machine.
+
+The verifier alone can finish every sequence, so the drafter is an optimisation a
+sequence may join, lose and re-join. Every change of that standing goes through
+`DrafterMembership`, which refuses transitions that make no sense (opening a
+sequence that is already open, say) instead of letting flags drift apart.
+
+    OFF ──want──▶ PENDING ──opened──▶ ACTIVE ──park──▶ PARKED
+                   ▲  │                 │                │
+                   │  └──refused──▶ OFF │                │
+                   └────── lost / drafter down ◀─────────┘
+
+- OFF: never drafts (no drafter, speculation off, the drafter refused it, or it
+  was lost too often).
+- PENDING: to be opened on the drafter from its committed tokens (after its first
+  token, or once a lost drafter is back).
+- ACTIVE: open on the drafter and drafting.
+- PARKED: open on the drafter but no longer drafting (its drafts were refused);
+  it is closed there when it retires.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DrafterState(enum.Enum):
+    OFF = "off"
+    PENDING = "pending"
+    ACTIVE = "active"
+    PARKED = "parked"
+
+
+class MembershipError(RuntimeError):
+    """A transition the state machine does not allow: a gateway bug, never a client's fault."""
+
+
+# How often a sequence is re-opened on a drafter that answers it has lost it.
+MAX_REJOINS = 3
+
+
+@dataclass
+class DrafterMembership:
+    state: DrafterState = DrafterState.OFF
+    # Committed tokens the drafter has been told about (valid while open there).
+    synced: int = 0
+    rejoins: int = 0
+
+    @property
+    def on_drafter(self) -> bool:
+        """Open on the drafter, so it must be closed there when it retires."""
+        return self.state in (DrafterState.ACTIVE, DrafterState.PARKED)
+
+    @property
+    def drafting(self) -> bool:
+        return self.state is DrafterState.ACTIVE
+
+    @property
+    def pending(self) -> bool:
+        return self.state is DrafterState.PENDING
+
+    def _move(self, allowed: tuple[DrafterState, ...], to: DrafterState, event: str) -> None:
+        if self.state not in allowed:
+            raise MembershipError(f"{event} is not allowed in state {self.state.value}")
+        self.state = to
+
+    def want(self) -> None:
+        """Join the drafter once it has a first token."""
+        self._move((DrafterState.OFF,), DrafterState.PENDING, "want")
+
+    def opened(self, committed: int) -> None:
+        self._move((DrafterState.PENDING,), DrafterState.ACTIVE, "opened")
+        self.synced = committed
+
+    def refused(self) -> None:
+        """The drafter would not open it: it runs target-only for good."""
+        self._move((DrafterState.PENDING,), DrafterState.OFF, "refused")
+
+    def synced_to(self, committed: int) -> None:
+        if not self.on_drafter:
+            raise MembershipError(f"synced_to is not allowed in state {self.state.value}")
+        self.synced = committed
+
+    def park(self) -> None:
+        """Its drafts were refused: stop drafting, but it stays open on the drafter until it retires."""
+        if self.state is DrafterState.PARKED:
+            return
+        self._move((DrafterState.ACTIVE,), DrafterState.PARKED, "park")
+
+    def lost(self) -> None:
+        """The drafter lost this sequence alone (it restarted): open it there again, a few times at most."""
+        self._move((DrafterState.ACTIVE, DrafterState.PARKED), DrafterState.PENDING, "lost")
+        self.rejoins += 1
+        if self.rejoins > MAX_REJOINS:
+            self.state = DrafterState.OFF
+
+    def drafter_down(self) -> None:
+        """The whole drafter failed: whatever was open there is gone; re-open once it is back."""
+        self._move((DrafterState.ACTIVE, DrafterState.PARKED), DrafterState.PENDING, "drafter_down")

@@ -1,0 +1,147 @@
+"""Turns a round's outcome into spans, metrics and what the speculation policy learns.
+
+Observing never fails a request: an error here is logged and the round's tokens
+stand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.metrics import GatewayMetrics
+from gateway.round import Verdict
+from gateway.speculation import SpeculationPolicy
+from specd.tracing import Tracing
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """Where one round's time went, as the gateway saw it and as the services reported.
+
+    The draft and drafter times are the drafting on the round's critical path (before
+    the verify); `overlap_ns` is the drafting that ran while the verifier worked
+    (cohort and draft-ahead pipelines), which costs the round nothing unless it
+    outlasts the verify.
+    """
+
+    round_ns: int
+    draft_ns: int
+    verify_ns: int
+    drafter_ns: int
+    verifier_ns: int
+    drafter_forward_ns: int
+    verifier_forward_ns: int
+    overlap_ns: int = 0
+
+    @property
+    def overhead_ns(self) -> int:
+        """Network, serialisation and gateway scheduling: the round minus the services' own time on its path."""
+        return self.round_ns - self.drafter_ns - self.verifier_ns
+
+    def attributes(self, batch_size: int) -> dict[str, float | int]:
+        return {
+            "specd.batch_size": batch_size,
+            "specd.round_ms": self.round_ns / 1e6,
+            "specd.draft_ms": self.draft_ns / 1e6,
+            "specd.verify_ms": self.verify_ns / 1e6,
+            "specd.drafter_ms": self.drafter_ns / 1e6,
+            "specd.verifier_ms": self.verifier_ns / 1e6,
+            "specd.drafter_forward_ms": self.drafter_forward_ns / 1e6,
+            "specd.verifier_forward_ms": self.verifier_forward_ns / 1e6,
+            "specd.overlap_ms": self.overlap_ns / 1e6,
+            "specd.overhead_ms": self.overhead_ns / 1e6,
+        }
+
+
+@dataclass
+class RoundOutcome:
+    round_id: int
+    verdicts: list[Verdict]
+    times: RoundTimes
+    pipeline: str = "sequential"
+    wasted_drafts: int = 0  # drafted ahead and thrown away
+    spans: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def drafted(self) -> list[int]:
+        return [v.drafted for v in self.verdicts]
+
+    @property
+    def emitted(self) -> int:
+        return sum(len(v.tokens) for v in self.verdicts)
+
+
+class RoundObserver:
+    def __init__(self, metrics: GatewayMetrics, policy: SpeculationPolicy, tracing: Tracing) -> None:
+        self.metrics = metrics
+        self.policy = policy
+        self.tracing = tracing
+
+    def start_spans(self, round_id: int, seqs: Sequence[Any]) -> dict[str, Any]:
+        """One round span per request, under that request's span.
+
+        A trace viewer shows one request's trace at a time, and each then holds all
+        of its rounds and the services' work in them. The batch a round served is in
+        the specd.round_id / specd.batch_size attributes, shared by its spans.
+        """
+        if not self.tracing.enabled:
+            return {}
+        return {
+            s.id: self.tracing.start("specd.round", s.span, attributes={"specd.round_id": round_id})
+            for s in seqs
+            if s.span is not None
+        }
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        try:
+            self._observe(outcome)
+        except Exception:
+            log.exception("observing round %d failed; its tokens stand", outcome.round_id)
+        finally:
+            for span in outcome.spans.values():
+                if span.is_recording():
+                    span.end()
+
+    def _observe(self, outcome: RoundOutcome) -> None:
+        times = outcome.times
+        proposals: list[tuple[int, int]] = []
+        for v in outcome.verdicts:
+            if v.error is None and not v.drafts_refused:
+                proposals.append((v.drafted, v.accepted))
+                if v.drafted:
+                    acceptance = getattr(v.seq, "acceptance", None)
+                    if acceptance is not None:
+                        acceptance.observe(v.drafted, v.accepted)
+                    self.policy.overall.observe(v.drafted, v.accepted)
+        choice = self.policy.last_choice
+        observed_gain = self.policy.observe_round(
+            outcome.drafted, times.round_ns, times.draft_ns, times.verify_ns, times.drafter_forward_ns, outcome.emitted
+        )
+        attributes = times.attributes(len(outcome.verdicts))
+        round_k_max = max(outcome.drafted, default=0)
+        for v in outcome.verdicts:
+            span = outcome.spans.get(v.seq.id)
+            if span is None:
+                continue
+            span.set_attributes(
+                {
+                    "specd.k": v.drafted,
+                    "specd.accepted": v.accepted,
+                    "specd.round_k_max": round_k_max,
+                    "specd.pipeline": outcome.pipeline,
+                    **attributes,
+                }
+            )
+            if choice is not None:
+                span.set_attribute("specd.predicted_gain", choice.predicted_gain)
+            if observed_gain is not None:
+                span.set_attribute("specd.observed_gain", observed_gain)
+        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
+        self.metrics.observe_ks(outcome.drafted)
+        if outcome.wasted_drafts:
+            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)

@@ -1,0 +1,186 @@
+"""One round's messages and verdicts, as pure functions over the sequences taking part.
+
+A round reads like a scheduler step:
+
+1. *plan*: which sequences draft before the verify (on the critical path), which
+   are verified, and which draft ahead while the verifier works (`RoundPlan`);
+2. the RPCs run (the scheduler does that);
+3. *read*: the drafter's and the verifier's replies become per-sequence verdicts
+   (`read_drafts`, `read_verdicts`), checked against the protocol before anything
+   is committed;
+4. the scheduler applies the verdicts, and the observer records them.
+
+Nothing here does I/O or changes a sequence, so every path is testable with fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.failures import GenerationError, verifier_round_error
+from gateway.membership import DrafterMembership
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+
+class RoundSequence(Protocol):
+    """What a round needs of a sequence."""
+
+    id: str
+    tokens: list[int]  # prompt + committed output
+    drafter: DrafterMembership
+
+
+@dataclass(frozen=True)
+class Block:
+    """Draft tokens (and, for sampled sequences, their distributions) ready to verify.
+
+    `base` is the committed length the block continues; `tail` the committed tokens
+    it was drafted after that the gateway had not seen committed yet when it asked
+    (a draft-ahead block assumes them). The block is only valid if the sequence's
+    committed tokens end in exactly `tail` at length `base`.
+    """
+
+    tokens: list[int]
+    distributions: list[common_pb2.SparseDistribution]
+    base: int
+    tail: tuple[int, ...] = ()
+
+    def valid_for(self, committed: Sequence[int]) -> bool:
+        if len(committed) != self.base:
+            return False
+        return not self.tail or tuple(committed[self.base - len(self.tail) :]) == self.tail
+
+
+@dataclass(frozen=True)
+class DraftItem:
+    """One sequence's share of a draft exchange."""
+
+    seq: RoundSequence
+    num_draft_tokens: int
+    # None: drafts continue the committed tokens. A tuple: the sequence is being
+    # verified meanwhile, and drafts continue these tokens of its block, assumed accepted.
+    assumed: tuple[int, ...] | None = None
+
+
+@dataclass
+class RoundPlan:
+    pre_draft: list[DraftItem] = field(default_factory=list)  # drafted before the verify
+    verify: list[RoundSequence] = field(default_factory=list)
+    ahead: list[DraftItem] = field(default_factory=list)  # drafted while the verifier works
+    ks: dict[str, int] = field(default_factory=dict)  # drafts each verified sequence may use
+
+
+def draft_request(
+    round_id: int, items: Sequence[DraftItem], contexts: Mapping[str, Mapping[str, str]]
+) -> drafter_pb2.DraftRequest:
+    request = drafter_pb2.DraftRequest(round_id=round_id)
+    for item in items:
+        s = item.seq
+        task = request.tasks.add(
+            sequence_id=s.id,
+            new_token_ids=s.tokens[s.drafter.synced :],
+            num_committed=len(s.tokens),
+            num_draft_tokens=item.num_draft_tokens,
+            assumed_token_ids=item.assumed or (),
+        )
+        if s.id in contexts:
+            task.trace_context.update(contexts[s.id])
+    return request
+
+
+def verify_request(
+    round_id: int,
+    seqs: Sequence[RoundSequence],
+    blocks: Mapping[str, Block],
+    ks: Mapping[str, int],
+    contexts: Mapping[str, Mapping[str, str]],
+) -> verifier_pb2.VerifyRequest:
+    request = verifier_pb2.VerifyRequest(round_id=round_id)
+    for s in seqs:
+        task = request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens))
+        block = blocks.get(s.id)
+        k = ks.get(s.id, 0)
+        if block is not None and k > 0:
+            task.draft_token_ids.extend(block.tokens[:k])
+            task.draft_distributions.extend(block.distributions[:k])
+        if s.id in contexts:
+            task.trace_context.update(contexts[s.id])
+    return request
+
+
+@dataclass
+class DraftVerdicts:
+    """What one draft exchange gave each sequence."""
+
+    proposals: dict[str, drafter_pb2.DraftProposal] = field(default_factory=dict)
+    lost: list[tuple[RoundSequence, str]] = field(default_factory=list)  # the drafter no longer has it
+    refused: list[tuple[RoundSequence, str]] = field(default_factory=list)  # it refused this sequence's task
+    protocol_error: str = ""  # the whole reply is unusable
+
+
+# Codes for which a sequence is re-opened on the drafter rather than given up.
+LOST_ON_DRAFTER = (
+    common_pb2.ERROR_CODE_NOT_FOUND,
+    common_pb2.ERROR_CODE_FAILED_PRECONDITION,
+    common_pb2.ERROR_CODE_UNAVAILABLE,  # its drafter replica failed: re-open it on another
+)
+
+
+def read_drafts(items: Sequence[DraftItem], reply: drafter_pb2.DraftResponse) -> DraftVerdicts:
+    verdicts = DraftVerdicts()
+    if [p.sequence_id for p in reply.proposals] != [i.seq.id for i in items]:
+        verdicts.protocol_error = "the drafter answered a round out of protocol"
+        return verdicts
+    for item, proposal in zip(items, reply.proposals, strict=True):
+        if proposal.error.code in LOST_ON_DRAFTER:
+            verdicts.lost.append((item.seq, proposal.error.message))
+        elif proposal.error.code:
+            verdicts.refused.append((item.seq, proposal.error.message))
+        elif len(proposal.token_ids) > item.num_draft_tokens or (
+            proposal.distributions and len(proposal.distributions) != len(proposal.token_ids)
+        ):
+            verdicts.refused.append((item.seq, "the drafter proposed more than asked, or unmatched distributions"))
+        else:
+            verdicts.proposals[item.seq.id] = proposal
+    return verdicts
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's answer for one sequence."""
+
+    seq: RoundSequence
+    drafted: int
+    accepted: int = 0
+    tokens: tuple[int, ...] = ()  # accepted drafts + the verifier's own token
+    error: GenerationError | None = None
+    drafts_refused: bool = False  # the verifier refused its drafts; it goes on target-only
+
+
+class ProtocolError(Exception):
+    """A backend's reply that does not answer the request it was given."""
+
+
+def read_verdicts(
+    request: verifier_pb2.VerifyRequest, reply: verifier_pb2.VerifyResponse, seqs: Sequence[RoundSequence]
+) -> list[Verdict]:
+    if [r.sequence_id for r in reply.results] != [t.sequence_id for t in request.tasks]:
+        raise ProtocolError("the verifier answered a round out of protocol")
+    verdicts = []
+    for s, task, result in zip(seqs, request.tasks, reply.results, strict=True):
+        k = len(task.draft_token_ids)
+        if result.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and k > 0:
+            # The verifier checks a round before changing anything, so bad drafts
+            # cost this sequence one round.
+            verdicts.append(Verdict(s, k, drafts_refused=True))
+        elif result.error.code:
+            verdicts.append(Verdict(s, k, error=verifier_round_error(result.error)))
+        elif result.num_accepted > k:
+            raise ProtocolError(f"the verifier accepted {result.num_accepted} of {k} drafts")
+        else:
+            accepted = result.num_accepted
+            tokens = (*task.draft_token_ids[:accepted], result.next_token_id)
+            verdicts.append(Verdict(s, k, accepted, tokens))
+    return verdicts

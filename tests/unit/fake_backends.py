@@ -1,0 +1,177 @@
+"""In-process drafter and verifier that speak the round protocol, for testing the scheduler with no model.
+
+The target is a deterministic greedy "model": the next token is a fixed function of
+the last three. The drafter follows the same rule except at positions it is told
+to get wrong, so acceptance is partial and known. Both check the protocol the way
+the real services do (committed counts, unknown ids), so a scheduler bug that
+sends the wrong tokens shows up as an error or as output that differs from
+target-only decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from gateway.backends import BackendError
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+VOCAB = 50
+EOS = 0
+
+
+def target_next(context: list[int]) -> int:
+    a, b, c = [0, 0, 0, *context][-3:]
+    return 1 + (7 * a + 13 * b + 29 * c + len(context)) % (VOCAB - 1)  # never EOS
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(target_next(tokens))
+    return tokens[len(prompt) :]
+
+
+def model_info(max_sequences: int = 64, max_context: int = 4096, max_draft_tokens: int = 8) -> Any:
+    return common_pb2.ModelInfo(
+        model_id="fake",
+        tokenizer=common_pb2.TokenizerFingerprint(
+            vocab_size=VOCAB, vocab_sha256="fake", special_token_ids={"eos": EOS}
+        ),
+        max_context=max_context,
+        model_vocab_size=VOCAB,
+        max_sequences=max_sequences,
+        max_draft_tokens=max_draft_tokens,
+    )
+
+
+class _FakeService:
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.info = model_info()
+        self.address = "fake:0"
+        self.timeout_s = 1.0
+        self.committed: dict[str, list[int]] = {}
+        self.delay_s = delay_s
+        self.busy = 0  # rounds in flight, to see overlap
+        self.max_busy_with_other = 0
+        self.other: _FakeService | None = None
+        self.fail_next: Exception | None = None
+
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        return True
+
+    def reset_rounds(self) -> None:
+        pass
+
+    async def open(self, specs: list[Any]) -> list[Any]:
+        results = []
+        for spec in specs:
+            if spec.sequence_id in self.committed:
+                results.append(
+                    common_pb2.OpenResult(
+                        sequence_id=spec.sequence_id,
+                        error=common_pb2.SequenceError(code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message="dup"),
+                    )
+                )
+                continue
+            self.committed[spec.sequence_id] = list(spec.prompt_token_ids)
+            results.append(common_pb2.OpenResult(sequence_id=spec.sequence_id))
+        return results
+
+    async def close_sequences(self, ids: list[str]) -> None:
+        for sid in ids:
+            self.committed.pop(sid, None)
+
+    async def _work(self) -> None:
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        self.busy += 1
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.other is not None and self.other.busy:
+                self.max_busy_with_other = max(self.max_busy_with_other, self.other.busy)
+        finally:
+            self.busy -= 1
+
+
+class FakeVerifier(_FakeService):
+    def __init__(self, delay_s: float = 0.0, drafter: FakeDrafter | None = None) -> None:
+        super().__init__(delay_s)
+        self.requests: list[Any] = []
+        # Blocks that are not what the drafter proposes after the committed tokens:
+        # stale drafts (still exact, since the verifier decides, but wasted).
+        self.drafter = drafter
+        self.stale_blocks = 0
+
+    async def verify(self, request: Any) -> Any:
+        self.requests.append(request)
+        await self._work()
+        reply = verifier_pb2.VerifyResponse(round_id=request.round_id)
+        reply.timings.total_ns = reply.timings.forward_ns = 1_000_000
+        for task in request.tasks:
+            result = reply.results.add(sequence_id=task.sequence_id)
+            tokens = self.committed.get(task.sequence_id)
+            if tokens is None or len(tokens) != task.num_committed:
+                result.error.code = common_pb2.ERROR_CODE_FAILED_PRECONDITION
+                result.error.message = "count mismatch"
+                continue
+            if self.drafter is not None and task.draft_token_ids:
+                expected = self.drafter.propose(tokens, len(task.draft_token_ids))
+                self.stale_blocks += list(task.draft_token_ids) != expected
+            accepted = 0
+            for d in task.draft_token_ids:
+                if d != target_next(tokens):
+                    break
+                tokens.append(d)
+                accepted += 1
+            result.num_accepted = accepted
+            result.next_token_id = target_next(tokens)
+            tokens.append(result.next_token_id)
+        return reply
+
+
+class FakeDrafter(_FakeService):
+    """Drafts the target's token except where `wrong(context_length)` says to be off by one."""
+
+    kind = common_pb2.DRAFTER_KIND_MODEL
+
+    def __init__(self, wrong: Callable[[int], bool] = lambda n: n % 4 == 3, delay_s: float = 0.0) -> None:
+        super().__init__(delay_s)
+        self.wrong = wrong
+        self.requests: list[Any] = []
+
+    async def draft(self, request: Any) -> Any:
+        self.requests.append(request)
+        await self._work()
+        reply = drafter_pb2.DraftResponse(round_id=request.round_id)
+        reply.timings.total_ns = reply.timings.forward_ns = 1_000_000
+        for task in request.tasks:
+            proposal = reply.proposals.add(sequence_id=task.sequence_id)
+            tokens = self.committed.get(task.sequence_id)
+            if tokens is None:
+                proposal.error.code = common_pb2.ERROR_CODE_NOT_FOUND
+                proposal.error.message = "unknown"
+                continue
+            if len(tokens) + len(task.new_token_ids) != task.num_committed:
+                proposal.error.code = common_pb2.ERROR_CODE_FAILED_PRECONDITION
+                proposal.error.message = "count mismatch"
+                continue
+            tokens.extend(task.new_token_ids)
+            proposal.token_ids.extend(self.propose(tokens + list(task.assumed_token_ids), task.num_draft_tokens))
+        return reply
+
+    def propose(self, context: list[int], n: int) -> list[int]:
+        context = list(context)
+        for _ in range(n):
+            t = target_next(context)
+            if self.wrong(len(context)):
+                t = 1 + t % (VOCAB - 1)
+            context.append(t)
+        return context[len(context) - n :]
+
+
+class BrokenDrafter(FakeDrafter):
+    async def draft(self, request: Any) -> Any:
+        raise BackendError("drafter down")

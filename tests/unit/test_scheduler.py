@@ -1,0 +1,216 @@
+"""The scheduler's rounds with in-process fake backends: every pipeline, failures, isolation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fake_backends import EOS, BrokenDrafter, FakeDrafter, FakeVerifier, reference
+
+from gateway.backends import BackendError
+from gateway.failures import GenerationError
+from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
+from specd.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7], [11, 12], [20, 21, 22], [5, 5]]
+
+
+class CharTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+def scheduler(verifier: Any, drafter: Any, pipeline: str = "sequential", k: int = 4, **kw: Any) -> Scheduler:
+    return Scheduler(
+        CharTokenizer(), verifier, drafter, k, 16, [EOS], speculative_mode="fixed", pipeline=pipeline, **kw
+    )
+
+
+async def collect(sched: Scheduler, seq: Any) -> tuple[list[int], Any]:
+    ids: list[int] = []
+    last: Any = None
+    async for event in sched.events(seq):
+        if isinstance(event, Delta):
+            ids.extend(event.token_ids)
+        last = event
+    return ids, last
+
+
+def generate(sched: Scheduler, prompts: list[list[int]], max_tokens: int = 24, **params: Any) -> list[Any]:
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            seqs = [sched.submit(p, GenerationParams(max_tokens, GREEDY, **params)) for p in prompts]
+            return await asyncio.gather(*(collect(sched, s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+@pytest.mark.parametrize("n", [1, 6])
+def test_every_pipeline_is_token_identical_to_target_only(pipeline: str, n: int) -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    results = generate(scheduler(verifier, drafter, pipeline), PROMPTS[:n])
+    for prompt, (ids, last) in zip(PROMPTS, results, strict=False):
+        assert isinstance(last, Finished) and last.reason == "length"
+        assert ids == reference(prompt, 24)
+    assert verifier.committed == {} and drafter.committed == {}  # every sequence closed on both
+    # Output would be exact whatever the drafts; what the pipeline must get right is
+    # verifying only blocks drafted after exactly the committed tokens.
+    assert verifier.stale_blocks == 0
+    assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+
+
+def test_draft_ahead_overlaps_and_uses_its_blocks() -> None:
+    verifier, drafter = FakeVerifier(delay_s=0.01), FakeDrafter(wrong=lambda n: False, delay_s=0.005)
+    verifier.other, drafter.other = drafter, verifier
+    sched = scheduler(verifier, drafter, "ahead")
+    [(ids, _)] = generate(sched, [PROMPTS[0]], max_tokens=40)
+    assert ids == reference(PROMPTS[0], 40)
+    assert verifier.max_busy_with_other or drafter.max_busy_with_other  # both services worked at once
+    # A drafter that is always right makes every ahead block valid: after the first
+    # drafted round, no draft exchange sits before a verify any more.
+    assumed = [t for r in drafter.requests for t in r.tasks if t.assumed_token_ids]
+    assert len(assumed) >= 3
+    assert sched.metrics.wasted_draft_tokens._value.get() <= 5  # only the last block, past max_tokens
+
+
+# n % 7: some blocks are rejected part-way; n % 5 == 2 (with a 7-token prompt and k=4):
+# every block is accepted whole and every guess at the verifier's own token is wrong,
+# so each ahead block must be thrown away although the committed length matches.
+@pytest.mark.parametrize("wrong", [lambda n: n % 7 == 0, lambda n: n % 5 == 2])
+def test_draft_ahead_counts_wasted_drafts_when_the_guess_misses(wrong: Any) -> None:
+    drafter = FakeDrafter(wrong=wrong)
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter, "ahead")
+    [(ids, _)] = generate(sched, [PROMPTS[2]], max_tokens=60)
+    assert ids == reference(PROMPTS[2], 60)
+    assert sched.metrics.wasted_draft_tokens._value.get() > 0
+    assert verifier.stale_blocks == 0
+
+
+def test_cohorts_alternate_and_overlap() -> None:
+    verifier, drafter = FakeVerifier(delay_s=0.01), FakeDrafter(delay_s=0.01)
+    verifier.other, drafter.other = drafter, verifier
+    sched = scheduler(verifier, drafter, "cohort")
+    results = generate(sched, PROMPTS[:4], max_tokens=20)
+    assert [ids for ids, _ in results] == [reference(p, 20) for p in PROMPTS[:4]]
+    assert verifier.max_busy_with_other or drafter.max_busy_with_other
+    # Once both cohorts speculate, a verify carries one cohort only.
+    sizes = [len(r.tasks) for r in verifier.requests[4:]]
+    assert sizes and max(sizes) <= 3
+
+
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+def test_a_dead_drafter_costs_speed_never_tokens(pipeline: str) -> None:
+    verifier = FakeVerifier()
+    results = generate(scheduler(verifier, BrokenDrafter(), pipeline), PROMPTS[:3])
+    assert [ids for ids, _ in results] == [reference(p, 24) for p in PROMPTS[:3]]
+
+
+def test_a_drafter_that_fails_mid_stream_is_survived() -> None:
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    sched = scheduler(verifier, drafter, "ahead")
+
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            seqs = [sched.submit(p, GenerationParams(40, GREEDY)) for p in PROMPTS[:3]]
+            await asyncio.sleep(0.05)
+            drafter.fail_next = BackendError("stalled")
+            return await asyncio.gather(*(collect(sched, s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    results = asyncio.run(main())
+    assert [ids for ids, _ in results] == [reference(p, 40) for p in PROMPTS[:3]]
+
+
+def test_an_exception_for_one_sequence_fails_that_one_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = scheduler(FakeVerifier(), FakeDrafter())
+    original = sched._commit
+    victim: list[str] = []
+
+    def commit(seq: Any, tokens: list[int]) -> None:
+        if seq.id in victim and len(seq.output) > 3:
+            raise RuntimeError("injected")
+        original(seq, tokens)
+
+    monkeypatch.setattr(sched, "_commit", commit)
+
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            seqs = [sched.submit(p, GenerationParams(24, GREEDY)) for p in PROMPTS[:4]]
+            victim.append(seqs[1].id)
+            return await asyncio.gather(*(collect(sched, s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    results = asyncio.run(main())
+    for i, (ids, last) in enumerate(results):
+        if i == 1:
+            assert isinstance(last, Failed) and last.error.status == 500
+            assert "error id" in last.error.message
+        else:
+            assert isinstance(last, Finished) and ids == reference(PROMPTS[i], 24)
+
+
+def test_admission_errors_are_classified() -> None:
+    verifier = FakeVerifier()
+
+    async def fail_open(specs: list[Any]) -> list[Any]:
+        raise KeyError("a bug, not an outage")
+
+    verifier.open = fail_open  # type: ignore[method-assign]
+    [(_, last)] = generate(scheduler(verifier, FakeDrafter()), [PROMPTS[0]])
+    assert isinstance(last, Failed) and last.error.status == 500 and "error id" in last.error.message
+
+    verifier = FakeVerifier()
+
+    async def unreachable(specs: list[Any]) -> list[Any]:
+        raise BackendError("connection refused")
+
+    verifier.open = unreachable  # type: ignore[method-assign]
+    [(_, last)] = generate(scheduler(verifier, FakeDrafter()), [PROMPTS[0]])
+    assert isinstance(last, Failed) and last.error.status == 503
+
+
+def test_a_failed_verify_fails_the_round_with_503() -> None:
+    verifier = FakeVerifier()
+    verifier.fail_next = BackendError("verifier died")
+    [(_, last)] = generate(scheduler(verifier, FakeDrafter()), [PROMPTS[0]])
+    assert isinstance(last, Failed) and last.error.status == 503
+
+
+def test_unknown_pipeline_is_refused() -> None:
+    sched = scheduler(FakeVerifier(), FakeDrafter())
+    with pytest.raises(GenerationError) as info:
+        sched.submit([1, 2], GenerationParams(4, GREEDY, pipeline="sideways"))
+    assert info.value.status == 400
+    with pytest.raises(ValueError):
+        scheduler(FakeVerifier(), FakeDrafter(), "sideways")
+
+
+def test_per_request_pipeline_mixes_in_one_batch() -> None:
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    sched = scheduler(verifier, drafter)
+
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            seqs = [
+                sched.submit(p, GenerationParams(20, GREEDY, pipeline=mode))
+                for p, mode in zip(PROMPTS, ["sequential", "cohort", "ahead", "cohort", "ahead", None], strict=True)
+            ]
+            return await asyncio.gather(*(collect(sched, s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    results = asyncio.run(main())
+    assert [ids for ids, _ in results] == [reference(p, 20) for p in PROMPTS]
