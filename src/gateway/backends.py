@@ -70,6 +70,12 @@ class RoundStream:
         self._reset()
 
 
+def not_found_error(exc: BaseException) -> bool:
+    # A service closes the ids it knows and then refuses the rest with NOT_FOUND.
+    code = getattr(exc, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "NOT_FOUND"
+
+
 def describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"

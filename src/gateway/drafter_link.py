@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from gateway.backends import DrafterClient
+from gateway.backends import DrafterClient, not_found_error
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,3 @@ class DrafterLink:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-
-
-def not_found_error(exc: BaseException) -> bool:
-    # The drafter closes the ids it knows and then refuses the rest with NOT_FOUND.
-    code = getattr(exc, "code", None)
-    return callable(code) and getattr(code(), "name", "") == "NOT_FOUND"

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.backends import BackendError, DrafterClient, VerifierClient, describe
+from gateway.backends import BackendError, DrafterClient, VerifierClient, describe, not_found_error
 from specd.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.serving import fingerprint_from_pb
@@ -397,7 +397,14 @@ class _Pool:
         )
         # Best effort: a replica that never opened them answers NOT_FOUND, which is fine.
         await asyncio.gather(*(r.client.close_sequences(batch) for r, batch in unsure.items()), return_exceptions=True)
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        errors = []
+        for (replica, batch), outcome in zip(groups.items(), outcomes, strict=True):
+            if isinstance(outcome, BaseException) and not not_found_error(outcome):
+                # Still open there as far as anyone knows: a retry must reach the same replica.
+                errors.append(outcome)
+                for sid in batch:
+                    self._owner[sid] = replica
+                    replica.sequences.add(sid)
         for replica in [r for r in groups if r.removed and not r.sequences]:
             self.replicas.pop(replica.address, None)
             await replica.client.close()

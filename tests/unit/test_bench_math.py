@@ -117,6 +117,7 @@ def test_modes_map_to_the_request_extension():
     assert mode_extra("fixed", 4) == {"num_speculative_tokens": 4}
     assert mode_extra("auto", 4) == {"num_speculative_tokens": "auto"}
     assert mode_extra("server", 4) == {}
+    assert mode_extra("ahead", 3) == {"num_speculative_tokens": 3, "pipeline": "ahead"}
 
 
 def test_compare_outputs_counts_differences_from_target():

@@ -48,6 +48,7 @@ class FakeClient:
         self.serving = True
         self.fail_rounds = False
         self.fail_open = False
+        self.fail_close = False
         self.open_ids: set[str] = set()
         self.requests: list[Any] = []
         self.closed = False
@@ -66,6 +67,8 @@ class FakeClient:
         return [common_pb2.OpenResult(sequence_id=s.sequence_id) for s in specs]
 
     async def close_sequences(self, ids: list[str]) -> None:
+        if self.fail_close:
+            raise BackendError(f"replica {self.address} close timed out")
         self.open_ids.difference_update(ids)
 
     async def verify(self, request: Any) -> Any:
@@ -338,6 +341,23 @@ def test_close_goes_to_each_sequence_s_replica() -> None:
         await pool.close()
 
     run(go())
+
+
+def test_a_close_that_fails_is_retried_on_the_same_replica() -> None:
+    async def main() -> None:
+        pool, clients = make_pool("127.0.0.1:1")
+        await started(pool)
+        await pool.open(specs("a", "b"))
+        client = clients["127.0.0.1:1"]
+        client.fail_close = True
+        with pytest.raises(BackendError):
+            await pool.close_sequences(["a"])
+        assert pool.replica_of("a") == "127.0.0.1:1"  # not forgotten: it is still open there
+        client.fail_close = False
+        await pool.close_sequences(["a"])
+        assert client.open_ids == {"b"} and pool.replica_of("a") is None
+
+    run(main())
 
 
 def test_drafter_pool_splits_drafts() -> None:

@@ -7,6 +7,7 @@ from the same run:
 - target: target-only through the same stack (`num_speculative_tokens: 0`);
 - fixed: k drafts every round (`num_speculative_tokens: k`);
 - auto: adaptive speculation (`num_speculative_tokens: "auto"`);
+- sequential, cohort, ahead: fixed k with that drafting pipeline (`pipeline: ...`);
 - server: no specd extension field, whatever the server does (other servers);
 - hf / hf-target: the in-process peer, Hugging Face `generate` with an assistant
   model (or prompt lookup) / alone, with the same models, k and prompts, one
@@ -46,7 +47,7 @@ from specd.tools.benchstats import (
 )
 from specd.tools.workloads import prompts_for, workload_names
 
-HTTP_MODES = ("target", "fixed", "auto", "server")
+HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "server")
 HF_MODES = ("hf", "hf-target")
 
 
@@ -109,7 +110,13 @@ async def scrape(client: httpx.AsyncClient, url: str = "/metrics") -> dict[str, 
 
 
 def mode_extra(mode: str, k: int) -> dict[str, Any]:
-    """The specd request extension that selects a mode; `server` sends none."""
+    """The specd request extension that selects a mode; `server` sends none.
+
+    `fixed` leaves the pipeline to the gateway; `sequential`, `cohort` and `ahead`
+    are fixed k with that pipeline, so the three compare scheduling alone.
+    """
+    if mode in ("sequential", "cohort", "ahead"):
+        return {"num_speculative_tokens": k, "pipeline": mode}
     speculation = {"target": 0, "fixed": k, "auto": "auto"}
     return {"num_speculative_tokens": speculation[mode]} if mode in speculation else {}
 
@@ -406,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         report["services"] = asyncio.run(service_stats(args, prompt_tokens))
     if args.temperature == 0:
         report["output_mismatches_vs_target"] = compare_outputs(outputs)
+    m = report["machine"]
+    print(f"machine: {m['cpu']}, {m['cpus']} CPUs" + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else ""))
     print(format_table(rows))
     if report.get("services"):
         for service, stats in report["services"].items():
