@@ -18,10 +18,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 HOST = "127.0.0.1"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this run (the OS may offer one twice in a row)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_grpc_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
