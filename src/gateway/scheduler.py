@@ -26,9 +26,11 @@ from gateway.detokenize import TextStream
 from gateway.drafter_link import DrafterLink, not_found_error
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
+from specd.logits import Penalties
+from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.sampling import SamplingParams
-from specd.serving import sampling_pb
+from specd.serving import add_penalties_pb, logprobs_request_pb, sampling_pb, token_logprob_from_pb
 from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -57,12 +59,15 @@ class GenerationParams:
     ignore_eos: bool = False
     # None: the gateway's --speculative-mode; "auto": k chosen per round; an int: that k every round.
     speculation: int | str | None = None
+    penalties: Penalties = field(default_factory=Penalties)
+    logprobs: LogprobsRequest | None = None
 
 
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
 
 
 @dataclass
@@ -105,6 +110,7 @@ class _Sequence:
     last_emit_ns: int = 0
     span: Any = None  # the request's trace span, when traced
     acceptance: Acceptance | None = None  # its own per-position acceptance, for choosing its k
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # from the verifier's open, when asked for
 
 
 @dataclass(frozen=True)
@@ -375,6 +381,7 @@ class Scheduler:
                 self._fail(s, open_error(r.error))
                 continue
             s.wants_drafter = self.drafter is not None and self.k_limit > 0
+            s.prompt_logprobs = [token_logprob_from_pb(lp) for lp in r.prompt_logprobs]
             self.metrics.prompt_tokens.inc(len(s.prompt))
             if s.cancelled:
                 self._fail(s, CANCELLED)
@@ -388,7 +395,11 @@ class Scheduler:
     def _spec(seq: _Sequence) -> common_pb2.SequenceSpec:
         """The sequence as committed so far (prompt plus any output), for opening it on a service."""
         return common_pb2.SequenceSpec(
-            sequence_id=seq.id, prompt_token_ids=seq.tokens, sampling=sampling_pb(seq.params.sampling)
+            sequence_id=seq.id,
+            prompt_token_ids=seq.tokens,
+            sampling=add_penalties_pb(sampling_pb(seq.params.sampling), seq.params.penalties),
+            num_generated=len(seq.output),
+            logprobs=logprobs_request_pb(seq.params.logprobs),
         )
 
     async def _join_drafter(self, batch: list[_Sequence]) -> None:
@@ -532,7 +543,7 @@ class Scheduler:
                 if k and s.acceptance is not None:
                     s.acceptance.observe(k, result.num_accepted)
                     self.policy.overall.observe(k, result.num_accepted)
-                self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id])
+                self._commit(s, [*task.draft_token_ids[: result.num_accepted], result.next_token_id], result.logprobs)
         choice = self.policy.last_choice
         observed_gain = self.policy.observe_round(
             drafted, timing.round_ns, timing.draft_ns, timing.verify_ns, timing.drafter_forward_ns, emitted
@@ -564,7 +575,7 @@ class Scheduler:
                 spans[s.id] = self.tracing.start("specd.round", s.span, attributes={"specd.round_id": round_id})
         return spans
 
-    def _commit(self, seq: _Sequence, new_tokens: list[int]) -> None:
+    def _commit(self, seq: _Sequence, new_tokens: list[int], logprobs: Sequence[Any] = ()) -> None:
         """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
         emitted: list[int] = []
         reason = None
@@ -592,7 +603,7 @@ class Scheduler:
         self.metrics.observe_generated(len(emitted))
         text = seq.stream.take(final=reason is not None)
         if (text or emitted) and not seq.cancelled:
-            seq.events.put_nowait(Delta(text, emitted))
+            seq.events.put_nowait(Delta(text, emitted, [token_logprob_from_pb(lp) for lp in logprobs[: len(emitted)]]))
         if reason is not None:
             seq.done = True
             self._observe_finish(seq, reason)
