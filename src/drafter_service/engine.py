@@ -126,8 +126,12 @@ class ModelDrafter(_DrafterBase):
             rows = [Row(s.slot, len(s.cached), feed[i], len(feed[i]) - 1) for i, s, _ in active]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
             start = time.time_ns()
-            logits = torch.cat(self.lm.forward(rows))
-            probs = probabilities(logits, [s.params for _, s, _ in active])
+            # What it drafted so far this round counts as output, as the verifier will count it.
+            logits = [
+                s.penalized(x, drafted=proposals[i].tokens)
+                for (i, s, _), x in zip(active, self.lm.forward(rows), strict=True)
+            ]
+            probs = probabilities(torch.cat(logits), [s.params for _, s, _ in active])
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))

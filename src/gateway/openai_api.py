@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,8 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
+from gateway.validation import InvalidParameter, encode_prompt
+from specd.logprobs import TokenLogprob
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -40,6 +43,7 @@ class OpenAIApi:
         self.model_name = model_name
         self.health = health
         self.created = int(time.time())
+        self.texts = TokenTexts(tokenizer)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="specd gateway", version="0.1.0")
@@ -61,6 +65,15 @@ class OpenAIApi:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON", "invalid_json")
+        if first.get("type") == "extra_forbidden":
+            name = ".".join(loc)
+            return error_response(
+                400,
+                f"unknown parameter {name!r}: specd refuses parameters it does not implement "
+                "rather than ignore them (README lists every parameter)",
+                "unknown_parameter",
+                name,
+            )
         message = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors
         )
@@ -109,60 +122,117 @@ class OpenAIApi:
         except GenerationError as exc:
             return error_response(exc.status, exc.message, exc.code)
 
+    def _params(self, body: _Request) -> GenerationParams:
+        """The body's generation parameters; raises InvalidParameter for anything refused."""
+        refused = body.refused()
+        if refused is not None:
+            raise refused
+        return body.generation_params(len(self.tokenizer))
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if (problem := body.prompt_problem()) is not None:
+            raise problem
+        if isinstance(body.prompt, str):
+            return encode_prompt(self.tokenizer, body.prompt)
+        if isinstance(body.prompt[0], str):
+            return encode_prompt(self.tokenizer, body.prompt[0])
+        prompt = [t for t in body.prompt if isinstance(t, int)]  # token ids
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {vocab})")
+        return prompt
+
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         if (bad := self._check_model(body.model)) is not None:
             return bad
-        if isinstance(body.prompt, str):
-            prompt = self.tokenizer.encode(body.prompt)
-        elif body.prompt and isinstance(body.prompt[0], str):
-            prompt = self.tokenizer.encode(body.prompt[0])
-        else:
-            prompt = list(body.prompt)  # token ids
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in prompt):
-                return error_response(400, f"prompt token ids must be in [0, {vocab})", "invalid_value", "prompt")
-        seq = self._submit(prompt, body.generation_params(), request)
+        try:
+            prompt = self._completion_prompt(body)
+            params = self._params(body)
+        except InvalidParameter as exc:
+            return invalid(exc)
+        seq = self._submit(prompt, params, request)
         if isinstance(seq, JSONResponse):
             return seq
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        echo = body.prompt if (body.echo and isinstance(body.prompt, str)) else ""
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
+        offset = 0  # characters of the choice's text so far, for logprobs' text_offset
 
-        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+        def chunk(text: str, finish: str | None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+            nonlocal offset
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = completion_logprobs(lps or [], self.texts, offset)
+            offset += len(text)
             return {
                 "id": ident,
                 "object": "text_completion",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
             }
 
+        def echoed() -> dict[str, Any]:
+            """The prompt as the choice's first text, with its logprobs when asked for."""
+            nonlocal offset
+            out = chunk(echo, None)
+            if params.logprobs is not None and params.logprobs.prompt:
+                out["choices"][0]["logprobs"] = completion_logprobs(
+                    seq.prompt_logprobs, self.texts, 0, unscored_first=prompt[0]
+                )
+            return out
+
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return self._sse(seq, request, chunk, lambda: chunk(echo, None) if echo else None, include_usage, ident)
+            return self._sse(seq, request, chunk, echoed if echo else None, body.include_usage, ident)
         result = await self._collect(seq, request)
         if isinstance(result, JSONResponse):
             return result
-        text, finished = result
-        body_out = chunk(echo + text, finished.reason)
+        text, finished, lps = result
+        if echo:
+            head = echoed()["choices"][0]
+            body_out = chunk(text, finished.reason, lps)
+            choice = body_out["choices"][0]
+            choice["text"] = head["text"] + text
+            if choice["logprobs"] is not None:
+                choice["logprobs"] = {k: head["logprobs"][k] + v for k, v in choice["logprobs"].items()}
+        else:
+            body_out = chunk(text, finished.reason, lps)
         body_out["usage"] = usage(finished)
         return JSONResponse(body_out)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         if (bad := self._check_model(body.model)) is not None:
             return bad
+        try:
+            if (problem := body.messages_problem()) is not None:
+                raise problem
+            params = self._params(body)
+        except InvalidParameter as exc:
+            return invalid(exc)
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
         try:
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may reject some role orders
             return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
         # The template already wrote the special tokens.
-        prompt = self.tokenizer.encode(rendered, add_special_tokens=False)
-        seq = self._submit(prompt, body.generation_params(), request)
+        try:
+            prompt = encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False)
+        except InvalidParameter as exc:
+            return invalid(exc)
+        seq = self._submit(prompt, params, request)
         if isinstance(seq, JSONResponse):
             return seq
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        def logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            if params.logprobs is None:
+                return None
+            return {"content": chat_content(lps or [], self.texts), "refusal": None}
+
+        def chunk(
+            text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None, first: bool = False
+        ) -> dict[str, Any]:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
@@ -173,20 +243,19 @@ class OpenAIApi:
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}],
             }
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-            def stream_chunk(text: str, finish: str | None) -> dict[str, Any]:
-                return chunk(text if text or finish is None else None, finish)
+            def stream_chunk(text: str, finish: str | None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+                return chunk(text if text or finish is None else None, finish, lps)
 
-            return self._sse(seq, request, stream_chunk, lambda: chunk("", None, first=True), include_usage, ident)
+            return self._sse(seq, request, stream_chunk, lambda: chunk("", None, first=True), body.include_usage, ident)
         result = await self._collect(seq, request)
         if isinstance(result, JSONResponse):
             return result
-        text, finished = result
+        text, finished, lps = result
         return JSONResponse(
             {
                 "id": ident,
@@ -197,7 +266,7 @@ class OpenAIApi:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": text},
-                        "logprobs": None,
+                        "logprobs": logprobs(lps),
                         "finish_reason": finished.reason,
                     }
                 ],
@@ -206,17 +275,21 @@ class OpenAIApi:
         )
 
     # -- plumbing --------------------------------------------------------
-    async def _collect(self, seq: _Sequence, request: Request) -> tuple[str, Finished] | JSONResponse:
+    async def _collect(
+        self, seq: _Sequence, request: Request
+    ) -> tuple[str, Finished, list[TokenLogprob]] | JSONResponse:
         """Gather a whole completion, cancelling it if the client disconnects."""
         parts: list[str] = []
+        lps: list[TokenLogprob] = []
         events = self.scheduler.events(seq)
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
             async for event in events:
                 if isinstance(event, Delta):
                     parts.append(event.text)
+                    lps.extend(event.logprobs)
                 elif isinstance(event, Finished):
-                    return "".join(parts), event
+                    return "".join(parts), event, lps
                 elif isinstance(event, Failed):
                     return error_response(event.error.status, event.error.message, event.error.code)
                 if watcher.done():
@@ -226,17 +299,30 @@ class OpenAIApi:
             watcher.cancel()
             await events.aclose()
 
-    def _sse(self, seq, request, chunk, first_chunk, include_usage: bool, ident: str) -> StreamingResponse:
+    def _sse(
+        self,
+        seq: _Sequence,
+        request: Request,
+        chunk: Callable[..., dict[str, Any]],
+        first_chunk: Callable[[], dict[str, Any]] | None,
+        include_usage: bool,
+        ident: str,
+    ) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
             events = self.scheduler.events(seq)
+            pending_first = first_chunk
             try:
-                first = first_chunk()
-                if first is not None:
-                    yield sse(first)
                 async for event in events:
+                    if pending_first is not None:
+                        # Sent with the first event: by then the verifier has opened the
+                        # sequence, and an echo's prompt logprobs are in.
+                        yield sse(pending_first())
+                        pending_first = None
                     if isinstance(event, Delta):
-                        if event.text:
-                            yield sse(chunk(event.text, None))
+                        # Tokens whose text is held back (a partial character, a possible
+                        # stop string) still bring their logprobs.
+                        if event.text or event.logprobs:
+                            yield sse(chunk(event.text, None, event.logprobs))
                     elif isinstance(event, Finished):
                         yield sse(chunk("", event.reason))
                         if include_usage:
@@ -253,6 +339,10 @@ class OpenAIApi:
                 await events.aclose()
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def invalid(exc: InvalidParameter) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
 async def _watch_disconnect(request: Request) -> None:

@@ -1,96 +1,168 @@
-"""OpenAI-compatible request bodies (the subset specd serves) and their checks."""
+"""OpenAI-compatible request bodies and what specd does with each of their fields.
+
+Every field of OpenAI's request schemas is one of: implemented (declared with its type
+here, its range checked by gateway.validation), refused with a 400 naming it unless it
+has its neutral value (REFUSED), or accepted and ignored for a stated reason (IGNORED,
+also in README). Anything else is an unknown parameter and gets a 400 naming it too: a
+misspelt `temprature` must not silently sample at temperature 1.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict
 
 from gateway.scheduler import GenerationParams
-from specd.sampling import SamplingParams
+from gateway.validation import InvalidParameter, RequestedParams, generation_params
 
-NonNegFloat = Annotated[float, Field(ge=0.0)]
+# Refused unless absent, null, or the neutral value listed; the reason is in the 400.
+REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calling is not implemented", ([],)),
+    "tool_choice": ("tool calling is not implemented", ("none",)),
+    "functions": ("function calling is not implemented", ([],)),
+    "function_call": ("function calling is not implemented", ("none",)),
+    "parallel_tool_calls": ("tool calling is not implemented", ()),
+    "response_format": ('structured output is not implemented yet; only {"type": "text"}', ({"type": "text"},)),
+    "audio": ("audio output is not implemented", ()),
+    "modalities": ('only text output is implemented: ["text"]', (["text"],)),
+    "prediction": ("predicted outputs are not implemented", ()),
+    "reasoning_effort": ("the served model has no reasoning mode", ()),
+    "verbosity": ("the served model has no verbosity control", ()),
+    "web_search_options": ("web search is not implemented", ()),
+    "moderation": ("moderation is not implemented; nothing would be screened", ()),
+    "suffix": ("insertion (suffix) is not implemented", ("",)),
+}
+
+# Accepted and ignored, because ignoring them changes nothing a client can rely on.
+IGNORED: dict[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring; specd has none",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring; specd has none",
+    "metadata": "tags for stored completions; specd stores none",
+    "store": "specd stores no completions, so there is nothing to retrieve later",
+    "service_tier": "specd has one tier",
+    "prompt_cache_key": "a routing hint for OpenAI's prompt cache; specd has no cross-request cache",
+    "prompt_cache_retention": "specd has no cross-request prompt cache",
+    "prompt_cache_options": "specd has no cross-request prompt cache",
+    "stream_options.include_obfuscation": "specd does not pad stream chunks, so there is nothing to turn off",
+}
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # IGNORED
 
 
-class _Sampling(BaseModel):
-    # Strict: "5" is not an int here, as in OpenAI's API; unknown fields are ignored.
-    model_config = ConfigDict(extra="ignore", strict=True)
+class _Request(BaseModel):
+    # Strict: "5" is not an int here, as in OpenAI's API. Unknown fields are refused.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: NonNegFloat | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # vLLM's extension: HF's repetition penalty.
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # specd extension: draft tokens per round for this request (0 = target-only), or
     # "auto" for adaptive speculation; absent follows the gateway's --speculative-mode.
-    num_speculative_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    # specd extension: how drafting is scheduled against the verifier for this request;
-    # absent follows the gateway's --pipeline.
-    pipeline: Literal["sequential", "cohort", "ahead"] | None = None
+    num_speculative_tokens: int | Literal["auto"] | None = None
+    # specd extension: how drafting is scheduled against the verifier for this request
+    # (validated with the other parameters); absent follows the gateway's --pipeline.
+    pipeline: str | None = None
+    # Accepted and ignored (IGNORED says why).
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        return v
+    def refused(self) -> InvalidParameter | None:
+        """The first refused parameter set to something other than its neutral value."""
+        for name, (reason, neutral) in REFUSED.items():
+            value = getattr(self, name, None)
+            if value is not None and value not in neutral:
+                return InvalidParameter(name, f"{name} is not supported: {reason}", "unsupported_parameter")
+        return None
 
-    def generation_params(self) -> GenerationParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
-        return GenerationParams(
+    def requested(self) -> RequestedParams:
+        return RequestedParams(
             max_tokens=self.max_tokens,
-            sampling=SamplingParams(
-                temperature=1.0 if self.temperature is None else float(self.temperature),
-                top_p=1.0 if self.top_p is None else float(self.top_p),
-                top_k=top_k,
-                seed=self.seed,
-            ),
-            stop=stop,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
             ignore_eos=self.ignore_eos,
             speculation=self.num_speculative_tokens,
             pipeline=self.pipeline,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            n=self.n,
         )
 
+    def generation_params(self, vocab_size: int) -> GenerationParams:
+        return generation_params(self.requested(), vocab_size)
 
-class CompletionRequest(_Sampling):
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
     prompt: str | list[str] | list[int]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    echo: bool = False
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    # The number of most likely alternatives (0-5) to return with each token's logprob.
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None  # REFUSED
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+    def requested(self) -> RequestedParams:
+        return dataclasses.replace(
+            super().requested(),
+            logprobs=self.logprobs,
+            prompt_logprobs=bool(self.echo and self.logprobs is not None),
+            best_of=self.best_of,
+        )
+
+    def prompt_problem(self) -> InvalidParameter | None:
+        v = self.prompt
         if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
-            raise ValueError("batched prompts are not supported: send one prompt per request")
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        return v
+            return InvalidParameter("prompt", "batched prompts are not supported: send one prompt per request")
+        if not v:
+            return InvalidParameter("prompt", "prompt must not be empty")
+        return None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+    # Accepted and ignored: the chat template has no place for a participant's name.
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -98,12 +170,33 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # REFUSED (their types are the SDK's; any value but the neutral one is a 400).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
 
-    def generation_params(self) -> GenerationParams:
-        params = super().generation_params()
-        if self.max_completion_tokens is not None and self.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.max_completion_tokens)
-        return params
+    def requested(self) -> RequestedParams:
+        max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        return dataclasses.replace(
+            super().requested(), max_tokens=max_tokens, logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs
+        )
+
+    def messages_problem(self) -> InvalidParameter | None:
+        if not self.messages:
+            return InvalidParameter("messages", "messages must hold at least one message")
+        return None

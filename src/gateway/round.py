@@ -157,6 +157,7 @@ class Verdict:
     tokens: tuple[int, ...] = ()  # accepted drafts + the verifier's own token
     error: GenerationError | None = None
     drafts_refused: bool = False  # the verifier refused its drafts; it goes on target-only
+    logprobs: Sequence[common_pb2.TokenLogprob] = ()  # the target's, per emitted token, when asked
 
 
 class ProtocolError(Exception):
@@ -182,5 +183,5 @@ def read_verdicts(
         else:
             accepted = result.num_accepted
             tokens = (*task.draft_token_ids[:accepted], result.next_token_id)
-            verdicts.append(Verdict(s, k, accepted, tokens))
+            verdicts.append(Verdict(s, k, accepted, tokens, logprobs=result.logprobs))
     return verdicts

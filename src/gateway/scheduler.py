@@ -41,9 +41,11 @@ from gateway.round import (
     verify_request,
 )
 from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
+from specd.logits import Penalties
+from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
 from specd.sampling import SamplingParams
-from specd.serving import sampling_pb
+from specd.serving import add_penalties_pb, logprobs_request_pb, sampling_pb, token_logprob_from_pb
 from specd.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class GenerationParams:
     ignore_eos: bool = False
     # None: the gateway's --speculative-mode; "auto": k chosen per round; an int: that k every round.
     speculation: int | str | None = None
+    penalties: Penalties = field(default_factory=Penalties)
+    logprobs: LogprobsRequest | None = None
     # None: the gateway's --pipeline; else "sequential", "cohort" or "ahead".
     pipeline: str | None = None
 
@@ -65,6 +69,7 @@ class GenerationParams:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, when asked for
 
 
 @dataclass
@@ -105,6 +110,7 @@ class _Sequence:
     last_emit_ns: int = 0
     span: Any = None  # the request's trace span, when traced
     acceptance: Acceptance | None = None  # its own per-position acceptance, for choosing its k
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # from the verifier's open, when asked for
 
 
 @dataclass
@@ -380,6 +386,7 @@ class Scheduler:
             if wants_drafter:
                 s.drafter.want()
             s.cohort = self._smaller_cohort()
+            s.prompt_logprobs = [token_logprob_from_pb(lp) for lp in r.prompt_logprobs]
             self.metrics.prompt_tokens.inc(len(s.prompt))
             if s.cancelled:
                 self._fail(s, CANCELLED)
@@ -397,7 +404,11 @@ class Scheduler:
     def _spec(seq: _Sequence) -> common_pb2.SequenceSpec:
         """The sequence as committed so far (prompt plus any output), for opening it on a service."""
         return common_pb2.SequenceSpec(
-            sequence_id=seq.id, prompt_token_ids=seq.tokens, sampling=sampling_pb(seq.params.sampling)
+            sequence_id=seq.id,
+            prompt_token_ids=seq.tokens,
+            sampling=add_penalties_pb(sampling_pb(seq.params.sampling), seq.params.penalties),
+            num_generated=len(seq.output),
+            logprobs=logprobs_request_pb(seq.params.logprobs),
         )
 
     async def _join_drafter(self, seqs: list[_Sequence]) -> None:
@@ -626,7 +637,7 @@ class Scheduler:
             else:
                 s.drafted += verdict.drafted
                 s.accepted += verdict.accepted
-                self._commit(s, list(verdict.tokens))
+                self._commit(s, list(verdict.tokens), verdict.logprobs)
         except Exception as exc:
             self._fail(s, self._internal_error(f"applying the verdict of {s.id}", exc))
 
@@ -636,7 +647,7 @@ class Scheduler:
         log.error("internal error %s while %s", error_id, what, exc_info=exc)
         return internal(f"internal error in the gateway (error id {error_id})")
 
-    def _commit(self, seq: _Sequence, new_tokens: list[int]) -> None:
+    def _commit(self, seq: _Sequence, new_tokens: list[int], logprobs: Sequence[Any] = ()) -> None:
         """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
         emitted: list[int] = []
         reason = None
@@ -664,7 +675,7 @@ class Scheduler:
         self.metrics.observe_generated(len(emitted))
         text = seq.stream.take(final=reason is not None)
         if (text or emitted) and not seq.cancelled:
-            seq.events.put_nowait(Delta(text, emitted))
+            seq.events.put_nowait(Delta(text, emitted, [token_logprob_from_pb(lp) for lp in logprobs[: len(emitted)]]))
         if reason is not None:
             seq.done = True
             self._observe_finish(seq, reason)

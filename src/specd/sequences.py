@@ -5,12 +5,15 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specd.errors import EngineError, exhausted, invalid, not_found
 from specd.kvcache import BatchedCausalLM, Row
+from specd.logits import Penalties, penalize, validate_penalties
+from specd.logprobs import LogprobsRequest, TokenLogprob, token_logprobs
+from specd.ranges import RANGES
 from specd.sampling import SamplingParams, make_generator, validate_sampling
 from specd.tasks import SequenceSpec
 
@@ -25,6 +28,19 @@ class SequenceState:
     cached: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    penalties: Penalties = field(default_factory=Penalties)
+    # committed[:prompt_len] is the prompt; what follows was generated (penalties count it).
+    prompt_len: int = 0
+    logprobs: LogprobsRequest | None = None
+    # Filled by the prefill when the spec asked for them and the table scores prompts.
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def penalized(self, logits: torch.Tensor, drafts: Sequence[int] = (), drafted: Sequence[int] = ()) -> torch.Tensor:
+        """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""
+        if not self.penalties.active:
+            return logits
+        prompt, output = self.committed[: self.prompt_len], self.committed[self.prompt_len :]
+        return penalize(logits, self.penalties, prompt, [*output, *drafted], drafts)
 
 
 class SequenceTable:
@@ -38,6 +54,7 @@ class SequenceTable:
         max_context: int,
         device: torch.device,
         prefill_chunk_tokens: int = 4096,
+        scores_prompts: bool = False,
     ) -> None:
         self.lm = lm
         self.vocab_size = vocab_size
@@ -45,6 +62,8 @@ class SequenceTable:
         self.max_context = max_context
         self.device = device
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        # Only the verifier's logprobs are the target's: a drafter ignores prompt logprob requests.
+        self.scores_prompts = scores_prompts
         self.seqs: dict[str, SequenceState] = {}
         self._free: list[int] = list(range(max_sequences))
         heapq.heapify(self._free)
@@ -79,9 +98,13 @@ class SequenceTable:
                 self.check_tokens(spec.prompt, "prompt")
                 if len(spec.prompt) >= self.max_context:
                     raise invalid(f"prompt has {len(spec.prompt)} tokens; the context window is {self.max_context}")
-                reason = validate_sampling(spec.sampling)
+                reason = validate_sampling(spec.sampling) or validate_penalties(spec.penalties, self.vocab_size)
+                if spec.logprobs is not None and not reason:
+                    reason = RANGES["top_logprobs"].problem("top_logprobs", spec.logprobs.top)
                 if reason:
                     raise invalid(reason)
+                if not 0 <= spec.num_generated < len(spec.prompt):
+                    raise invalid(f"num_generated {spec.num_generated} must be below the prompt's length")
                 if not self._free:
                     raise exhausted(f"all {self.max_sequences} sequence slots are in use")
             except EngineError as exc:
@@ -95,6 +118,9 @@ class SequenceTable:
                 [],
                 spec.sampling,
                 make_generator(spec.sampling, self.device),
+                spec.penalties,
+                len(spec.prompt) - spec.num_generated,
+                spec.logprobs,
             )
             opened.append(state)
         forward_ns = self._prefill(opened) if self.lm is not None else 0
@@ -113,10 +139,24 @@ class SequenceTable:
             longest = len(batch[0].committed) - 1
             while todo and longest * (len(batch) + 1) <= self.prefill_chunk_tokens:
                 batch.append(todo.pop())
-            self.lm.forward([Row(s.slot, 0, s.committed[:-1], len(s.committed) - 2) for s in batch])
-            for s in batch:
+            outs = self.lm.forward([Row(s.slot, 0, s.committed[:-1], self._logits_from(s)) for s in batch])
+            for s, logits in zip(batch, outs, strict=True):
                 s.cached = s.committed[:-1]
+                if self._scores_prompt(s):
+                    assert s.logprobs is not None
+                    s.prompt_logprobs = token_logprobs(logits, s.committed[1:], s.logprobs.top)
+        for s in states:
+            if self._scores_prompt(s) and s.prompt_logprobs is None:
+                s.prompt_logprobs = []  # a one-token prompt: nothing to score
         return time.perf_counter_ns() - start
+
+    def _scores_prompt(self, s: SequenceState) -> bool:
+        return self.scores_prompts and s.logprobs is not None and s.logprobs.prompt
+
+    def _logits_from(self, s: SequenceState) -> int:
+        # Logits at every prompt position score tokens 1.. of the prompt; otherwise the
+        # prefill only needs its last position's (which this forward discards anyway).
+        return 0 if self._scores_prompt(s) else len(s.committed) - 2
 
     def close(self, ids: Sequence[str]) -> int:
         unknown = [i for i in ids if i not in self.seqs]

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
+from specd.logits import Penalties
+from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.models import ModelLoadError
 from specd.proto.speculative.v1 import common_pb2
 from specd.sampling import SamplingParams
@@ -99,8 +101,47 @@ def sampling_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
+def penalties_from_pb(msg: common_pb2.SamplingParams) -> Penalties:
+    # 0 on the wire is "unset" for the repetition penalty, whose neutral value is 1.
+    return Penalties.of(
+        msg.presence_penalty, msg.frequency_penalty, msg.repetition_penalty or 1.0, dict(msg.logit_bias)
+    )
+
+
+def add_penalties_pb(msg: common_pb2.SamplingParams, penalties: Penalties) -> common_pb2.SamplingParams:
+    msg.presence_penalty = penalties.presence
+    msg.frequency_penalty = penalties.frequency
+    msg.repetition_penalty = penalties.repetition
+    msg.logit_bias.update(dict(penalties.logit_bias))
+    return msg
+
+
+def logprobs_request_pb(request: LogprobsRequest | None) -> common_pb2.LogprobsRequest | None:
+    if request is None:
+        return None
+    return common_pb2.LogprobsRequest(top_logprobs=request.top, prompt=request.prompt)
+
+
+def token_logprob_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs
+    )
+
+
+def token_logprob_from_pb(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(msg.top_token_ids), tuple(msg.top_logprobs))
+
+
 def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
-    return SequenceSpec(msg.sequence_id, list(msg.prompt_token_ids), sampling_from_pb(msg.sampling))
+    logprobs = msg.logprobs if msg.HasField("logprobs") else None
+    return SequenceSpec(
+        msg.sequence_id,
+        list(msg.prompt_token_ids),
+        sampling_from_pb(msg.sampling),
+        penalties_from_pb(msg.sampling),
+        msg.num_generated,
+        LogprobsRequest(logprobs.top_logprobs, logprobs.prompt) if logprobs is not None else None,
+    )
 
 
 def dist_from_pb(msg: common_pb2.SparseDistribution) -> SparseDist:
@@ -152,10 +193,21 @@ class SequenceRpcs:
 
     async def open_sequences(self, sequences: Iterable[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
         specs = [spec_from_pb(s) for s in sequences]
-        (errors, _), _ = await self.runner.run(self.engine.open, specs)
+        take = getattr(self.engine, "take_prompt_logprobs", None)  # a verifier's: prompt logprobs when asked for
+
+        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]]]:
+            errors, _ = self.engine.open(specs)
+            scored = [take(s.sequence_id) if take and e is None else [] for s, e in zip(specs, errors, strict=True)]
+            return errors, scored
+
+        (errors, scored), _ = await self.runner.run(open_all)
         return [
-            common_pb2.OpenResult(sequence_id=s.sequence_id, error=sequence_error(e))
-            for s, e in zip(specs, errors, strict=True)
+            common_pb2.OpenResult(
+                sequence_id=s.sequence_id,
+                error=sequence_error(e),
+                prompt_logprobs=[token_logprob_pb(lp) for lp in lps],
+            )
+            for s, e, lps in zip(specs, errors, scored, strict=True)
         ]
 
     async def run_round(

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specd.errors import EngineError
+from specd.logits import Penalties
+from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.sampling import SamplingParams
 
 
@@ -13,6 +15,10 @@ class SequenceSpec:
     sequence_id: str
     prompt: list[int]
     sampling: SamplingParams
+    penalties: Penalties = field(default_factory=Penalties)
+    # Trailing prompt tokens the sequence already generated: penalties count them as output.
+    num_generated: int = 0
+    logprobs: LogprobsRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,8 @@ class VerifyResult:
     num_accepted: int = 0
     next_token: int = -1
     error: EngineError | None = None
+    # The target's logprobs of the committed tokens, when the sequence asked for them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass

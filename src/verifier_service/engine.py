@@ -10,6 +10,7 @@ import torch
 from specd.errors import EngineError, ErrorKind, invalid, precondition
 from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM, Row
+from specd.logprobs import TokenLogprob, token_logprobs
 from specd.sampling import probabilities, rejection_sample
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
@@ -31,10 +32,18 @@ class VerifierEngine:
         self.fingerprint = fingerprint
         self.max_draft_tokens = max_draft_tokens
         self.max_context = min(max_context, lm.max_positions)
-        self.table = SequenceTable(lm, lm.vocab_size, max_sequences, self.max_context, lm.device)
+        self.table = SequenceTable(lm, lm.vocab_size, max_sequences, self.max_context, lm.device, scores_prompts=True)
 
     def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
         return self.table.open(specs)
+
+    def take_prompt_logprobs(self, sequence_id: str) -> list[TokenLogprob]:
+        """The prompt logprobs its open computed (once: they are not kept for the sequence's life)."""
+        state = self.table.seqs.get(sequence_id)
+        if state is None or state.prompt_logprobs is None:
+            return []
+        out, state.prompt_logprobs = state.prompt_logprobs, None
+        return out
 
     def close(self, ids: Sequence[str]) -> int:
         return self.table.close(ids)
@@ -97,9 +106,13 @@ class VerifierEngine:
         timing.forward_ns = end - start
         timing.phases.append(("forward", start, end))
         params = [state.params for _, state, task, _ in live for _ in range(len(task.draft_tokens) + 1)]
-        probs = probabilities(torch.cat(logits), params)
+        # Penalties and bias shape p; the logprobs below stay the raw model's.
+        adjusted = [
+            state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
+        ]
+        probs = probabilities(torch.cat(adjusted), params)
         offset = 0
-        for i, state, task, q in live:
+        for (i, state, task, q), raw in zip(live, logits, strict=True):
             k = len(task.draft_tokens)
             rows_of_task = probs[offset : offset + k + 1]
             offset += k + 1
@@ -109,6 +122,9 @@ class VerifierEngine:
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
                 continue
             accepted = list(task.draft_tokens[: verdict.num_accepted])
+            if state.logprobs is not None:
+                # Row j of this forward scored the token committed at position j.
+                results[i].logprobs = token_logprobs(raw, [*accepted, verdict.next_token], state.logprobs.top)
             state.committed.extend(accepted)
             state.cached = state.committed[:]
             state.committed.append(verdict.next_token)

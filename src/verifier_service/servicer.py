@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, sequence_error
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, sequence_error, token_logprob_pb
 from specd.tasks import VerifyResult, VerifyTask
 from specd.tracing import Tracing
 from verifier_service.engine import VerifierEngine
@@ -74,6 +74,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                         num_accepted=r.num_accepted,
                         next_token_id=r.next_token,
                         error=sequence_error(r.error),
+                        logprobs=[token_logprob_pb(lp) for lp in r.logprobs],
                     )
                     for r in results
                 ],

@@ -136,10 +136,10 @@ def test_an_exception_for_one_sequence_fails_that_one_alone(monkeypatch: pytest.
     original = sched._commit
     victim: list[str] = []
 
-    def commit(seq: Any, tokens: list[int]) -> None:
+    def commit(seq: Any, tokens: list[int], logprobs: Any = ()) -> None:
         if seq.id in victim and len(seq.output) > 3:
             raise RuntimeError("injected")
-        original(seq, tokens)
+        original(seq, tokens, logprobs)
 
     monkeypatch.setattr(sched, "_commit", commit)
 

@@ -75,16 +75,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error")
+    __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error", "logprobs")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     num_accepted: int
     next_token_id: int
     error: _common_pb2.SequenceError
-    def __init__(self, sequence_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, sequence_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("round_id", "results", "timings")

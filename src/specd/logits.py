@@ -1,0 +1,98 @@
+"""Penalties and logit bias: what a request does to the target's logits before sampling.
+
+Pure tensor functions, shared by the verifier (on the target's logits at every verified
+position) and the model drafter (on its own logits, so its drafts follow the penalised
+distribution and keep being accepted). Order and formulas follow vLLM: logit bias first,
+then the repetition penalty (HF's: divide a positive logit, multiply a negative one, for
+every token of the prompt or the output), then OpenAI's frequency and presence penalties
+over the output tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specd.ranges import MAX_LOGIT_BIAS_ENTRIES, RANGES
+
+
+@dataclass(frozen=True)
+class Penalties:
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    # (token id, bias) pairs, sorted by id, so the dataclass stays hashable and comparable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
+
+    @staticmethod
+    def of(
+        presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0, bias: Mapping[int, float] | None = None
+    ) -> Penalties:
+        return Penalties(presence, frequency, repetition, tuple(sorted((bias or {}).items())))
+
+
+def validate_penalties(penalties: Penalties, vocab_size: int) -> str | None:
+    """Why `penalties` cannot be applied to a vocabulary of `vocab_size`, or None."""
+    for name, value in (
+        ("presence_penalty", penalties.presence),
+        ("frequency_penalty", penalties.frequency),
+        ("repetition_penalty", penalties.repetition),
+    ):
+        if problem := RANGES[name].problem(name, value):
+            return problem
+    if len(penalties.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return f"logit_bias has {len(penalties.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
+    for token, bias in penalties.logit_bias:
+        if not 0 <= token < vocab_size:
+            return f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})"
+        if problem := RANGES["logit_bias"].problem(f"logit_bias[{token}]", bias):
+            return problem
+    return None
+
+
+def penalize(
+    logits: torch.Tensor,
+    penalties: Penalties,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    drafts: Sequence[int] = (),
+) -> torch.Tensor:
+    """Apply `penalties` to float logits [n, V]; row j counts output + drafts[:j] as generated.
+
+    The verifier passes the k+1 rows of one block with its k drafts, so each position is
+    penalised for exactly the tokens that would precede it if the drafts before it are
+    accepted, which is the only case in which that position's token is used.
+    """
+    if not penalties.active:
+        return logits
+    n, vocab = logits.shape
+    device = logits.device
+    x = logits.float().clone()
+    if penalties.logit_bias:
+        ids = torch.tensor([t for t, _ in penalties.logit_bias], dtype=torch.long, device=device)
+        bias = torch.tensor([b for _, b in penalties.logit_bias], dtype=x.dtype, device=device)
+        x[:, ids] += bias
+    counts = torch.bincount(torch.tensor(list(output), dtype=torch.long, device=device), minlength=vocab)
+    counts = counts.to(x.dtype)[None, :].repeat(n, 1)
+    if n > 1:
+        step = torch.zeros((n, vocab), dtype=x.dtype, device=device)
+        rows = torch.arange(1, n, device=device)
+        step[rows, torch.tensor(list(drafts[: n - 1]), dtype=torch.long, device=device)] = 1.0
+        counts += step.cumsum(0)
+    if penalties.repetition != 1.0:
+        seen = counts > 0
+        if prompt:
+            seen[:, torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+        scaled = torch.where(x > 0, x / penalties.repetition, x * penalties.repetition)
+        x = torch.where(seen, scaled, x)
+    if penalties.frequency:
+        x -= penalties.frequency * counts
+    if penalties.presence:
+        x -= penalties.presence * (counts > 0).to(x.dtype)
+    return x

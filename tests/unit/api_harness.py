@@ -1,0 +1,78 @@
+"""The gateway's HTTP and gRPC API layers in-process, over a scheduler that only records
+what reaches it: for tests of what the APIs accept and refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+from typing import Any
+
+import grpc
+import httpx
+
+from gateway.grpc_api import GatewayServicer
+from gateway.openai_api import OpenAIApi
+from gateway.scheduler import Finished, GenerationParams
+from specd.proto.speculative.v1 import gateway_pb2
+
+MODEL = "target"
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+class RefusingScheduler:
+    """Stands for the scheduler: a request that reaches it passed validation."""
+
+    def __init__(self) -> None:
+        self.submitted: list[GenerationParams] = []
+
+    def submit(self, prompt: list[int], params: GenerationParams, carrier: Any = None) -> Any:
+        self.submitted.append(params)
+        return types.SimpleNamespace(prompt_logprobs=[])
+
+    async def events(self, seq: Any):
+        yield Finished("length", 1, 0)
+
+
+def body_for(endpoint: str, fields: dict[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
+    base |= {"prompt": "Hello"} if endpoint == COMPLETIONS else {"messages": [{"role": "user", "content": "Hi"}]}
+    return base | fields
+
+
+def http_post(tok, path: str, body: dict[str, Any]) -> tuple[httpx.Response, RefusingScheduler]:
+    scheduler = RefusingScheduler()
+    app = OpenAIApi(scheduler, tok, MODEL, health=None).app()  # type: ignore[arg-type]
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            # httpx's JSON encoder refuses NaN/inf; a client can send them, so send the bytes.
+            return await client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    return asyncio.run(go()), scheduler
+
+
+class Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class FakeContext:
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+
+def grpc_generate(tok, fields: dict[str, Any]) -> tuple[Aborted | None, RefusingScheduler]:
+    scheduler = RefusingScheduler()
+    servicer = GatewayServicer(scheduler, tok, MODEL)  # type: ignore[arg-type]
+    request = gateway_pb2.GenerateRequest(prompt="Hello", params=gateway_pb2.GenerationParams(**fields))
+    try:
+        asyncio.run(servicer.Generate(request, FakeContext()))
+    except Aborted as exc:
+        return exc, scheduler
+    return None, scheduler

@@ -1,0 +1,117 @@
+"""Nothing silent: every field of the openai SDK's request types is implemented, refused
+with a 400 naming it, or accepted and ignored for a reason README states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from api_harness import CHAT, COMPLETIONS, body_for, http_post
+from openai.types import completion_create_params as completion_params
+from openai.types.chat import completion_create_params as chat_params
+
+from gateway.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+# A value each refused field could carry from a client that relies on it.
+REFUSED_SAMPLES: dict[str, Any] = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "auto",
+    "functions": [{"name": "f", "parameters": {}}],
+    "function_call": "auto",
+    "parallel_tool_calls": True,
+    "response_format": {"type": "json_object"},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "web_search_options": {},
+    "moderation": {"model": "omni-moderation-latest"},
+    "suffix": "the end",
+}
+IGNORED_SAMPLES: dict[str, Any] = {
+    "user": "u-1",
+    "safety_identifier": "s-1",
+    "metadata": {"k": "v"},
+    "store": True,
+    "service_tier": "auto",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {},
+}
+
+
+def sdk_fields(module: Any) -> set[str]:
+    keys: set[str] = set()
+    for name in ("CompletionCreateParamsNonStreaming", "CompletionCreateParamsStreaming"):
+        cls = getattr(module, name)
+        keys |= set(cls.__required_keys__) | set(cls.__optional_keys__)
+    return keys
+
+
+CASES = [(COMPLETIONS, CompletionRequest, field) for field in sorted(sdk_fields(completion_params))] + [
+    (CHAT, ChatCompletionRequest, field) for field in sorted(sdk_fields(chat_params))
+]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "model", "field"), CASES, ids=[f"{'chat' if e == CHAT else 'completions'}-{f}" for e, _, f in CASES]
+)
+def test_every_sdk_field_is_implemented_refused_or_documented_as_ignored(tok, endpoint, model, field):
+    if field in REFUSED:
+        r, scheduler = http_post(tok, endpoint, body_for(endpoint, {field: REFUSED_SAMPLES[field]}))
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+        assert not scheduler.submitted
+    elif field in IGNORED:
+        assert f"`{field}`" in ignored_section(), f"README does not say why {field} is ignored"
+        r, _ = http_post(tok, endpoint, body_for(endpoint, {field: IGNORED_SAMPLES[field]}))
+        assert r.status_code == 200, r.text
+    else:
+        assert field in model.model_fields, f"{field} is neither implemented, refused nor ignored"
+        assert f"`{field}`" in README.read_text(), f"README does not document {field}"
+
+
+def ignored_section() -> str:
+    text = README.read_text()
+    start = text.index("Accepted and ignored")
+    return text[start : start + 3000]
+
+
+def test_readme_gives_every_ignored_field_a_reason():
+    section = ignored_section()
+    for field in IGNORED:
+        assert f"`{field}`" in section
+
+
+def test_neutral_values_of_refused_fields_are_accepted(tok):
+    neutral = {"response_format": {"type": "text"}, "modalities": ["text"], "tool_choice": "none", "tools": []}
+    r, _ = http_post(tok, CHAT, body_for(CHAT, neutral))
+    assert r.status_code == 200, r.text
+    r, _ = http_post(tok, COMPLETIONS, body_for(COMPLETIONS, {"suffix": None}))
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "param"),
+    [
+        (COMPLETIONS, {"temprature": 0.2}, "temprature"),
+        (CHAT, {"guided_json": {}}, "guided_json"),
+        (CHAT, {"stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
+        (
+            CHAT,
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+            "messages.0.tool_calls",
+        ),
+        (CHAT, {"messages": [{"role": "tool", "content": "42", "tool_call_id": "1"}]}, "messages.0.role"),
+    ],
+)
+def test_unknown_parameters_are_refused_by_name(tok, endpoint, fields, param):
+    r, scheduler = http_post(tok, endpoint, body_for(endpoint, fields))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param or error["param"].startswith(param), error
+    assert not scheduler.submitted

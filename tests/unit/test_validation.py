@@ -1,0 +1,144 @@
+"""One table of bad parameters, refused alike over HTTP (400, OpenAI error body) and gRPC
+(INVALID_ARGUMENT), through the gateway's API layers over a scheduler that must never
+see them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+import pytest
+from api_harness import CHAT, COMPLETIONS, MODEL, body_for, grpc_generate, http_post
+
+from gateway.validation import RequestedParams, generation_params
+from specd.logprobs import LogprobsRequest
+
+NO_GRPC = None  # the proto's own type cannot carry this value
+NO_HTTP = None  # a gRPC-only parameter (HTTP's echo is its completions-only form)
+
+# (parameter named in the refusal, HTTP body fields, endpoint, gRPC GenerationParams fields)
+BAD: list[tuple[str, dict[str, Any] | None, str, dict[str, Any] | None]] = [
+    ("temperature", {"temperature": math.inf}, COMPLETIONS, {"temperature": math.inf}),
+    ("temperature", {"temperature": 1e300}, CHAT, {"temperature": 1e300}),
+    ("temperature", {"temperature": math.nan}, COMPLETIONS, {"temperature": math.nan}),
+    ("temperature", {"temperature": -0.5}, CHAT, {"temperature": -0.5}),
+    ("temperature", {"temperature": 101.0}, COMPLETIONS, {"temperature": 101.0}),
+    ("top_p", {"top_p": 0.0}, COMPLETIONS, {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}, CHAT, {"top_p": 1.5}),
+    ("top_k", {"top_k": 2**31}, COMPLETIONS, NO_GRPC),
+    ("top_k", {"top_k": 2**40}, CHAT, NO_GRPC),
+    ("top_k", {"top_k": -100}, COMPLETIONS, {"top_k": -100}),
+    ("max_tokens", {"max_tokens": 0}, COMPLETIONS, {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": -3}, CHAT, NO_GRPC),
+    ("max_tokens", {"max_tokens": 2**31}, COMPLETIONS, NO_GRPC),
+    ("seed", {"seed": -1}, COMPLETIONS, NO_GRPC),
+    ("seed", {"seed": 2**64}, CHAT, NO_GRPC),
+    ("presence_penalty", {"presence_penalty": 2.5}, CHAT, {"presence_penalty": 2.5}),
+    ("presence_penalty", {"presence_penalty": math.inf}, COMPLETIONS, {"presence_penalty": math.inf}),
+    ("frequency_penalty", {"frequency_penalty": -3.0}, COMPLETIONS, {"frequency_penalty": -3.0}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}, CHAT, {"repetition_penalty": 0.0}),
+    ("repetition_penalty", {"repetition_penalty": -1.0}, COMPLETIONS, {"repetition_penalty": -1.0}),
+    ("logit_bias", {"logit_bias": {"5": 101.0}}, CHAT, {"logit_bias": {5: 101.0}}),
+    ("logit_bias", {"logit_bias": {"5": -math.inf}}, COMPLETIONS, {"logit_bias": {5: -math.inf}}),
+    ("logit_bias", {"logit_bias": {"99999999": 1.0}}, COMPLETIONS, {"logit_bias": {99999999: 1.0}}),
+    ("logit_bias", {"logit_bias": {"-1": 1.0}}, CHAT, {"logit_bias": {-1: 1.0}}),
+    ("logit_bias", {"logit_bias": {"dog": 1.0}}, CHAT, NO_GRPC),
+    (
+        "logit_bias",
+        {"logit_bias": {str(i): 1.0 for i in range(301)}},
+        CHAT,
+        {"logit_bias": dict.fromkeys(range(301), 1.0)},
+    ),
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 21}, CHAT, {"logprobs": True, "top_logprobs": 21}),
+    ("top_logprobs", {"top_logprobs": 2}, CHAT, {"top_logprobs": 2}),
+    ("prompt_logprobs", NO_HTTP, CHAT, {"prompt_logprobs": True}),
+    ("logprobs", {"logprobs": 6}, COMPLETIONS, NO_GRPC),
+    ("logprobs", {"logprobs": -1}, COMPLETIONS, NO_GRPC),
+    ("stop", {"stop": ["a", "b", "c", "d", "e"]}, CHAT, {"stop": ["a", "b", "c", "d", "e"]}),
+    ("n", {"n": 2}, CHAT, NO_GRPC),
+    ("best_of", {"best_of": 3}, COMPLETIONS, NO_GRPC),
+    ("num_speculative_tokens", {"num_speculative_tokens": -1}, COMPLETIONS, NO_GRPC),
+    ("prompt", {"prompt": "\ud800"}, COMPLETIONS, NO_GRPC),
+    ("messages", {"messages": [{"role": "user", "content": "\udfff"}]}, CHAT, NO_GRPC),
+]
+
+
+@pytest.mark.parametrize(
+    ("param", "fields", "endpoint", "grpc_fields"), BAD, ids=[f"{r[0]}-{i}" for i, r in enumerate(BAD)]
+)
+def test_bad_value_refused_over_http_and_grpc(tok, param, fields, endpoint, grpc_fields):
+    if fields is not None:
+        r, scheduler = http_post(tok, endpoint, body_for(endpoint, fields))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param and param in error["message"], error
+        assert not scheduler.submitted
+    if grpc_fields is not None:
+        aborted, scheduler = grpc_generate(tok, grpc_fields)
+        assert aborted is not None and aborted.code == grpc.StatusCode.INVALID_ARGUMENT, aborted
+        assert param in aborted.details
+        assert not scheduler.submitted
+
+
+def test_same_message_over_both_apis(tok):
+    r, _ = http_post(tok, COMPLETIONS, body_for(COMPLETIONS, {"top_k": -100}))
+    aborted, _ = grpc_generate(tok, {"top_k": -100})
+    assert aborted is not None and r.json()["error"]["message"] == aborted.details
+
+
+def test_grpc_max_tokens_unset_means_the_context_window_like_http_chat(tok):
+    aborted, scheduler = grpc_generate(tok, {"temperature": 0.0})
+    assert aborted is None and scheduler.submitted[0].max_tokens is None
+    r, scheduler = http_post(tok, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and scheduler.submitted[0].max_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "want"),
+    [
+        (CHAT, {"logprobs": True, "top_logprobs": 3}, LogprobsRequest(3, False)),
+        (CHAT, {"logprobs": True}, LogprobsRequest(0, False)),
+        (CHAT, {"logprobs": False}, None),
+        (COMPLETIONS, {"logprobs": 2}, LogprobsRequest(2, False)),
+        (COMPLETIONS, {"logprobs": 0, "echo": True}, LogprobsRequest(0, True)),
+        (COMPLETIONS, {"echo": True}, None),
+    ],
+)
+def test_logprobs_requests(tok, endpoint, fields, want):
+    r, scheduler = http_post(tok, endpoint, body_for(endpoint, fields))
+    assert r.status_code == 200, r.text
+    assert scheduler.submitted[0].logprobs == want
+
+
+def test_good_values_reach_the_scheduler_identically_from_both_apis(tok):
+    http = {
+        "temperature": 0.5,
+        "top_p": 0.75,
+        "top_k": -1,
+        "seed": 7,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.25,
+        "logit_bias": {"5": 2.5, "7": -100},
+        "logprobs": True,
+        "top_logprobs": 20,
+        "max_tokens": 9,
+    }
+    r, from_http = http_post(tok, CHAT, body_for(CHAT, http))
+    assert r.status_code == 200, r.text
+    grpc_fields = {**http, "logit_bias": {5: 2.5, 7: -100.0}}
+    aborted, from_grpc = grpc_generate(tok, grpc_fields)
+    assert aborted is None
+    assert from_http.submitted == from_grpc.submitted
+    params = from_http.submitted[0]
+    assert params.penalties.logit_bias == ((5, 2.5), (7, -100.0)) and params.sampling.top_k == 0
+
+
+def test_validator_is_the_one_place_ranges_live():
+    from gateway.validation import InvalidParameter
+
+    with pytest.raises(InvalidParameter) as info:
+        generation_params(RequestedParams(top_k=2**31), vocab_size=10)
+    assert info.value.param == "top_k" and info.value.status == 400
