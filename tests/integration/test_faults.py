@@ -34,6 +34,7 @@ from specd.proto.speculative.v1 import (
 
 MODEL = "target"
 PROMPTS = list(ALL_PROMPTS[:8])
+PIPELINES = ["sequential", "cohort", "ahead"]
 LONGEST = 48
 
 
@@ -125,8 +126,10 @@ async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, s
 
 
 @pytest.fixture
-def own_stack(model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
-    """Verifier, drafter and gateway of this test alone (it kills some of them)."""
+def own_stack(request, model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
+    """Verifier, drafter and gateway of this test alone (it kills some of them); a test may
+    choose the gateway's --pipeline through indirect parametrisation."""
+    pipeline = getattr(request, "param", "sequential")
     services: dict[str, st.Service] = {}
     services["verifier"] = backend("verifier", model_args(model_dirs["target"], "verifier"), log_dir)
     try:
@@ -141,6 +144,7 @@ def own_stack(model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
                 "--drafter-timeout-s", "2",
                 "--backend-timeout-s", "10",
                 "--log-stats-interval-s", "0",
+                "--pipeline", pipeline,
             ],
             log_dir,
         )  # fmt: skip
@@ -153,6 +157,7 @@ def own_stack(model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
 
 
 @pytest.mark.slow  # 25-100 s here, by machine load: it restarts the drafter and waits for the gateway
+@pytest.mark.parametrize("own_stack", PIPELINES, indirect=True)
 def test_drafter_killed_mid_stream_costs_no_request(own_stack, model_dirs, log_dir, tok, references):
     gateway, drafter, verifier = own_stack["gateway"], own_stack["drafter"], own_stack["verifier"]
     prompts = (PROMPTS * 2)[:16]
@@ -200,6 +205,7 @@ async def _gather_streams(gateway: st.Service, prompts: list[str], max_tokens: i
         return await asyncio.gather(*(stream_text(client, p, max_tokens, None) for p in prompts))
 
 
+@pytest.mark.parametrize("own_stack", PIPELINES, indirect=True)
 def test_drafter_frozen_past_its_deadline(own_stack, tok, references):
     gateway, drafter, verifier = own_stack["gateway"], own_stack["drafter"], own_stack["verifier"]
     prompts = PROMPTS

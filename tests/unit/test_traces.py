@@ -298,7 +298,7 @@ def test_render_text(summary: dict[str, Any]) -> None:
 def test_main_json(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     main([str(trace_file), "--format", "json", "--slowest", "1"])
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"spans", "rounds", "acceptance", "requests", "slowest_rounds"}
+    assert set(out) == {"spans", "rounds", "overlap", "acceptance", "requests", "slowest_rounds"}
     assert len(out["slowest_rounds"]) == 1
     assert out["acceptance"]["mean_acceptance_length"] == pytest.approx(3.0)
 
@@ -377,3 +377,20 @@ def test_otlp_base64_ids_and_status_names(tmp_path: Path) -> None:
                                   "scopeSpans": [{"spans": [span]}]}]}  # fmt: skip
     (loaded,) = load_spans([write_jsonl(tmp_path / "b64.jsonl", [request])])
     assert (loaded.trace_id, loaded.span_id, loaded.status) == (TRACE_A, "00000000000000ff", "ERROR")
+
+
+def test_overlap_share_counts_time_both_models_were_busy() -> None:
+    from specd.tools.traces import Span
+
+    def span(name: str, start_ms: int, end_ms: int) -> Span:
+        return Span("t", f"{name}{start_ms}", None, name, "svc", start_ms * 10**6, end_ms * 10**6)
+
+    # drafter busy 0-10 and 20-30, verifier 5-25: overlap 5-10 and 20-25 = 10 of 30 ms.
+    spans = [span("drafter.draft", 0, 10), span("drafter.draft", 20, 30), span("verifier.verify", 5, 25)]
+    overlap = summarise(spans)["overlap"]
+    assert overlap["wall_ms"] == 30
+    assert overlap["overlap_share"] == pytest.approx(10 / 30)
+    assert overlap["drafter_busy_share"] == pytest.approx(20 / 30)
+    assert overlap["verifier_busy_share"] == pytest.approx(20 / 30)
+    sequential = [span("drafter.draft", 0, 10), span("verifier.verify", 10, 20)]
+    assert summarise(sequential)["overlap"]["overlap_share"] == 0

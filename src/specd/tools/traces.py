@@ -7,6 +7,7 @@ one pretty-printed document), auto-detected per line, and reports:
 * per service and span name: count and p50/p95/p99 duration;
 * round phases from the gateway's ``specd.round`` spans, and the share of round time
   spent outside the two models' forward passes;
+* overlap: the share of wall time the drafter and the verifier were busy at once;
 * acceptance: rate, mean acceptance length and per-position acceptance;
 * requests: TTFT/TPOT percentiles and finish reasons;
 * the slowest rounds with the trace ids of the requests batched into them.
@@ -28,6 +29,8 @@ from typing import Any
 
 REQUEST_SPAN = "specd.request"
 ROUND_SPAN = "specd.round"
+DRAFT_SPAN = "drafter.draft"
+VERIFY_SPAN = "verifier.verify"
 PHASES = (
     "round_ms",
     "draft_ms",
@@ -391,6 +394,50 @@ def _slowest(groups: dict[Any, list[Span]], n: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _union(intervals: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _intersection_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _overlap(spans: Sequence[Span]) -> dict[str, Any]:
+    """How much of the wall time the drafter and the verifier worked at the same time.
+
+    Busy means inside a drafter.draft or verifier.verify span (the services' own clocks:
+    compare only spans from one host, or hosts with synchronised clocks).
+    """
+    drafter = _union((s.start_ns, s.end_ns) for s in spans if s.name == DRAFT_SPAN)
+    verifier = _union((s.start_ns, s.end_ns) for s in spans if s.name == VERIFY_SPAN)
+    if not drafter or not verifier:
+        return {"wall_ms": None, "overlap_share": None, "drafter_busy_share": None, "verifier_busy_share": None}
+    wall = max(drafter[-1][1], verifier[-1][1]) - min(drafter[0][0], verifier[0][0])
+
+    def busy(merged: list[tuple[int, int]]) -> int:
+        return sum(end - start for start, end in merged)
+
+    return {
+        "wall_ms": wall / 1e6,
+        "overlap_share": _ratio(_intersection_ns(drafter, verifier), wall),
+        "drafter_busy_share": _ratio(busy(drafter), wall),
+        "verifier_busy_share": _ratio(busy(verifier), wall),
+    }
+
+
 def summarise(spans: Sequence[Span], slowest: int = 5) -> dict[str, Any]:
     """Every figure `specd traces` reports, as plain JSON-serialisable data."""
     round_spans = [s for s in spans if s.name == ROUND_SPAN]
@@ -398,6 +445,7 @@ def summarise(spans: Sequence[Span], slowest: int = 5) -> dict[str, Any]:
     return {
         "spans": _span_table(spans),
         "rounds": _rounds(round_spans, groups),
+        "overlap": _overlap(spans),
         "acceptance": _acceptance(round_spans),
         "requests": _requests([s for s in spans if s.name == REQUEST_SPAN]),
         "slowest_rounds": _slowest(groups, slowest),
@@ -446,7 +494,13 @@ def _render_rounds(summary: dict[str, Any]) -> list[str]:
         return [*out, "  (no specd.round spans)"]
     cells = [[phase, *(_fmt(q) for q in rounds["phases"][phase].values())] for phase in PHASES]
     out += _table(["phase", "p50 ms", "p95 ms", "p99 ms"], cells, "lrrr")
-    return [*out, f"  share of round time outside the two models: {_pct(rounds['outside_models_share'])}"]
+    overlap = summary["overlap"]
+    return [
+        *out,
+        f"  share of round time outside the two models: {_pct(rounds['outside_models_share'])}",
+        f"  wall time both models were busy (overlap): {_pct(overlap['overlap_share'])}"
+        f" (drafter busy {_pct(overlap['drafter_busy_share'])}, verifier busy {_pct(overlap['verifier_busy_share'])})",
+    ]
 
 
 def _render_acceptance(summary: dict[str, Any]) -> list[str]:
