@@ -150,6 +150,11 @@ class Ewma:
         return default if self.value is None else self.value
 
 
+def verified_positions(ks: Sequence[int]) -> int:
+    """Positions the verifier computes for a round: it pads every row to the longest block."""
+    return len(ks) * (max(ks, default=0) + 1)
+
+
 @dataclass
 class CostModel:
     """Round cost in ns as measured by the gateway."""
@@ -161,7 +166,7 @@ class CostModel:
 
     def round_ns(self, ks: Sequence[int]) -> float:
         longest = max(ks, default=0)
-        cost = self.verify.predict(sum(k + 1 for k in ks)) + self.overhead.get()
+        cost = self.verify.predict(verified_positions(ks)) + self.overhead.get()
         if longest > 0:
             drafting = sum(1 for k in ks if k > 0)
             cost += self.draft_fixed.get() + longest * self.step.predict(drafting)
@@ -287,7 +292,7 @@ class SpeculationPolicy:
         tokens_emitted: int,
     ) -> float | None:
         """Learn costs from one round; returns observed rate / predicted target-only rate."""
-        self.costs.verify.observe(sum(k + 1 for k in ks), verify_ns)
+        self.costs.verify.observe(verified_positions(ks), verify_ns)
         longest = max(ks, default=0)
         if longest > 0 and draft_ns > 0:
             drafting = sum(1 for k in ks if k > 0)

@@ -2,7 +2,8 @@
 
 Configured the standard way (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME,
 OTEL_TRACES_SAMPLER[_ARG], read by the SDK) plus `--otlp-endpoint` and
-`--trace-file` (spans as JSON lines, for machines without a collector). With
+`--trace-file` (spans in OTLP JSON, the collector file format, for machines
+without a collector). With
 neither, `Tracing.enabled` is False and callers create no spans at all, so
 tracing off costs nothing.
 
@@ -13,14 +14,17 @@ propagation would tie every round to whichever request opened the stream.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from google.protobuf import json_format
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -30,11 +34,14 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-class JsonLinesSpanExporter(SpanExporter):
-    """Appends one JSON object per span to a file.
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends spans to a file in OTLP JSON, the OpenTelemetry collector file exporter's format.
 
-    Each span is one write() on an O_APPEND descriptor, so the three services
-    of `specd up --trace-file` can share one file without interleaving lines.
+    Each export is one ``ExportTraceServiceRequest`` on one line (ids in hex, enums
+    as integers, as the OTLP JSON encoding asks), so a collector's ``otlpjsonfile``
+    receiver, Jaeger or Tempo can import the file, and ``specd traces`` reads it. Each
+    line is one write() on an O_APPEND descriptor, so the three services of ``specd
+    up --trace-file`` can share one file without interleaving lines.
     """
 
     def __init__(self, path: str) -> None:
@@ -42,10 +49,9 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans)
+        line = json.dumps(otlp_json(spans), separators=(",", ":")) + "\n"
         with self._lock:
-            for line in lines.splitlines(keepends=True):
-                os.write(self._fd, line.encode())
+            os.write(self._fd, line.encode())
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -53,28 +59,23 @@ class JsonLinesSpanExporter(SpanExporter):
             os.close(self._fd)
 
 
-def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
-    ctx = span.get_span_context()
-    parent = span.parent
-    return {
-        "trace_id": f"{ctx.trace_id:032x}",
-        "span_id": f"{ctx.span_id:016x}",
-        "parent_span_id": f"{parent.span_id:016x}" if parent is not None else None,
-        "name": span.name,
-        "service": span.resource.attributes.get(SERVICE_NAME, ""),
-        "start_ns": span.start_time,
-        "end_ns": span.end_time,
-        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
-        "links": [
-            {
-                "trace_id": f"{link.context.trace_id:032x}",
-                "span_id": f"{link.context.span_id:016x}",
-                "attributes": dict(link.attributes or {}),
-            }
-            for link in span.links
-        ],
-        "status": span.status.status_code.name,
-    }
+def otlp_json(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
+    """One ExportTraceServiceRequest in OTLP JSON."""
+    request = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+    for resource_spans in request.get("resourceSpans", []):
+        for scope in resource_spans.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                _hex_ids(span)
+                for link in span.get("links", []):
+                    _hex_ids(link)
+    return request
+
+
+def _hex_ids(obj: dict[str, Any]) -> None:
+    # Protobuf's JSON writes bytes as base64; OTLP JSON wants trace and span ids in hex.
+    for key in ("traceId", "spanId", "parentSpanId"):
+        if obj.get(key):
+            obj[key] = base64.b64decode(obj[key]).hex()
 
 
 class Tracing:
@@ -91,7 +92,7 @@ class Tracing:
         # The sampler comes from OTEL_TRACES_SAMPLER[_ARG] (default: parent-based always-on).
         provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
         if trace_file:
-            provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(trace_file)))
+            provider.add_span_processor(BatchSpanProcessor(OtlpJsonFileExporter(trace_file)))
         if endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 

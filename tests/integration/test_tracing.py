@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import defaultdict
 
 import httpx
 import pytest
 import stack as st
+
+from specd.tools.traces import load_spans
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,8 @@ def traced(model_dirs, log_dir, tmp_path_factory):
         asyncio.run(many())
     finally:
         s.stop()
-    spans = [json.loads(line) for line in trace_file.read_text().splitlines() if line.strip()]
+    # The file is OTLP JSON (one ExportTraceServiceRequest a line); specd traces reads it back.
+    spans = [dataclasses.asdict(span) for span in load_spans([trace_file])]
     return spans, trace_file
 
 

@@ -117,8 +117,17 @@ def test_compute_bound_verification_shrinks_k_as_the_batch_grows() -> None:
     assert chosen[-1] == 0  # at high concurrency drafting no longer pays
 
 
-def test_sequences_are_chosen_by_their_own_acceptance() -> None:
+def test_verify_cost_counts_padded_rows() -> None:
     model = costs(verify_fixed_ms=20, verify_per_token_ms=2, step_ms=4)
+    # One sequence drafting 4 makes every row 5 positions long.
+    assert model.round_ns([4, 0, 0]) - model.round_ns([4, 4, 4]) == pytest.approx(0)
+    assert model.round_ns([0, 0, 0]) < model.round_ns([1, 0, 0])
+
+
+def test_sequences_are_chosen_by_their_own_acceptance() -> None:
+    # The verifier pads rows to the longest block, so a sequence's drafts cost only
+    # the drafter's work for it: a sequence whose drafts fail stops drafting once that costs.
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=0.5, step_ms=1, step_per_seq_ms=1)
     candidates = [Candidate(cap=4, rates=[0.95] * 4), Candidate(cap=4, rates=[0.05] * 4), Candidate(cap=0, rates=[])]
     ks = choose_ks(candidates, model, 4).ks
     assert ks[0] >= 3
