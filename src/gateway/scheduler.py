@@ -47,6 +47,8 @@ class GenerationError(Exception):
 CANCELLED = GenerationError(499, "the client closed the request", "cancelled")
 # How often a sequence is re-opened on a drafter that answers it has lost it.
 MAX_DRAFTER_REJOINS = 3
+# How long stopping waits for the services to confirm closes; the leases free the rest.
+CLOSE_ON_STOP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -214,8 +216,12 @@ class Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        stranded = list(self.active)
         for seq in [*self.waiting, *self.active]:
             self._fail(seq, GenerationError(503, "the gateway is shutting down", "service_unavailable"))
+        # Free them on the services now, not only once this gateway's lease lapses there.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._retire(stranded), CLOSE_ON_STOP_S)
 
     # -- requests -------------------------------------------------------
     def submit(
