@@ -246,7 +246,8 @@ class _Pool:
             return "tokenizer: " + "; ".join(diffs)
         if a.model_vocab_size != b.model_vocab_size:
             return f"model vocabulary size {a.model_vocab_size} vs {b.model_vocab_size}"
-        kinds = getattr(reference, "kind", None), getattr(other, "kind", None)
+        unspecified = common_pb2.DRAFTER_KIND_UNSPECIFIED  # a verifier has no kind
+        kinds = getattr(reference, "kind", unspecified), getattr(other, "kind", unspecified)
         if kinds[0] != kinds[1]:
             return f"drafter kind {common_pb2.DrafterKind.Name(kinds[0])} vs {common_pb2.DrafterKind.Name(kinds[1])}"
         # A replica joining later must fit the limits the scheduler already works with.

@@ -119,6 +119,8 @@ def make_pool(
 
     def factory(address: str, server_name: str) -> FakeClient:
         clients[address] = FakeClient(address, server_name, (infos or {}).get(address))
+        if cls is VerifierPool:
+            del clients[address].kind  # as VerifierClient: only drafters have a kind
         return clients[address]
 
     kwargs: dict[str, Any] = {"health_interval_s": 3600.0}  # tests run the checks themselves
