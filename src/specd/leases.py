@@ -13,6 +13,7 @@ servicers translate, the engines never see owners.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,32 +46,40 @@ class _Lease:
 
 
 class Leases:
+    """Thread-safe: renewals come from the event loop, opens and closes are recorded on the engine
+    thread together with the engine's own change, so a cancelled RPC cannot leave them apart."""
+
     def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s  # 0: sequences never expire
         self._clock = clock
         self._leases: dict[str, _Lease] = {}
+        self._lock = threading.Lock()
 
     def renew(self, owner: str) -> None:
         now = self._clock()
-        lease = self._leases.get(owner)
-        if lease is None:
-            self._leases[owner] = _Lease(now)
-        else:
-            lease.renewed = now
+        with self._lock:
+            lease = self._leases.get(owner)
+            if lease is None:
+                self._leases[owner] = _Lease(now)
+            else:
+                lease.renewed = now
 
     def opened(self, owner: str, keys: Iterable[str]) -> None:
-        lease = self._leases.setdefault(owner, _Lease(self._clock()))
-        lease.keys.update(keys)
+        with self._lock:
+            lease = self._leases.setdefault(owner, _Lease(self._clock()))
+            lease.keys.update(keys)
 
     def closed(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            lease = self._leases.get(owner_of(key))
-            if lease is not None:
-                lease.keys.discard(key)
+        with self._lock:
+            for key in keys:
+                lease = self._leases.get(owner_of(key))
+                if lease is not None:
+                    lease.keys.discard(key)
 
     def count(self, owner: str) -> int:
-        lease = self._leases.get(owner)
-        return len(lease.keys) if lease is not None else 0
+        with self._lock:
+            lease = self._leases.get(owner)
+            return len(lease.keys) if lease is not None else 0
 
     def expired(self) -> list[str]:
         """Forget every lease not renewed within lease_s; returns the sequences they held."""
@@ -78,8 +87,9 @@ class Leases:
             return []
         cutoff = self._clock() - self.lease_s
         keys: list[str] = []
-        for owner, lease in list(self._leases.items()):
-            if lease.renewed < cutoff:
-                del self._leases[owner]
-                keys.extend(sorted(lease.keys))
+        with self._lock:
+            for owner, lease in list(self._leases.items()):
+                if lease.renewed < cutoff:
+                    del self._leases[owner]
+                    keys.extend(sorted(lease.keys))
         return keys

@@ -165,8 +165,7 @@ class SequenceRpcs:
             return [common_pb2.OpenResult(sequence_id=s.sequence_id, error=error) for s in wire]
         self.leases.renew(owner)
         specs = [SequenceSpec(engine_id(owner, s.sequence_id), s.prompt, s.sampling) for s in wire]
-        (errors, _), _ = await self.runner.run(self.engine.open, specs)
-        self.leases.opened(owner, [s.sequence_id for s, e in zip(specs, errors, strict=True) if e is None])
+        errors, _ = await self.runner.run(open_leased, self.engine, self.leases, owner, specs)
         return [
             common_pb2.OpenResult(sequence_id=s.sequence_id, error=self.wire_error(e, owner))
             for s, e in zip(wire, errors, strict=True)
@@ -226,16 +225,26 @@ class SequenceRpcs:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         keys = [engine_id(owner, sid) for sid in ids]
         self.leases.renew(owner)
-        (closed, error, gone), _ = await self.runner.run(close_present, self.engine, keys, missing_ok)
-        self.leases.closed(gone)
+        (closed, error), _ = await self.runner.run(close_present, self.engine, self.leases, keys, missing_ok)
         if error is not None:
             await context.abort(STATUS[error.kind], public_message(error.message, owner))
         return closed
 
 
-def close_present(engine: Any, keys: list[str], missing_ok: bool) -> tuple[int, EngineError | None, list[str]]:
+def open_leased(engine: Any, leases: Leases, owner: str, specs: list[SequenceSpec]) -> list[EngineError | None]:
+    """On the engine thread: open, and enter what opened in the owner's lease in the same step.
+
+    A gateway that dies mid-open cancels the RPC, but not the engine's work: recorded
+    here, what it opened still expires with its lease.
+    """
+    errors, _ = engine.open(specs)
+    leases.opened(owner, [s.sequence_id for s, e in zip(specs, errors, strict=True) if e is None])
+    return errors
+
+
+def close_present(engine: Any, leases: Leases, keys: list[str], missing_ok: bool) -> tuple[int, EngineError | None]:
     """On the engine thread: close `keys` (only those open when missing_ok); returns the count
-    closed, the engine's refusal if any, and the keys no longer open (whatever the refusal left)."""
+    closed and the engine's refusal if any. Whatever is no longer open leaves its lease."""
     open_now = engine.table.seqs
     targets = [k for k in keys if k in open_now] if missing_ok else keys
     closed, error = 0, None
@@ -243,7 +252,8 @@ def close_present(engine: Any, keys: list[str], missing_ok: bool) -> tuple[int, 
         closed = engine.close(targets) if targets else 0
     except EngineError as exc:
         error = exc
-    return closed, error, [k for k in keys if k not in open_now]
+    leases.closed(k for k in keys if k not in open_now)
+    return closed, error
 
 
 async def expire_leases(
@@ -256,7 +266,7 @@ async def expire_leases(
         keys = leases.expired()
         if not keys:
             continue
-        (closed, _, _), _ = await runner.run(close_present, engine, keys, True)
+        (closed, _), _ = await runner.run(close_present, engine, leases, keys, True)
         metrics.expired.inc(closed)
         log.warning(
             "%s: freed %d sequences of %d lease owner(s) not heard from for %.0f s",

@@ -279,11 +279,16 @@ def test_gateway_killed_ten_times_under_load_leaks_nothing(supervised):
         )
         wait_until(lambda: up.health().status_code == 200, 60, "the gateway's /health")
     # The dead gateways' sequences: freed once their leases lapse, though no one closed them.
-    took = wait_until(
-        lambda: up.open_sequences("verifier") == 0 and up.open_sequences("drafter") == 0,
-        LEASE_S + 5,
-        "both services to hold no sequences",
-    )
+    counts: dict[str, int] = {}
+
+    def none_open() -> bool:
+        counts.update({kind: up.open_sequences(kind) for kind in ("verifier", "drafter")})
+        return not any(counts.values())
+
+    try:
+        took = wait_until(none_open, LEASE_S + 5, "both services to hold no sequences")
+    except AssertionError:
+        raise AssertionError(f"still open: {counts}\n{up.output()[-4000:]}") from None
     print(
         f"{cut} of 80 streams cut by the kills; both services held 0 sequences {took:.1f} s after the last "
         f"gateway restart (lease {LEASE_S} s)"

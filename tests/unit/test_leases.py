@@ -150,3 +150,26 @@ def test_a_silent_owner_s_sequences_are_freed_and_counted_while_a_renewing_one_k
         s.runner.shutdown()
 
     asyncio.run(go())
+
+
+def test_an_open_whose_rpc_is_cancelled_still_expires_with_its_lease() -> None:
+    async def go() -> None:
+        s = servicer(0.3)
+        # A gateway that dies mid-open cancels the RPC; the engine thread finishes the open anyway.
+        call = asyncio.create_task(
+            s.OpenDraftSequences(
+                drafter_pb2.OpenDraftSequencesRequest(sequences=[spec("a")], lease_owner="dying"), Context()
+            )
+        )
+        await asyncio.sleep(0)  # it reached the engine thread
+        call.cancel()
+        await asyncio.sleep(0.05)
+        assert set(s.engine.table.seqs) == {"dying/a"}
+        assert s.leases.count("dying") == 1
+        task = asyncio.create_task(expire_leases("drafter", s.leases, s.engine, s.runner, s.metrics))
+        await asyncio.sleep(0.6)
+        task.cancel()
+        assert not s.engine.table.seqs
+        s.runner.shutdown()
+
+    asyncio.run(go())
