@@ -164,7 +164,8 @@ class SequenceRpcs:
             error = common_pb2.SequenceError(code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message=problem)
             return [common_pb2.OpenResult(sequence_id=s.sequence_id, error=error) for s in wire]
         self.leases.renew(owner)
-        specs = [SequenceSpec(engine_id(owner, s.sequence_id), s.prompt, s.sampling) for s in wire]
+        # An empty id stays empty, for the engine to refuse as it would without owners.
+        specs = [SequenceSpec(s.sequence_id and engine_id(owner, s.sequence_id), s.prompt, s.sampling) for s in wire]
         errors, _ = await self.runner.run(open_leased, self.engine, self.leases, owner, specs)
         return [
             common_pb2.OpenResult(sequence_id=s.sequence_id, error=self.wire_error(e, owner))
