@@ -11,6 +11,7 @@ from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd import models
 from specd.kvcache import BatchedCausalLM
+from specd.leases import Leases
 from specd.placement import pin
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.quant import quantize_int8
@@ -70,9 +71,10 @@ def register(
     runner: EngineRunner,
     tracing: Tracing,
     metrics: ServiceMetrics,
+    leases: Leases,
 ) -> list[str]:
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(
-        DrafterServicer(engine, info, runner, tracing, metrics), server
+        DrafterServicer(engine, info, runner, tracing, metrics, leases), server
     )
     return [drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name]
 

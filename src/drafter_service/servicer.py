@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
+from specd.leases import Leases
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, sequence_error
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics
 from specd.tasks import DraftProposal, DraftTask
 from specd.tracing import Tracing
 
@@ -24,6 +25,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
         runner: EngineRunner,
         tracing: Tracing,
         metrics: ServiceMetrics,
+        leases: Leases,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -31,6 +33,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
         self.runner = runner
         self.tracing = tracing
         self.metrics = metrics
+        self.leases = leases
 
     async def GetDrafterInfo(self, request, context) -> drafter_pb2.GetDrafterInfoResponse:
         return drafter_pb2.GetDrafterInfoResponse(
@@ -41,24 +44,27 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
         )
 
     async def OpenDraftSequences(self, request, context) -> drafter_pb2.OpenDraftSequencesResponse:
-        return drafter_pb2.OpenDraftSequencesResponse(results=await self.open_sequences(request.sequences))
+        return drafter_pb2.OpenDraftSequencesResponse(
+            results=await self.open_sequences(request.sequences, request.lease_owner)
+        )
 
     async def CloseDraftSequences(self, request, context) -> drafter_pb2.CloseDraftSequencesResponse:
-        return drafter_pb2.CloseDraftSequencesResponse(closed=await self.close_sequences(request.sequence_ids, context))
+        return drafter_pb2.CloseDraftSequencesResponse(
+            closed=await self.close_sequences(request.sequence_ids, request.lease_owner, request.missing_ok, context)
+        )
+
+    async def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
+        return await self.keep_alive(request.lease_owner, context)
 
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:
         async for request in request_iterator:
+            owner = request.lease_owner
+            ids = self.round_ids(owner, (t.sequence_id for t in request.tasks))
             tasks = [
-                DraftTask(
-                    t.sequence_id,
-                    list(t.new_token_ids),
-                    t.num_committed,
-                    t.num_draft_tokens,
-                    tuple(t.assumed_token_ids),
-                )
-                for t in request.tasks
+                DraftTask(sid, list(t.new_token_ids), t.num_committed, t.num_draft_tokens, tuple(t.assumed_token_ids))
+                for sid, t in zip(ids, request.tasks, strict=True)
             ]
             proposals, timings = await self.run_round(
                 "drafter.draft",
@@ -73,14 +79,14 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                 round_id=request.round_id,
                 proposals=[
                     drafter_pb2.DraftProposal(
-                        sequence_id=p.sequence_id,
+                        sequence_id=t.sequence_id,
                         token_ids=p.tokens,
                         distributions=[
                             common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs) for d in p.dists
                         ],
-                        error=sequence_error(p.error),
+                        error=self.wire_error(p.error, owner),
                     )
-                    for p in proposals
+                    for t, p in zip(request.tasks, proposals, strict=True)
                 ],
                 timings=timings,
             )

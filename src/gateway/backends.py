@@ -95,8 +95,12 @@ class _Backend:
         max_message_bytes: int,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        lease_owner: str = "",
     ) -> None:
         self.address = address
+        # This gateway instance: every open, round and close names it, so the service knows whose
+        # sequences they are and frees them if this gateway stops renewing its lease.
+        self.lease_owner = lease_owner
         self.name = name
         self.timeout_s = timeout_s
         options = channel_options(max_message_bytes)
@@ -127,6 +131,12 @@ class _Backend:
     def fingerprint(self) -> TokenizerFingerprint | None:
         return fingerprint_from_pb(self.info.tokenizer) if self.info is not None else None
 
+    async def keep_alive(self) -> common_pb2.KeepAliveResponse:
+        """Renew this gateway's lease on its sequences there (rounds renew it too)."""
+        return await self.stub.KeepAlive(
+            common_pb2.KeepAliveRequest(lease_owner=self.lease_owner), timeout=min(self.timeout_s, 5.0)
+        )
+
     def reset_rounds(self) -> None:
         """Drop the round stream (it may be dead or mid-exchange); the next round opens a fresh one."""
         self.rounds.close()
@@ -143,8 +153,9 @@ class VerifierClient(_Backend):
         max_message_bytes: int,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        lease_owner: str = "",
     ) -> None:
-        super().__init__(address, "verifier", timeout_s, max_message_bytes, credentials, server_name)
+        super().__init__(address, "verifier", timeout_s, max_message_bytes, credentials, server_name, lease_owner)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Verify(), "verifier", timeout_s)
 
@@ -155,16 +166,19 @@ class VerifierClient(_Backend):
 
     async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
         reply = await self.stub.OpenVerifySequences(
-            verifier_pb2.OpenVerifySequencesRequest(sequences=specs), timeout=self.timeout_s
+            verifier_pb2.OpenVerifySequencesRequest(sequences=specs, lease_owner=self.lease_owner),
+            timeout=self.timeout_s,
         )
         return list(reply.results)
 
-    async def close_sequences(self, ids: list[str]) -> None:
-        await self.stub.CloseVerifySequences(
-            verifier_pb2.CloseVerifySequencesRequest(sequence_ids=ids), timeout=self.timeout_s
+    async def close_sequences(self, ids: list[str], missing_ok: bool = False) -> None:
+        request = verifier_pb2.CloseVerifySequencesRequest(
+            sequence_ids=ids, lease_owner=self.lease_owner, missing_ok=missing_ok
         )
+        await self.stub.CloseVerifySequences(request, timeout=self.timeout_s)
 
     async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
+        request.lease_owner = self.lease_owner
         return await self.rounds.exchange(request)
 
 
@@ -176,8 +190,9 @@ class DrafterClient(_Backend):
         max_message_bytes: int,
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
+        lease_owner: str = "",
     ) -> None:
-        super().__init__(address, "drafter", timeout_s, max_message_bytes, credentials, server_name)
+        super().__init__(address, "drafter", timeout_s, max_message_bytes, credentials, server_name, lease_owner)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Draft(), "drafter", timeout_s)
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
@@ -193,17 +208,19 @@ class DrafterClient(_Backend):
         # round: the short drafter deadline grows with the tokens to prefill.
         tokens = sum(len(s.prompt_token_ids) for s in specs)
         reply = await self.stub.OpenDraftSequences(
-            drafter_pb2.OpenDraftSequencesRequest(sequences=specs),
+            drafter_pb2.OpenDraftSequencesRequest(sequences=specs, lease_owner=self.lease_owner),
             timeout=self.timeout_s * (1 + tokens / PREFILL_TOKENS_PER_DEADLINE),
         )
         return list(reply.results)
 
-    async def close_sequences(self, ids: list[str]) -> None:
-        await self.stub.CloseDraftSequences(
-            drafter_pb2.CloseDraftSequencesRequest(sequence_ids=ids), timeout=self.timeout_s
+    async def close_sequences(self, ids: list[str], missing_ok: bool = False) -> None:
+        request = drafter_pb2.CloseDraftSequencesRequest(
+            sequence_ids=ids, lease_owner=self.lease_owner, missing_ok=missing_ok
         )
+        await self.stub.CloseDraftSequences(request, timeout=self.timeout_s)
 
     async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
+        request.lease_owner = self.lease_owner
         return await self.rounds.exchange(request)
 
 

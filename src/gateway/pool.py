@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.backends import BackendError, DrafterClient, VerifierClient, describe, not_found_error
+from gateway.backends import BackendError, DrafterClient, VerifierClient, describe
+from gateway.owed_closes import OwedCloses
 from specd.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.serving import fingerprint_from_pb
@@ -89,6 +90,7 @@ class Replica:
     refused: bool = False  # serves a model incompatible with the pool's
     sequences: set[str] = field(default_factory=set)
     placed: int = 0  # sequences ever placed here
+    model_id: str = ""  # the model it served when first admitted: it must come back with the same
 
     @property
     def address(self) -> str:
@@ -126,9 +128,12 @@ class _Pool:
         self.resolve_interval_s = resolve_interval_s
         self.replicas: dict[str, Replica] = {}
         self._owner: dict[str, Replica] = {}
-        # Replicas whose open of a sequence failed in transit (a deadline, a stall):
-        # they may have opened it all the same, so its close goes there too.
-        self._maybe: dict[str, set[Replica]] = {}
+        # Closes not confirmed yet: failed in transit, or for opens that failed in transit
+        # (a deadline, a stall) and may have opened the sequence all the same.
+        self.owed = OwedCloses(self.service)
+        # What the gateway started with: a replica that comes back is compared with it.
+        self._reference: common_pb2.ModelInfo | None = None
+        self._reference_kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
         self._turn = 0  # round-robin among equally loaded replicas
         self.info: common_pb2.ModelInfo | None = None
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
@@ -172,6 +177,7 @@ class _Pool:
                 log.info("%s replica %s no longer resolves; no new sequences go to it", self.service, address)
             if replica.removed and not replica.sequences:
                 del self.replicas[address]
+                self.owed.forget(replica)
                 await replica.client.close()
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -201,6 +207,9 @@ class _Pool:
         ready = [r for r in self.replicas.values() if r.up]
         await asyncio.gather(*(r.client.load_info() for r in ready))
         first = ready[0]
+        self._reference = common_pb2.ModelInfo()
+        self._reference.CopyFrom(first.client.info)
+        self._reference_kind = getattr(first.client, "kind", common_pb2.DRAFTER_KIND_UNSPECIFIED)
         for r in ready[1:]:
             problem = self._incompatibility(first.client, r.client, check_limits=False)
             if problem:
@@ -210,6 +219,7 @@ class _Pool:
                 )
         for r in ready:
             r.admitted = True
+            r.model_id = r.client.info.model_id
         self.kind = getattr(first.client, "kind", common_pb2.DRAFTER_KIND_UNSPECIFIED)
         self.info = self._pool_info()
         if self._monitor is None:
@@ -236,7 +246,8 @@ class _Pool:
             return "tokenizer: " + "; ".join(diffs)
         if a.model_vocab_size != b.model_vocab_size:
             return f"model vocabulary size {a.model_vocab_size} vs {b.model_vocab_size}"
-        kinds = getattr(reference, "kind", None), getattr(other, "kind", None)
+        unspecified = common_pb2.DRAFTER_KIND_UNSPECIFIED  # a verifier has no kind
+        kinds = getattr(reference, "kind", unspecified), getattr(other, "kind", unspecified)
         if kinds[0] != kinds[1]:
             return f"drafter kind {common_pb2.DrafterKind.Name(kinds[0])} vs {common_pb2.DrafterKind.Name(kinds[1])}"
         # A replica joining later must fit the limits the scheduler already works with.
@@ -247,17 +258,28 @@ class _Pool:
                 return f"max_draft_tokens {b.max_draft_tokens} is below the pool's {self.info.max_draft_tokens}"
         return ""
 
+    @property
+    def lease_renew_s(self) -> float:
+        """How often to renew leases: a third of the shortest lease any replica grants."""
+        leases = [r.client.info.lease_seconds for r in self.replicas.values() if r.client.info is not None]
+        shortest = min((t for t in leases if t > 0), default=0.0)
+        return shortest / 3 if shortest > 0 else self.health_interval_s
+
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
-        resolved_at = loop.time()
+        resolved_at = renew_at = loop.time()
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(min(self.health_interval_s, self.lease_renew_s))
             try:
                 if any(e.dns for e in self.endpoints) and loop.time() - resolved_at >= self.resolve_interval_s:
                     resolved_at = loop.time()
                     await self.resolve()
                 live = [r for r in self.replicas.values() if not r.removed]
                 await asyncio.gather(*(self._check(r) for r in live))
+                if loop.time() >= renew_at:
+                    renew_at = loop.time() + self.lease_renew_s
+                    await self._renew_leases()
+                await self._deliver_owed()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -272,13 +294,13 @@ class _Pool:
             except Exception as exc:
                 log.warning("%s replica %s is serving but its info failed: %s", self.service, replica.address, exc)
                 return
-            reference = next((r.client for r in self.replicas.values() if r.admitted and r is not replica), None)
-            problem = self._incompatibility(reference, replica.client, True) if reference is not None else ""
+            problem = self._returning_problem(replica)
             if problem:
                 if not replica.refused:  # once, not at every health check
-                    log.error("refusing %s replica %s: %s", self.service, replica.address, problem)
+                    log.error("%s", problem)
                 replica.admitted, replica.refused = False, True
                 return
+            replica.model_id = replica.model_id or replica.client.info.model_id
             replica.admitted, replica.refused, replica.up = True, False, True
             if self.info is not None:
                 self.info.max_sequences = sum(
@@ -290,6 +312,47 @@ class _Pool:
             log.warning(
                 "%s replica %s failed its health check; no new sequences go to it", self.service, replica.address
             )
+
+    def _returning_problem(self, replica: Replica) -> str:
+        """Why a replica that (re)appears cannot serve this gateway, as at startup; "" when it can.
+
+        Compared with what the gateway started with, not with other replicas: with one
+        replica (the default) there is no other to compare with.
+        """
+        if self._reference is None:
+            return ""
+        info = replica.client.info
+        started = fingerprint_from_pb(self._reference.tokenizer)
+        now = fingerprint_from_pb(info.tokenizer)
+        where = f"refusing {self.service} at {replica.address}"
+        if started is not None and now is None:
+            return f"{where}: it reports no tokenizer fingerprint; the gateway started with one"
+        if started is not None and now is not None and (diffs := now.differences(started)):
+            whose = "the verifier's" if self.service == "drafter" else "the gateway's"
+            return (
+                f"{where}: its tokenizer differs from {whose} (" + "; ".join(diffs) + f"); a {self.service} that "
+                "comes back must serve the tokenizer the gateway started with"
+            )
+        if replica.model_id and info.model_id != replica.model_id:
+            return (
+                f"{where}: it came back serving model {info.model_id!r}, not {replica.model_id!r} as when the "
+                "gateway admitted it; restart the gateway to change models"
+            )
+        reference = _Snapshot(self._reference, self._reference_kind)
+        problem = self._incompatibility(reference, replica.client, True)
+        return f"{where}: {problem}; every {self.service} replica must serve the same model" if problem else ""
+
+    async def _renew_leases(self) -> None:
+        """Keep this gateway's lease on its sequences alive on every replica, rounds or not."""
+        live = [r for r in self.replicas.values() if r.up and hasattr(r.client, "keep_alive")]
+        outcomes = await asyncio.gather(*(r.client.keep_alive() for r in live), return_exceptions=True)
+        for replica, outcome in zip(live, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                log.debug("keep-alive to %s failed: %s", replica.address, describe(outcome))
+
+    async def _deliver_owed(self) -> None:
+        up = [r for r in self.replicas.values() if r.up and self.owed.owed(r)]
+        await asyncio.gather(*(self.owed.deliver(r, r.client) for r in up))
 
     def _mark_down(self, replica: Replica, exc: BaseException) -> None:
         if replica.up:
@@ -320,16 +383,15 @@ class _Pool:
             if not groups:
                 break
             outcomes = await asyncio.gather(
-                *(r.client.open(batch) for r, batch in groups.items()), return_exceptions=True
+                *(self._open_on(r, batch) for r, batch in groups.items()), return_exceptions=True
             )
             pending = []
             for (replica, batch), outcome in zip(groups.items(), outcomes, strict=True):
                 if isinstance(outcome, BaseException):
                     if not isinstance(outcome, Exception):
                         raise outcome
-                    # Its sequences try the remaining replicas.
-                    for spec in batch:
-                        self._maybe.setdefault(spec.sequence_id, set()).add(replica)
+                    # Its sequences try the remaining replicas; it may have opened them all the same.
+                    self.owed.add(replica, (spec.sequence_id for spec in batch))
                     self._mark_down(replica, outcome)
                     failed.add(replica)
                     pending.extend(batch)
@@ -354,6 +416,12 @@ class _Pool:
                     ),
                 )
         return [results[s.sequence_id] for s in specs]
+
+    async def _open_on(self, replica: Replica, batch: list[common_pb2.SequenceSpec]) -> Any:
+        # A close still owed for one of these ids must land first, or it would close the new sequence.
+        if not await self.owed.deliver(replica, replica.client, (s.sequence_id for s in batch)):
+            raise BackendError(f"closes owed to {replica.address} could not be delivered before an open")
+        return await replica.client.open(batch)
 
     def _place(self, specs: list[common_pb2.SequenceSpec], excluded: set[Replica]) -> dict[Replica, list[Any]]:
         """Assign each spec to the least loaded usable replica, counting this batch's own placements."""
@@ -383,33 +451,29 @@ class _Pool:
             replica.client.reset_rounds()
 
     async def close_sequences(self, ids: list[str]) -> None:
+        """Close sequences where they live; a close that fails is owed and retried until it lands."""
         groups: dict[Replica, list[str]] = {}
-        unsure: dict[Replica, list[str]] = {}
         for sid in ids:
             replica = self._owner.pop(sid, None)
             if replica is not None:
                 replica.sequences.discard(sid)
                 groups.setdefault(replica, []).append(sid)
-            for maybe in self._maybe.pop(sid, set()) - {replica}:
-                unsure.setdefault(maybe, []).append(sid)
         outcomes = await asyncio.gather(
-            *(r.client.close_sequences(batch) for r, batch in groups.items()), return_exceptions=True
+            *(r.client.close_sequences(batch, missing_ok=True) for r, batch in groups.items()),
+            return_exceptions=True,
         )
-        # Best effort: a replica that never opened them answers NOT_FOUND, which is fine.
-        await asyncio.gather(*(r.client.close_sequences(batch) for r, batch in unsure.items()), return_exceptions=True)
         errors = []
         for (replica, batch), outcome in zip(groups.items(), outcomes, strict=True):
-            if isinstance(outcome, BaseException) and not not_found_error(outcome):
-                # Still open there as far as anyone knows: a retry must reach the same replica.
+            if isinstance(outcome, BaseException):
+                self.owed.add(replica, batch)
                 errors.append(outcome)
-                for sid in batch:
-                    self._owner[sid] = replica
-                    replica.sequences.add(sid)
-        for replica in [r for r in groups if r.removed and not r.sequences]:
+        for replica in [r for r in groups if r.removed and not r.sequences and not self.owed.owed(r)]:
             self.replicas.pop(replica.address, None)
             await replica.client.close()
         if errors:
-            raise BackendError(f"closing sequences on the {self.service} failed: {describe(errors[0])}")
+            raise BackendError(
+                f"closing sequences on the {self.service} failed: {describe(errors[0])}; retrying in the background"
+            )
 
     async def _round(self, request: Any, call: Callable[[Any, Any], Awaitable[Any]]) -> Any:
         """Split one round by replica, run the parts concurrently, reassemble in task order.
@@ -530,6 +594,14 @@ class DrafterPool(_Pool):
         )
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """A replica's info and kind as the gateway first saw them, shaped like a client."""
+
+    info: common_pb2.ModelInfo
+    kind: int
+
+
 P = TypeVar("P", "VerifierPool", "DrafterPool")
 
 
@@ -541,10 +613,11 @@ def _pool(
     max_message_bytes: int,
     credentials: Any = None,
     server_name: str = "",
+    lease_owner: str = "",
     **options: Any,
 ) -> P:
     def factory(address: str, name_hint: str) -> Any:
-        return client_cls(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
+        return client_cls(address, timeout_s, max_message_bytes, credentials, server_name or name_hint, lease_owner)
 
     return pool_cls(spec, factory, timeout_s=timeout_s, **options)
 
@@ -577,10 +650,16 @@ class PoolCollector(Collector):
         placed = CounterMetricFamily(
             "specd_backend_sequences_placed", "Sequences the gateway placed on the replica", labels=labels
         )
+        owed = GaugeMetricFamily(
+            "specd_backend_owed_closes",
+            "Closes the replica has not confirmed yet (retried until it does)",
+            labels=labels,
+        )
         for pool in self.pools:
             for replica in list(pool.replicas.values()):
                 key = [pool.service, replica.address]
                 up.add_metric(key, 1.0 if replica.up else 0.0)
                 open_.add_metric(key, float(len(replica.sequences)))
                 placed.add_metric(key, float(replica.placed))
-        yield from (up, open_, placed)
+                owed.add_metric(key, float(len(pool.owed.owed(replica))))
+        yield from (up, open_, placed, owed)

@@ -51,6 +51,10 @@ from specd.tracing import Tracing
 log = logging.getLogger(__name__)
 
 
+# How long stopping waits for the services to confirm closes; the leases free the rest.
+CLOSE_ON_STOP_S = 5.0
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int | None
@@ -207,8 +211,12 @@ class Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        stranded = list(self.active)
         for seq in [*self.waiting, *self.active]:
             self._fail(seq, GenerationError(503, "the gateway is shutting down", "service_unavailable"))
+        # Free them on the services now, not only once this gateway's lease lapses there.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._retire(stranded), CLOSE_ON_STOP_S)
 
     # -- requests -------------------------------------------------------
     def submit(

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,10 +44,14 @@ async def run(config: GatewayConfig) -> None:
         "health_interval_s": config.backend_health_interval_s,
         "resolve_interval_s": config.backend_resolve_interval_s,
     }
+    # This instance's lease owner id: its sequences on the backends are its own, never a
+    # predecessor's, and are freed there if it dies (see specd.leases).
+    lease_owner = uuid.uuid4().hex
+    log.info("gateway instance %s", lease_owner)
     # Pools stand where single clients stood: one replica is a pool of one.
-    verifier = verifier_pool(config.verifier, *channel, **intervals)
+    verifier = verifier_pool(config.verifier, *channel, lease_owner=lease_owner, **intervals)
     drafter = (
-        drafter_pool(config.drafter, config.drafter_timeout_s, *channel[1:], **intervals)
+        drafter_pool(config.drafter, config.drafter_timeout_s, *channel[1:], lease_owner=lease_owner, **intervals)
         if config.drafter and config.num_speculative_tokens > 0
         else None
     )

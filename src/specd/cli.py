@@ -10,7 +10,8 @@ from collections.abc import Sequence
 USAGE = """specd <command> [options]
 
 commands:
-  up          start drafter, verifier and gateway together (Ctrl-C stops all three)
+  up          start drafter, verifier and gateway together, restarting any that dies
+              (Ctrl-C stops all three)
   drafter     run the drafter service
   verifier    run the verifier service
   gateway     run the gateway (OpenAI-compatible HTTP + gRPC)
@@ -50,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _up_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specd up",
-        description="Start drafter, verifier and gateway as child processes; stop all on Ctrl-C/SIGTERM.",
+        description="Start drafter, verifier and gateway as child processes and restart any that dies "
+        "(with backoff; the others keep running); stop all on Ctrl-C/SIGTERM, or when a child cannot start.",
     )
     p.add_argument("--host", default="127.0.0.1", help="address all three services listen on")
     p.add_argument("--http-port", type=int, default=8000)
@@ -79,6 +81,16 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=30.0,
+        help="drafter and verifier free a gateway's sequences when it has not renewed its lease for this long",
+    )
+    p.add_argument(
+        "--drafter-timeout-s", type=float, default=5.0, help="gateway's drafter deadline; past it, target-only"
+    )
+    p.add_argument("--backend-timeout-s", type=float, default=60.0, help="gateway's deadline for verifier calls")
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
     p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
     tls = p.add_argument_group(
@@ -100,7 +112,10 @@ def _up_parser() -> argparse.ArgumentParser:
 
 
 def up(argv: Sequence[str]) -> None:
-    from specd.launch import Launcher  # imports grpc; keep `specd --help` light
+    import grpc  # keep `specd --help` light
+
+    from specd.health import check
+    from specd.launch import GiveUp, Supervisor
 
     parser = _up_parser()
     args = parser.parse_args(argv)
@@ -112,7 +127,7 @@ def up(argv: Sequence[str]) -> None:
     backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     draft_model = args.draft_model or args.target_model
     tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
-    common = ["--host", args.host, "--max-context", str(args.max_context), *tracing]
+    common = ["--host", args.host, "--max-context", str(args.max_context), "--lease-s", str(args.lease_s), *tracing]
     children = {
         "verifier": [
             "verifier",
@@ -155,6 +170,8 @@ def up(argv: Sequence[str]) -> None:
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
+        "--drafter-timeout-s", str(args.drafter_timeout_s),
+        "--backend-timeout-s", str(args.backend_timeout_s),
         *tracing,
         *server_tls,
     ]  # fmt: skip
@@ -173,9 +190,16 @@ def up(argv: Sequence[str]) -> None:
         credentials = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
     except TlsConfigError as exc:
         parser.error(str(exc))
-    launcher = Launcher()
-    signal.signal(signal.SIGTERM, lambda *_: launcher.request_stop())
-    signal.signal(signal.SIGINT, lambda *_: launcher.request_stop())
+
+    def healthy(address: str) -> bool:
+        try:
+            return check(address, credentials, args.tls_server_name, timeout_s=1.0) == "SERVING"
+        except grpc.RpcError:
+            return False
+
+    supervisor = Supervisor(healthy)
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
+    signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
     code = 0
     try:
         # Convert the embedded GGUF once here rather than in three racing children.
@@ -184,21 +208,22 @@ def up(argv: Sequence[str]) -> None:
 
             materialize(args.target_model)
         for name, child_args in children.items():
-            launcher.spawn(name, [sys.executable, "-m", "specd.cli", *child_args])
-        for name in children:
-            launcher.wait_healthy(name, health[name], args.startup_timeout, credentials, args.tls_server_name)
+            supervisor.add(name, [sys.executable, "-m", "specd.cli", *child_args], health[name])
+        supervisor.start()
+        supervisor.wait_up(args.startup_timeout)
         scheme = "https" if args.tls_cert else "http"
         print(
             f"specd is up: OpenAI API at {scheme}://{args.host}:{args.http_port}/v1, "
-            f"gRPC gateway at {args.host}:{args.grpc_port} (Ctrl-C stops)",
+            f"gRPC gateway at {args.host}:{args.grpc_port} (Ctrl-C stops; a service that dies is restarted)",
             flush=True,
         )
-        code = launcher.supervise()
-    except RuntimeError as exc:
-        print(f"specd up: {exc}", file=sys.stderr, flush=True)
-        code = 1
+        supervisor.run()
+    except GiveUp as exc:
+        if not supervisor.stopping:
+            print(f"specd up: {exc}; stopping everything", file=sys.stderr, flush=True)
+            code = 1
     finally:
-        launcher.stop_all()
+        supervisor.stop_all()
     sys.exit(code)
 
 

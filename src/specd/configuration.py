@@ -93,6 +93,11 @@ class ModelServiceConfig:
     max_context: int = field(2048, "most positions per sequence (capped by the model's own limit)")
     max_draft_tokens: int = field(16, "most draft tokens per sequence per round")
     max_message_bytes: int = field(64 * 1024 * 1024, "largest gRPC message accepted or sent")
+    lease_s: float = field(
+        30.0,
+        "free a gateway's sequences when it has sent nothing (rounds, opens, closes, keep-alives) for this "
+        "long: it died or was cut off; 0 keeps them until closed",
+    )
     threads: int = field(0, "torch intra-op threads; 0 keeps torch's default (with --cpus: one per CPU)")
     cpus: str = field("", "pin the service to these CPUs, e.g. 0 or 2-3 (Linux); empty: no pinning")
     log_level: str = field("INFO", "logging level")
@@ -107,6 +112,8 @@ class ModelServiceConfig:
         from specd.placement import parse_cpus
 
         parse_cpus(self.cpus)
+        if self.lease_s < 0:
+            raise ValueError("lease_s must be >= 0")
         if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:
             raise ValueError("max_sequences >= 1, max_context >= 2 and max_draft_tokens >= 0 are required")
         if bool(self.tls_cert) != bool(self.tls_key):

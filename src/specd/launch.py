@@ -1,73 +1,195 @@
-"""Child-process supervision for `specd up`."""
+"""Child-process supervision for `specd up`.
+
+A child that dies is restarted with backoff; the others keep running, because
+each service already copes with the others coming and going (the gateway runs
+target-only without a drafter, answers 503 without a verifier, and reconnects
+to either). `specd up` stops everything only when asked to, or when a child
+cannot start: it exits with the services' configuration-error code (2) before
+it was ever healthy, or fails to start `start_failures` times within
+`start_window_s`.
+"""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
-import grpc
+# What the services exit with when their flags, model or certificates are wrong:
+# starting them again would fail the same way.
+CONFIG_ERROR_EXIT = 2
 
-from specd.health import check
+
+class Process(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
-class Launcher:
-    def __init__(self) -> None:
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+@dataclass(frozen=True)
+class RestartPolicy:
+    first_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    # A child that exits this many times before becoming healthy, within the window, is given up on.
+    start_failures: int = 5
+    start_window_s: float = 60.0
+    poll_s: float = 0.3
+
+
+class GiveUp(Exception):
+    """The stack cannot run: the message says which child and why."""
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    health_address: str
+    proc: Process | None = None
+    healthy: bool = False  # answered SERVING since its latest start
+    ever_healthy: bool = False
+    restart_at: float | None = None  # when to start it again after it died
+    backoff_s: float = 0.0
+    failed_starts: deque[float] = field(default_factory=deque)
+    restarts: int = 0
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        healthy: Callable[[str], bool],
+        spawn: Callable[[list[str]], Process] = subprocess.Popen,
+        policy: RestartPolicy = RestartPolicy(),
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = lambda line: print(f"specd up: {line}", file=sys.stderr, flush=True),
+    ) -> None:
+        self._healthy = healthy
+        self._spawn = spawn
+        self.policy = policy
+        self._clock = clock
+        self._say = say
+        self.children: dict[str, Child] = {}
         self._stop = False
+
+    def add(self, name: str, argv: list[str], health_address: str) -> None:
+        self.children[name] = Child(name, argv, health_address, backoff_s=self.policy.first_backoff_s)
 
     def request_stop(self) -> None:
         self._stop = True
 
-    def spawn(self, name: str, argv: list[str]) -> None:
-        self.procs[name] = subprocess.Popen(argv)
+    @property
+    def stopping(self) -> bool:
+        return self._stop
 
-    def _check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            code = proc.poll()
+    def start(self) -> None:
+        for child in self.children.values():
+            self._launch(child)
+
+    def _launch(self, child: Child) -> None:
+        child.proc = self._spawn(child.argv)
+        child.healthy = False
+        child.restart_at = None
+
+    def all_healthy(self) -> bool:
+        return all(c.healthy for c in self.children.values())
+
+    def step(self) -> None:
+        """One pass: notice deaths, schedule and run restarts, check children that are starting.
+
+        Raises GiveUp when a child cannot start.
+        """
+        if self._stop:
+            return
+        now = self._clock()
+        for child in self.children.values():
+            if child.proc is None:
+                if child.restart_at is not None and now >= child.restart_at:
+                    child.restarts += 1
+                    self._say(f"restarting the {child.name} (restart {child.restarts})")
+                    self._launch(child)
+                continue
+            code = child.proc.poll()
             if code is not None:
-                raise RuntimeError(f"the {name} exited with code {code} (its log is above)")
+                self._died(child, code, now)
+            elif not child.healthy and self._healthy(child.health_address):
+                child.healthy = True
+                # A start that got as far as serving resets the backoff: the next death is a new incident.
+                child.backoff_s = self.policy.first_backoff_s
+                if child.ever_healthy:
+                    self._say(f"the {child.name} is healthy again at {child.health_address}")
+                else:
+                    self._say(f"{child.name} is healthy at {child.health_address}")
+                child.ever_healthy = True
 
-    def wait_healthy(
-        self,
-        name: str,
-        address: str,
-        timeout_s: float,
-        credentials: grpc.ChannelCredentials | None = None,
-        server_name: str = "",
-    ) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
+    def _died(self, child: Child, code: int, now: float) -> None:
+        was_healthy = child.healthy
+        child.proc = None
+        child.healthy = False
+        how = describe_exit(code)
+        if not was_healthy:
+            if code == CONFIG_ERROR_EXIT and not child.ever_healthy:
+                raise GiveUp(f"the {child.name} {how} before it was ready: a configuration error (its log is above)")
+            window = self.policy.start_window_s
+            child.failed_starts.append(now)
+            while child.failed_starts and now - child.failed_starts[0] > window:
+                child.failed_starts.popleft()
+            if len(child.failed_starts) >= self.policy.start_failures:
+                raise GiveUp(
+                    f"the {child.name} failed to start {len(child.failed_starts)} times within {window:.0f} s "
+                    f"(last: it {how}; its log is above)"
+                )
+        delay = child.backoff_s
+        child.backoff_s = min(self.policy.max_backoff_s, child.backoff_s * 2)
+        child.restart_at = now + delay
+        state = "while serving" if was_healthy else "before it was ready"
+        self._say(f"the {child.name} {how} {state}; the others keep running; restarting it in {delay:g} s")
+
+    def wait_up(self, timeout_s: float) -> None:
+        """Supervise until every child is healthy; raises GiveUp past the deadline or on a stop."""
+        deadline = self._clock() + timeout_s
+        while not self.all_healthy():
             if self._stop:
-                raise RuntimeError("interrupted during startup")
-            self._check_alive()
-            try:
-                if check(address, credentials, server_name, timeout_s=1.0) == "SERVING":
-                    print(f"specd up: {name} is healthy at {address}", file=sys.stderr, flush=True)
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the {name} was not healthy at {address} after {timeout_s:.0f}s")
-            time.sleep(0.5)
+                raise GiveUp("interrupted during startup")
+            self.step()
+            if self._clock() > deadline:
+                late = ", ".join(c.name for c in self.children.values() if not c.healthy)
+                raise GiveUp(f"not healthy after {timeout_s:.0f} s: {late}")
+            time.sleep(self.policy.poll_s)
 
-    def supervise(self) -> int:
-        """Block until a stop is requested (exit 0) or a child dies (exit 1)."""
+    def run(self) -> None:
+        """Supervise until a stop is requested; raises GiveUp when a child cannot start."""
         while not self._stop:
-            try:
-                self._check_alive()
-            except RuntimeError as exc:
-                print(f"specd up: {exc}; stopping the others", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(0.3)
-        return 0
+            self.step()
+            time.sleep(self.policy.poll_s)
 
     def stop_all(self, grace_s: float = 15.0) -> None:
-        for proc in self.procs.values():
+        self._stop = True
+        procs = [c.proc for c in self.children.values() if c.proc is not None]
+        for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
+        for proc in procs:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

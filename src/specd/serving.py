@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
+from specd.leases import Leases, bad_owner, engine_id, public_message
 from specd.logits import Penalties
 from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.models import ModelLoadError
@@ -184,19 +186,32 @@ class EngineRunner:
 
 
 class SequenceRpcs:
-    """Open/close handling shared by the drafter and verifier servicers."""
+    """Open/close handling shared by the drafter and verifier servicers.
+
+    The engine sees each sequence under its owner's namespace (see specd.leases);
+    the wire carries the caller's own ids.
+    """
 
     engine: Any
     runner: EngineRunner
     tracing: Tracing
     metrics: ServiceMetrics
+    leases: Leases
 
-    async def open_sequences(self, sequences: Iterable[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
-        specs = [spec_from_pb(s) for s in sequences]
+    async def open_sequences(
+        self, sequences: Iterable[common_pb2.SequenceSpec], owner: str
+    ) -> list[common_pb2.OpenResult]:
+        wire = [spec_from_pb(s) for s in sequences]
+        if problem := bad_owner(owner):
+            error = common_pb2.SequenceError(code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message=problem)
+            return [common_pb2.OpenResult(sequence_id=s.sequence_id, error=error) for s in wire]
+        self.leases.renew(owner)
+        # An empty id stays empty, for the engine to refuse as it would without owners.
+        specs = [dataclasses.replace(s, sequence_id=s.sequence_id and engine_id(owner, s.sequence_id)) for s in wire]
         take = getattr(self.engine, "take_prompt_logprobs", None)  # a verifier's: prompt logprobs when asked for
 
         def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]]]:
-            errors, _ = self.engine.open(specs)
+            errors = open_leased(self.engine, self.leases, owner, specs)
             scored = [take(s.sequence_id) if take and e is None else [] for s, e in zip(specs, errors, strict=True)]
             return errors, scored
 
@@ -204,11 +219,28 @@ class SequenceRpcs:
         return [
             common_pb2.OpenResult(
                 sequence_id=s.sequence_id,
-                error=sequence_error(e),
+                error=self.wire_error(e, owner),
                 prompt_logprobs=[token_logprob_pb(lp) for lp in lps],
             )
-            for s, e, lps in zip(specs, errors, scored, strict=True)
+            for s, e, lps in zip(wire, errors, scored, strict=True)
         ]
+
+    def round_ids(self, owner: str, sequence_ids: Iterable[str]) -> list[str]:
+        """The engine's ids for one round's tasks; the round renews the owner's lease."""
+        self.leases.renew(owner)
+        return [engine_id(owner, sid) for sid in sequence_ids]
+
+    @staticmethod
+    def wire_error(exc: EngineError | None, owner: str) -> common_pb2.SequenceError | None:
+        if exc is None:
+            return None
+        return common_pb2.SequenceError(code=WIRE_CODE[exc.kind], message=public_message(exc.message, owner))
+
+    async def keep_alive(self, owner: str, context: grpc.aio.ServicerContext) -> common_pb2.KeepAliveResponse:
+        if problem := bad_owner(owner):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self.leases.renew(owner)
+        return common_pb2.KeepAliveResponse(open_sequences=self.leases.count(owner), lease_seconds=self.leases.lease_s)
 
     async def run_round(
         self,
@@ -240,12 +272,63 @@ class SequenceRpcs:
             total_ns=time.perf_counter_ns() - arrived,
         )
 
-    async def close_sequences(self, ids: Iterable[str], context: grpc.aio.ServicerContext) -> int:
-        try:
-            closed, _ = await self.runner.run(self.engine.close, list(ids))
-        except EngineError as exc:
-            await context.abort(STATUS[exc.kind], exc.message)
+    async def close_sequences(
+        self, ids: Iterable[str], owner: str, missing_ok: bool, context: grpc.aio.ServicerContext
+    ) -> int:
+        if problem := bad_owner(owner):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        keys = [engine_id(owner, sid) for sid in ids]
+        self.leases.renew(owner)
+        (closed, error), _ = await self.runner.run(close_present, self.engine, self.leases, keys, missing_ok)
+        if error is not None:
+            await context.abort(STATUS[error.kind], public_message(error.message, owner))
         return closed
+
+
+def open_leased(engine: Any, leases: Leases, owner: str, specs: list[SequenceSpec]) -> list[EngineError | None]:
+    """On the engine thread: open, and enter what opened in the owner's lease in the same step.
+
+    A gateway that dies mid-open cancels the RPC, but not the engine's work: recorded
+    here, what it opened still expires with its lease.
+    """
+    errors, _ = engine.open(specs)
+    leases.opened(owner, [s.sequence_id for s, e in zip(specs, errors, strict=True) if e is None])
+    return errors
+
+
+def close_present(engine: Any, leases: Leases, keys: list[str], missing_ok: bool) -> tuple[int, EngineError | None]:
+    """On the engine thread: close `keys` (only those open when missing_ok); returns the count
+    closed and the engine's refusal if any. Whatever is no longer open leaves its lease."""
+    open_now = engine.table.seqs
+    targets = [k for k in keys if k in open_now] if missing_ok else keys
+    closed, error = 0, None
+    try:
+        closed = engine.close(targets) if targets else 0
+    except EngineError as exc:
+        error = exc
+    leases.closed(k for k in keys if k not in open_now)
+    return closed, error
+
+
+async def expire_leases(
+    service: str, leases: Leases, engine: Any, runner: EngineRunner, metrics: ServiceMetrics
+) -> None:
+    """Free the sequences of owners that stopped renewing their lease (a gateway that died or was cut off)."""
+    interval_s = min(1.0, leases.lease_s / 4)
+    while True:
+        await asyncio.sleep(interval_s)
+        keys = leases.expired()
+        if not keys:
+            continue
+        (closed, _), _ = await runner.run(close_present, engine, leases, keys, True)
+        metrics.expired.inc(closed)
+        log.warning(
+            "%s: freed %d sequences of %d lease owner(s) not heard from for %.0f s",
+            service,
+            closed,
+            len({k.split("/", 1)[0] for k in keys}),
+            leases.lease_s,
+        )
 
 
 class ServiceMetrics:
@@ -265,6 +348,11 @@ class ServiceMetrics:
             f"specd_{service}_batch_size", "Sequences per round", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )
         self.tokens_fed = Counter(f"specd_{service}_tokens_fed", "Tokens fed through the model in rounds", registry=r)
+        self.expired = Counter(
+            f"specd_{service}_sequences_expired",
+            "Sequences freed because their owner's lease lapsed (a gateway that died or was cut off)",
+            registry=r,
+        )
         Gauge(f"specd_{service}_open_sequences", "Sequences open", registry=r).set_function(lambda: len(engine.table))
         Gauge(f"specd_{service}_kv_cache_bytes", "Bytes allocated for the KV cache", registry=r).set_function(
             engine.kv_bytes
@@ -334,7 +422,7 @@ def run_service(
     config: Any,
     build: Callable[[Any], tuple[Any, common_pb2.ModelInfo]],
     register: Callable[
-        [grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner, Tracing, ServiceMetrics], Iterable[str]
+        [grpc.aio.Server, Any, common_pb2.ModelInfo, EngineRunner, Tracing, ServiceMetrics, Leases], Iterable[str]
     ],
 ) -> None:
     """Load a service's engine on its engine thread, then serve until SIGTERM/SIGINT."""
@@ -349,6 +437,8 @@ def run_service(
     except (ModelLoadError, ValueError) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
+    info.lease_seconds = config.lease_s
+    leases = Leases(config.lease_s)
     metrics = ServiceMetrics(name, engine)
     if config.metrics_port:
         metrics.serve(config.host, config.metrics_port)
@@ -358,8 +448,9 @@ def run_service(
             config.host,
             config.port,
             config.max_message_bytes,
-            lambda server: register(server, engine, info, runner, tracing, metrics),
+            lambda server: register(server, engine, info, runner, tracing, metrics, leases),
             credentials=credentials,
+            background=(lambda: expire_leases(name, leases, engine, runner, metrics)) if config.lease_s > 0 else None,
         )
     )
     tracing.shutdown()
@@ -373,6 +464,7 @@ async def serve(
     register: Callable[[grpc.aio.Server], Iterable[str]],
     grace_s: float = 5.0,
     credentials: grpc.ServerCredentials | None = None,
+    background: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
     server = grpc.aio.server(options=channel_options(max_message_bytes))
@@ -391,8 +483,11 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    task = asyncio.create_task(background(), name=f"specd-{name}-background") if background is not None else None
     await stop.wait()
     log.info("%s stopping", name)
+    if task is not None:
+        task.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
 

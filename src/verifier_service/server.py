@@ -8,6 +8,7 @@ import grpc
 
 from specd import models
 from specd.kvcache import BatchedCausalLM
+from specd.leases import Leases
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
 from specd.tracing import Tracing
@@ -41,9 +42,10 @@ def register(
     runner: EngineRunner,
     tracing: Tracing,
     metrics: ServiceMetrics,
+    leases: Leases,
 ) -> list[str]:
     verifier_pb2_grpc.add_VerifierServiceServicer_to_server(
-        VerifierServicer(engine, info, runner, tracing, metrics), server
+        VerifierServicer(engine, info, runner, tracing, metrics, leases), server
     )
     return [verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name]
 

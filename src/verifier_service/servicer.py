@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from specd.leases import Leases
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, sequence_error, token_logprob_pb
+from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, token_logprob_pb
 from specd.tasks import VerifyResult, VerifyTask
 from specd.tracing import Tracing
 from verifier_service.engine import VerifierEngine
@@ -24,12 +25,14 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
         runner: EngineRunner,
         tracing: Tracing,
         metrics: ServiceMetrics,
+        leases: Leases,
     ) -> None:
         self.engine = engine
         self.info = info
         self.runner = runner
         self.tracing = tracing
         self.metrics = metrics
+        self.leases = leases
 
     async def GetVerifierInfo(self, request, context) -> verifier_pb2.GetVerifierInfoResponse:
         return verifier_pb2.GetVerifierInfoResponse(
@@ -37,25 +40,32 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
         )
 
     async def OpenVerifySequences(self, request, context) -> verifier_pb2.OpenVerifySequencesResponse:
-        return verifier_pb2.OpenVerifySequencesResponse(results=await self.open_sequences(request.sequences))
+        return verifier_pb2.OpenVerifySequencesResponse(
+            results=await self.open_sequences(request.sequences, request.lease_owner)
+        )
 
     async def CloseVerifySequences(self, request, context) -> verifier_pb2.CloseVerifySequencesResponse:
         return verifier_pb2.CloseVerifySequencesResponse(
-            closed=await self.close_sequences(request.sequence_ids, context)
+            closed=await self.close_sequences(request.sequence_ids, request.lease_owner, request.missing_ok, context)
         )
+
+    async def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
+        return await self.keep_alive(request.lease_owner, context)
 
     async def Verify(
         self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[verifier_pb2.VerifyResponse]:
         async for request in request_iterator:
+            owner = request.lease_owner
+            ids = self.round_ids(owner, (t.sequence_id for t in request.tasks))
             tasks = [
                 VerifyTask(
-                    t.sequence_id,
+                    sid,
                     t.num_committed,
                     list(t.draft_token_ids),
                     [dist_from_pb(d) for d in t.draft_distributions],
                 )
-                for t in request.tasks
+                for sid, t in zip(ids, request.tasks, strict=True)
             ]
             results, timings = await self.run_round(
                 "verifier.verify",
@@ -70,13 +80,13 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                 round_id=request.round_id,
                 results=[
                     verifier_pb2.VerifyResult(
-                        sequence_id=r.sequence_id,
+                        sequence_id=t.sequence_id,
                         num_accepted=r.num_accepted,
                         next_token_id=r.next_token,
-                        error=sequence_error(r.error),
+                        error=self.wire_error(r.error, owner),
                         logprobs=[token_logprob_pb(lp) for lp in r.logprobs],
                     )
-                    for r in results
+                    for t, r in zip(request.tasks, results, strict=True)
                 ],
                 timings=timings,
             )

@@ -368,3 +368,49 @@ def test_kubernetes_topology(rendered):
     if overlay == "cpu":
         assert not by_kind(docs, "PersistentVolumeClaim"), "the CPU overlay runs the embedded model, no volume"
         assert config["data"]["SPECD_VERIFIER_MODEL"] == "embedded"
+
+
+# -- each service restarts on its own ---------------------------------------------------------
+
+
+def unit_directives(path: Path) -> dict[str, list[str]]:
+    directives: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            directives.setdefault(key.strip(), []).append(value.strip())
+    return directives
+
+
+def test_systemd_restarts_each_service_alone():
+    for service in SERVICES:
+        unit = unit_directives(DEPLOY / "systemd" / f"specd-{service}.service")
+        assert unit["Restart"] in (["on-failure"], ["always"]), f"specd-{service} is not restarted when it dies"
+        # Requires=/BindsTo= (or PartOf= another service) would stop or restart this unit with
+        # that one; Wants=/After= only order their starts.
+        for directive in ("Requires", "BindsTo", "Requisite"):
+            assert directive not in unit, f"specd-{service} has {directive}=, tying it to another service"
+        assert unit.get("PartOf") == ["specd.target"], f"specd-{service} must be part of the target only"
+        # A unit that hits its start limit stays down for good: the limit must allow for RestartSec.
+        restart_s = float(unit["RestartSec"][0])
+        burst = int(unit.get("StartLimitBurst", ["5"])[0])
+        interval = float(unit.get("StartLimitIntervalSec", ["10"])[0])
+        assert restart_s * burst >= interval, f"specd-{service} could hit its start limit and stay down"
+
+
+def test_compose_restarts_each_service_alone():
+    services = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())["services"]
+    for name in SERVICES:
+        assert services[name]["restart"] in ("always", "unless-stopped", "on-failure"), name
+        # depends_on with restart: true would restart the gateway whenever a backend restarts.
+        for dependency, condition in services[name].get("depends_on", {}).items():
+            assert not condition.get("restart", False), f"{name} is restarted with {dependency}"
+
+
+def test_kubernetes_restarts_each_service_alone(rendered):
+    _, docs = rendered
+    for name, deployment in by_kind(docs, "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        # One service per pod: the kubelet restarts a crashed container without touching the others.
+        assert len(pod["containers"]) == 1, f"{name} shares its pod with another container"
+        assert pod.get("restartPolicy", "Always") == "Always", name

@@ -24,9 +24,12 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(main())
 
 
-def model_info(max_sequences: int = 8, max_context: int = 512, sha: str = "abc", vocab: int = 100) -> Any:
+def model_info(
+    max_sequences: int = 8, max_context: int = 512, sha: str = "abc", vocab: int = 100, model_id: str = "m"
+) -> Any:
     return common_pb2.ModelInfo(
-        model_id="m",
+        model_id=model_id,
+        lease_seconds=30.0,
         tokenizer=common_pb2.TokenizerFingerprint(vocab_size=vocab, vocab_sha256=sha, special_token_ids={"eos": 2}),
         max_context=max_context,
         model_vocab_size=vocab,
@@ -51,6 +54,8 @@ class FakeClient:
         self.fail_close = False
         self.open_ids: set[str] = set()
         self.requests: list[Any] = []
+        self.calls: list[tuple[str, list[str]]] = []  # ("open" | "close", ids), in order
+        self.keep_alives = 0
         self.closed = False
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
@@ -63,13 +68,19 @@ class FakeClient:
     async def open(self, specs: list[Any]) -> list[Any]:
         if self.fail_open:
             raise BackendError(f"replica {self.address} is down")
+        self.calls.append(("open", [s.sequence_id for s in specs]))
         self.open_ids.update(s.sequence_id for s in specs)
         return [common_pb2.OpenResult(sequence_id=s.sequence_id) for s in specs]
 
-    async def close_sequences(self, ids: list[str]) -> None:
+    async def close_sequences(self, ids: list[str], missing_ok: bool = False) -> None:
         if self.fail_close:
-            raise BackendError(f"replica {self.address} close timed out")
+            raise BackendError(f"replica {self.address}: DEADLINE_EXCEEDED")
+        self.calls.append(("close", list(ids)))
         self.open_ids.difference_update(ids)
+
+    async def keep_alive(self) -> Any:
+        self.keep_alives += 1
+        return common_pb2.KeepAliveResponse(open_sequences=len(self.open_ids))
 
     async def verify(self, request: Any) -> Any:
         self.requests.append(request)
@@ -108,6 +119,8 @@ def make_pool(
 
     def factory(address: str, server_name: str) -> FakeClient:
         clients[address] = FakeClient(address, server_name, (infos or {}).get(address))
+        if cls is VerifierPool:
+            del clients[address].kind  # as VerifierClient: only drafters have a kind
         return clients[address]
 
     kwargs: dict[str, Any] = {"health_interval_s": 3600.0}  # tests run the checks themselves
@@ -322,9 +335,156 @@ def test_an_open_lost_in_transit_is_closed_where_it_may_have_landed() -> None:
 
         stalled.open = opens_then_times_out  # type: ignore[method-assign]
         await pool.open(specs("a", "b"))
-        assert stalled.open_ids  # it holds what it opened in vain
-        await pool.close_sequences(["a", "b"])
-        assert not stalled.open_ids and not clients["127.0.0.1:2"].open_ids
+        in_vain = set(stalled.open_ids)
+        assert in_vain  # it holds what it opened in vain
+        # Owed at once, not at the sequences' end: they live on the other replica meanwhile.
+        assert pool.owed.owed(pool.replicas[stalled.address]) == in_vain
+        await pool._check(pool.replicas[stalled.address])  # healthy again
+        await pool._deliver_owed()
+        assert not stalled.open_ids and clients["127.0.0.1:2"].open_ids == {"a", "b"}
+        assert pool.owed.total == 0
+        await pool.close()
+
+    run(go())
+
+
+def test_an_open_lost_in_transit_on_the_only_replica_is_closed_though_the_request_failed() -> None:
+    async def go() -> None:
+        pool, clients = make_pool("127.0.0.1:1")
+        await started(pool)
+        only = clients["127.0.0.1:1"]
+        real_open = only.open
+
+        async def opens_then_times_out(batch: list[Any]) -> list[Any]:
+            await real_open(batch)
+            raise BackendError("DEADLINE_EXCEEDED")
+
+        only.open = opens_then_times_out  # type: ignore[method-assign]
+        with pytest.raises(BackendError, match="no verifier replica could open"):
+            await pool.open(specs("a"))
+        # The scheduler failed the request and never closes it: the pool does.
+        await pool._check(pool.replicas[only.address])
+        await pool._deliver_owed()
+        assert not only.open_ids
+        await pool.close()
+
+    run(go())
+
+
+def test_a_close_that_fails_is_retried_until_it_lands() -> None:
+    async def go() -> None:
+        pool, clients = make_pool("127.0.0.1:1")
+        await started(pool)
+        client = clients["127.0.0.1:1"]
+        await pool.open(specs("a", "b"))
+        client.fail_close = True
+        with pytest.raises(BackendError, match="retrying in the background"):
+            await pool.close_sequences(["a", "b"])
+        assert pool.replica_of("a") is None  # the scheduler is done with them ...
+        replica = pool.replicas[client.address]
+        assert pool.owed.owed(replica) == {"a", "b"}  # ... the pool is not
+        await pool._deliver_owed()  # still failing: still owed
+        assert client.open_ids == {"a", "b"} and pool.owed.total == 2
+        registry = CollectorRegistry()
+        registry.register(PoolCollector([pool]))
+        assert (
+            'specd_backend_owed_closes{address="127.0.0.1:1",service="verifier"} 2.0'
+            in generate_latest(registry).decode()
+        )
+        client.fail_close = False
+        await pool._deliver_owed()
+        assert not client.open_ids and pool.owed.total == 0
+        await pool.close()
+
+    run(go())
+
+
+def test_an_owed_close_lands_before_the_same_id_is_opened_there_again() -> None:
+    async def go() -> None:
+        pool, clients = make_pool("127.0.0.1:1", cls=DrafterPool)
+        await started(pool)
+        client = clients["127.0.0.1:1"]
+        await pool.open(specs("a"))
+        client.fail_close = True
+        with pytest.raises(BackendError):
+            await pool.close_sequences(["a"])
+        client.fail_close = False
+        client.calls.clear()
+        await pool.open(specs("a"))  # a drafter re-opening a sequence it lost
+        assert client.calls == [("close", ["a"]), ("open", ["a"])]
+        assert client.open_ids == {"a"} and pool.owed.total == 0
+        # While the owed close cannot land, the open does not go there either.
+        client.fail_close = True
+        with pytest.raises(BackendError):
+            await pool.close_sequences(["a"])
+        with pytest.raises(BackendError, match="no drafter replica could open"):
+            await pool.open(specs("a"))
+        assert client.calls == [("close", ["a"]), ("open", ["a"])]  # no second open
+        await pool.close()
+
+    run(go())
+
+
+def test_leases_are_renewed_on_every_replica_that_is_up() -> None:
+    async def go() -> None:
+        pool, clients = make_pool()
+        await started(pool)
+        assert pool.lease_renew_s == pytest.approx(10.0)  # a third of the 30 s lease
+        clients["127.0.0.1:2"].serving = False
+        await pool._check(pool.replicas["127.0.0.1:2"])
+        await pool._renew_leases()
+        assert [c.keep_alives for c in clients.values()] == [1, 0]
+        await pool.close()
+
+    run(go())
+
+
+def test_a_single_replica_that_comes_back_with_another_tokenizer_is_refused(caplog) -> None:
+    async def go() -> None:
+        pool, clients = make_pool("127.0.0.1:1")
+        await started(pool)
+        client = clients["127.0.0.1:1"]
+        replica = pool.replicas[client.address]
+        client.serving = False  # it goes away ...
+        await pool._check(replica)
+        client.serving, client._info = True, model_info(sha="other", vocab=101)  # ... and returns changed
+        await pool._check(replica)
+        assert not replica.up and replica.refused and not await pool.healthy()
+        assert "refusing verifier at 127.0.0.1:1: its tokenizer differs from the gateway's (vocab size 101 != 100" in (
+            caplog.text
+        )
+        with pytest.raises(BackendError, match="no verifier replica could open"):
+            await pool.open(specs("a"))
+        await pool._check(replica)  # it stays out, and says so once
+        assert caplog.text.count("refusing verifier") == 1
+        client._info = model_info()  # put right: it is taken back
+        await pool._check(replica)
+        assert replica.up and not replica.refused and await pool.healthy()
+        await pool.close()
+
+    run(go())
+
+
+def test_a_replica_that_comes_back_with_another_model_or_kind_is_refused(caplog) -> None:
+    async def go() -> None:
+        pool, clients = make_pool("127.0.0.1:1", cls=DrafterPool)
+        await started(pool)
+        client = clients["127.0.0.1:1"]
+        replica = pool.replicas[client.address]
+        for change, message in (
+            (lambda: setattr(client, "_info", model_info(model_id="other")), "serving model 'other', not 'm'"),
+            (lambda: setattr(client, "kind", common_pb2.DRAFTER_KIND_NGRAM), "drafter kind"),
+        ):
+            client.serving = False
+            await pool._check(replica)
+            change()
+            client.serving = True
+            await pool._check(replica)
+            assert replica.refused and not replica.up, message
+            assert message in caplog.text
+            client._info, client.kind = model_info(), common_pb2.DRAFTER_KIND_MODEL
+            await pool._check(replica)
+            assert replica.up
         await pool.close()
 
     run(go())
@@ -341,23 +501,6 @@ def test_close_goes_to_each_sequence_s_replica() -> None:
         await pool.close()
 
     run(go())
-
-
-def test_a_close_that_fails_is_retried_on_the_same_replica() -> None:
-    async def main() -> None:
-        pool, clients = make_pool("127.0.0.1:1")
-        await started(pool)
-        await pool.open(specs("a", "b"))
-        client = clients["127.0.0.1:1"]
-        client.fail_close = True
-        with pytest.raises(BackendError):
-            await pool.close_sequences(["a"])
-        assert pool.replica_of("a") == "127.0.0.1:1"  # not forgotten: it is still open there
-        client.fail_close = False
-        await pool.close_sequences(["a"])
-        assert client.open_ids == {"b"} and pool.replica_of("a") is None
-
-    run(main())
 
 
 def test_drafter_pool_splits_drafts() -> None:

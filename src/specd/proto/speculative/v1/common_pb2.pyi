@@ -98,7 +98,7 @@ class TokenizerFingerprint(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens")
+    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class ModelInfo(_message.Message):
     MODEL_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokenizer: TokenizerFingerprint
     max_context: int
@@ -115,7 +116,8 @@ class ModelInfo(_message.Message):
     model_vocab_size: int
     max_sequences: int
     max_draft_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class SequenceError(_message.Message):
     __slots__ = ("code", "message")
@@ -166,3 +168,17 @@ class ServiceTimings(_message.Message):
     forward_ns: int
     total_ns: int
     def __init__(self, queue_ns: _Optional[int] = ..., forward_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("lease_owner",)
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    lease_owner: str
+    def __init__(self, lease_owner: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("open_sequences", "lease_seconds")
+    OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    open_sequences: int
+    lease_seconds: float
+    def __init__(self, open_sequences: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...

@@ -24,10 +24,12 @@ class GetDrafterInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenDraftSequencesRequest(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "lease_owner")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+    lease_owner: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class OpenDraftSequencesResponse(_message.Message):
     __slots__ = ("results",)
@@ -36,10 +38,14 @@ class OpenDraftSequencesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.OpenResult, _Mapping]]] = ...) -> None: ...
 
 class CloseDraftSequencesRequest(_message.Message):
-    __slots__ = ("sequence_ids",)
+    __slots__ = ("sequence_ids", "lease_owner", "missing_ok")
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease_owner: str
+    missing_ok: bool
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
 
 class CloseDraftSequencesResponse(_message.Message):
     __slots__ = ("closed",)
@@ -71,12 +77,14 @@ class DraftTask(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("round_id", "tasks")
+    __slots__ = ("round_id", "tasks", "lease_owner")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     tasks: _containers.RepeatedCompositeFieldContainer[DraftTask]
-    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ...) -> None: ...
+    lease_owner: str
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("sequence_id", "token_ids", "distributions", "error")

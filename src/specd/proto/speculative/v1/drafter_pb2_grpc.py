@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from specd.proto.speculative.v1 import common_pb2 as speculative_dot_v1_dot_common__pb2
 from specd.proto.speculative.v1 import drafter_pb2 as speculative_dot_v1_dot_drafter__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,11 @@ class DrafterServiceStub:
                 request_serializer=speculative_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
                 response_deserializer=speculative_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/speculative.v1.DrafterService/KeepAlive',
+                request_serializer=speculative_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=speculative_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -90,6 +96,13 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Renews the caller's lease on its sequences (see ModelInfo.lease_seconds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=speculative_dot_v1_dot_drafter__pb2.DraftRequest.FromString,
                     response_serializer=speculative_dot_v1_dot_drafter__pb2.DraftResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=speculative_dot_v1_dot_common__pb2.KeepAliveRequest.FromString,
+                    response_serializer=speculative_dot_v1_dot_common__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +241,33 @@ class DrafterService:
             '/speculative.v1.DrafterService/Draft',
             speculative_dot_v1_dot_drafter__pb2.DraftRequest.SerializeToString,
             speculative_dot_v1_dot_drafter__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speculative.v1.DrafterService/KeepAlive',
+            speculative_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
+            speculative_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,10 +22,12 @@ class GetVerifierInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenVerifySequencesRequest(_message.Message):
-    __slots__ = ("sequences",)
+    __slots__ = ("sequences", "lease_owner")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     sequences: _containers.RepeatedCompositeFieldContainer[_common_pb2.SequenceSpec]
-    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ...) -> None: ...
+    lease_owner: str
+    def __init__(self, sequences: _Optional[_Iterable[_Union[_common_pb2.SequenceSpec, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class OpenVerifySequencesResponse(_message.Message):
     __slots__ = ("results",)
@@ -34,10 +36,14 @@ class OpenVerifySequencesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.OpenResult, _Mapping]]] = ...) -> None: ...
 
 class CloseVerifySequencesRequest(_message.Message):
-    __slots__ = ("sequence_ids",)
+    __slots__ = ("sequence_ids", "lease_owner", "missing_ok")
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    lease_owner: str
+    missing_ok: bool
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
 
 class CloseVerifySequencesResponse(_message.Message):
     __slots__ = ("closed",)
@@ -67,12 +73,14 @@ class VerifyTask(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., num_committed: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("round_id", "tasks")
+    __slots__ = ("round_id", "tasks", "lease_owner")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     tasks: _containers.RepeatedCompositeFieldContainer[VerifyTask]
-    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ...) -> None: ...
+    lease_owner: str
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error", "logprobs")

@@ -1,0 +1,338 @@
+"""Faults under `specd up`, as a user runs it: the supervisor restarts what dies and the stack recovers.
+
+Each test starts its own `specd up` on tiny models and loopback ports, then SIGKILLs one of
+its children (found through /proc: they are the launcher's child processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import stack as st
+from prometheus_client.parser import text_string_to_metric_families
+from references import PROMPTS as ALL_PROMPTS
+from references import greedy_references
+
+from specd.proto.speculative.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+
+MODEL = "target"
+PROMPTS = list(ALL_PROMPTS[:8])
+LONGEST = 48
+LEASE_S = 3.0
+
+
+@dataclass
+class Up:
+    """A running `specd up` and where its three children listen."""
+
+    proc: subprocess.Popen
+    log: Path
+    ports: dict[str, int]
+    killed_at: float = 0.0  # time.monotonic() of the latest kill
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{st.HOST}:{self.ports['http']}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def child(self, name: str) -> int:
+        """The pid of the launcher's child running `specd <name>`."""
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid and b"specd.cli" in argv and name.encode() in argv:
+                return int(entry)
+        raise AssertionError(f"no {name} child of specd up:\n{self.output()[-3000:]}")
+
+    def kill(self, name: str) -> int:
+        pid = self.child(name)
+        os.kill(pid, signal.SIGKILL)
+        self.killed_at = time.monotonic()
+        return pid
+
+    def metrics(self, port_name: str = "http") -> dict[str, float]:
+        url = self.base_url + "/metrics" if port_name == "http" else f"http://{st.HOST}:{self.ports[port_name]}/"
+        text = httpx.get(url, timeout=10).text
+        return {
+            s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples if not s.labels
+        }
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base_url + "/health", timeout=10)
+
+    def open_sequences(self, kind: str) -> int:
+        with grpc.insecure_channel(f"{st.HOST}:{self.ports[kind]}") as ch:
+            if kind == "verifier":
+                stub = verifier_pb2_grpc.VerifierServiceStub(ch)
+                return stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=5).open_sequences
+            d = drafter_pb2_grpc.DrafterServiceStub(ch)
+            return d.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5).open_sequences
+
+
+def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
+    ports = {n: st.free_port() for n in ("http", "grpc", "drafter", "verifier", "drafter_metrics", "verifier_metrics")}
+    log = log_dir / f"specd-up-{name}-{ports['http']}.log"
+    argv = [
+        sys.executable, "-m", "specd.cli", "up",
+        "--host", st.HOST,
+        "--http-port", str(ports["http"]),
+        "--grpc-port", str(ports["grpc"]),
+        "--drafter-port", str(ports["drafter"]),
+        "--verifier-port", str(ports["verifier"]),
+        "--drafter-metrics-port", str(ports["drafter_metrics"]),
+        "--verifier-metrics-port", str(ports["verifier_metrics"]),
+        "--target-model", str(target),
+        "--draft-model", str(draft),
+        "--drafter-dtype", "float32",
+        "--quantize", "none",
+        "-k", "4",
+        # Drafts every round: the drafter-fault test judges speculation by the draft counter.
+        "--speculative-mode", "fixed",
+        "--max-context", "256",
+        # Short, so a stall costs little; not so short that a busy machine trips it.
+        "--drafter-timeout-s", "2",
+        "--backend-timeout-s", "10",
+        "--lease-s", str(LEASE_S),
+        "--startup-timeout", "150",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            start_new_session=True,  # a failing test can end the launcher and its children together
+        )
+    up = Up(proc, log, ports)
+    deadline = time.monotonic() + 180
+    while "specd is up" not in up.output():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(up)
+            raise RuntimeError(f"specd up did not come up:\n{up.output()[-5000:]}")
+        time.sleep(0.3)
+    return up
+
+
+def stop(up: Up) -> int | None:
+    code = None
+    if up.proc.poll() is None:
+        up.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            code = up.proc.wait(45)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(up.proc.pid, signal.SIGKILL)
+    up.proc.wait()
+    return code
+
+
+@pytest.fixture
+def supervised(model_dirs, log_dir, request) -> Iterator[Up]:
+    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, request.node.name[:40])
+    try:
+        yield up
+    finally:
+        code = stop(up)
+        assert code == 0, f"specd up exited with {code} on SIGTERM:\n{up.output()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def references(tok, tiny_target) -> dict[str, list[int]]:
+    return greedy_references(tok, tiny_target, PROMPTS, LONGEST)
+
+
+def expected_text(tok, references, prompt: str, max_tokens: int) -> str:
+    return tok.decode(references[prompt][:max_tokens], skip_special_tokens=True)
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> float:
+    """Seconds it took; fails past timeout_s."""
+    start = time.monotonic()
+    while True:
+        with contextlib.suppress(httpx.HTTPError, grpc.RpcError):
+            if predicate():
+                return time.monotonic() - start
+        assert time.monotonic() - start < timeout_s, f"timed out waiting for {what}"
+        time.sleep(interval_s)
+
+
+async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, started: asyncio.Event | None) -> str:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    parts: list[str] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            assert "error" not in payload, payload
+            parts.append(payload["choices"][0]["text"])
+            if started is not None and parts[-1]:
+                started.set()
+    return "".join(parts)
+
+
+async def streams_with_a_kill(up: Up, prompts: list[str], victim: str) -> list[str | BaseException]:
+    """Stream every prompt; once each has its first text, SIGKILL the victim child; every outcome."""
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+        started = [asyncio.Event() for _ in prompts]
+        tasks = [asyncio.create_task(stream_text(client, p, LONGEST, e)) for p, e in zip(prompts, started, strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 90)
+        up.kill(victim)
+        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 150)
+
+
+@pytest.mark.slow  # 40-90 s here: a restart of the drafter child and a reconnect
+def test_drafter_killed_under_specd_up_costs_no_request_and_speculation_resumes(supervised, tok, references):
+    up = supervised
+    prompts = (PROMPTS * 2)[:16]
+    outcomes = asyncio.run(streams_with_a_kill(up, prompts, "drafter"))
+    for prompt, outcome in zip(prompts, outcomes, strict=True):
+        assert outcome == expected_text(tok, references, prompt, LONGEST), (prompt, outcome)
+    assert "the drafter was killed by SIGKILL while serving; the others keep running" in up.output()
+    # The supervisor starts it again on the same port; the gateway takes it back.
+    wait_until(lambda: up.health().json()["drafter"] == "ok", 90, "the gateway to take the drafter back")
+    assert up.metrics()["specd_drafter_reconnects_total"] >= 1
+    before = up.metrics()["specd_spec_decode_num_drafts_total"]
+
+    async def again() -> list[str]:
+        async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+            return await asyncio.gather(*(stream_text(client, p, LONGEST, None) for p in PROMPTS[:4]))
+
+    texts = asyncio.run(again())
+    assert texts == [expected_text(tok, references, p, LONGEST) for p in PROMPTS[:4]]
+    assert up.metrics()["specd_spec_decode_num_drafts_total"] > before, "speculation did not resume"
+    # The gateway and verifier were never restarted.
+    assert "restarting the gateway" not in up.output() and "restarting the verifier" not in up.output()
+
+
+def test_verifier_killed_under_specd_up_fails_in_flight_requests_then_recovers(supervised):
+    up = supervised
+    body = {"model": MODEL, "prompt": "Go on", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=up.base_url, timeout=60) as client:
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(4)]
+            deadline = time.monotonic() + 60
+            while (await client.get("/health")).json()["running"] < 4:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            up.kill("verifier")
+            return await asyncio.gather(*tasks)
+
+    for reply in asyncio.run(run()):
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["retry-after"]
+    killed = time.monotonic()
+
+    def served() -> bool:
+        r = httpx.post(up.base_url + "/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert r.status_code in (200, 503), r.text
+        return r.status_code == 200
+
+    wait_until(served, 60, "a new request to succeed after the verifier died", interval_s=0.5)
+    print(f"first request served {time.monotonic() - killed:.1f} s after the verifier was killed")
+    assert "the verifier was killed by SIGKILL while serving; the others keep running" in up.output()
+    assert "restarting the gateway" not in up.output() and "restarting the drafter" not in up.output()
+
+
+@pytest.mark.slow  # 60-150 s here: ten gateway restarts
+def test_gateway_killed_ten_times_under_load_leaks_nothing(supervised):
+    up = supervised
+    prompts = PROMPTS[:8]
+    cut = 0  # streams the kills cut off (the rest had finished first)
+    for kill in range(10):
+        healthy_lines = up.output().count("the gateway is healthy again")
+        outcomes = asyncio.run(streams_with_a_kill(up, prompts, "gateway"))
+        cut += sum(isinstance(o, BaseException) for o in outcomes)
+        if kill == 9:
+            break
+        # Wait for the supervisor to see the new gateway healthy, so each kill hits a serving gateway.
+        wait_until(
+            lambda n=healthy_lines: up.output().count("the gateway is healthy again") > n,
+            90,
+            f"the gateway to come back after kill {kill + 1}",
+        )
+        wait_until(lambda: up.health().status_code == 200, 60, "the gateway's /health")
+    # The dead gateways' sequences: freed once their leases lapse, though no one closed them.
+    counts: dict[str, int] = {}
+
+    def none_open() -> bool:
+        counts.update({kind: up.open_sequences(kind) for kind in ("verifier", "drafter")})
+        return not any(counts.values())
+
+    # Expiry checks every lease_s / 4 (at most 1 s): a lease lapses between lease_s and 1.25 lease_s.
+    try:
+        wait_until(none_open, LEASE_S * 1.25 + 2, "both services to hold no sequences", interval_s=0.1)
+    except AssertionError:
+        raise AssertionError(f"still open: {counts}\n{up.output()[-4000:]}") from None
+    took = time.monotonic() - up.killed_at
+    print(f"{cut} of 80 streams cut by the kills; 0 sequences open {took:.1f} s after the last kill (lease {LEASE_S}s)")
+    wait_until(lambda: up.health().status_code == 200, 90, "the last gateway to come back")
+    assert cut > 0
+    expired = up.metrics("verifier_metrics")["specd_verifier_sequences_expired_total"]
+    assert expired > 0, "nothing expired: were the sequences closed some other way?"
+
+    async def burst() -> list[httpx.Response]:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(32)))
+
+    replies = asyncio.run(burst())
+    assert [r.status_code for r in replies] == [200] * 32, [r.text for r in replies if r.status_code != 200][:2]
+    assert "restarting the verifier" not in up.output() and "restarting the drafter" not in up.output()
+
+
+def test_a_verifier_restarted_with_another_tokenizer_is_refused(model_dirs, log_dir, tmp_path, tok):
+    # The model directory changes on disk while `specd up` runs; the verifier's restart picks it up.
+    target = Path(shutil.copytree(model_dirs["target"], tmp_path / "target"))
+    up = start_up(target, model_dirs["draft"], log_dir, "other-tokenizer")
+    try:
+        other = type(tok).from_pretrained(str(target))
+        other.add_tokens(["<specd-extra-token>"])
+        other.save_pretrained(target)
+        up.kill("verifier")
+        refusal = f"refusing verifier at {st.HOST}:{up.ports['verifier']}: its tokenizer differs from the gateway's"
+        wait_until(lambda: refusal in up.output(), 90, "the gateway to refuse the changed verifier")
+        assert f"vocab size {len(tok) + 1} != {len(tok)}" in up.output()
+        assert up.health().status_code == 503
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+        assert httpx.post(up.base_url + "/v1/completions", json=body, timeout=30).status_code == 503
+        # Put right and restarted, it is taken back.
+        tok.save_pretrained(target)
+        for name in ("added_tokens.json",):
+            with contextlib.suppress(FileNotFoundError):
+                (target / name).unlink()
+        up.kill("verifier")
+        wait_until(lambda: up.health().status_code == 200, 90, "the gateway to take the verifier back")
+        assert httpx.post(up.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        assert stop(up) == 0, up.output()[-3000:]
