@@ -44,7 +44,9 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
         return drafter_pb2.OpenDraftSequencesResponse(results=await self.open_sequences(request.sequences))
 
     async def CloseDraftSequences(self, request, context) -> drafter_pb2.CloseDraftSequencesResponse:
-        return drafter_pb2.CloseDraftSequencesResponse(closed=await self.close_sequences(request.sequence_ids, context))
+        return drafter_pb2.CloseDraftSequencesResponse(
+            closed=await self.close_sequences(request.sequence_ids, request.ignore_unknown, context)
+        )
 
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext

@@ -154,8 +154,11 @@ class VerifierClient(_Backend):
         return list(reply.results)
 
     async def close_sequences(self, ids: list[str]) -> None:
+        # The gateway closes what it believes is open; an id the service no longer
+        # has (it restarted, or never got the open) is already free, and must not
+        # keep the others open.
         await self.stub.CloseVerifySequences(
-            verifier_pb2.CloseVerifySequencesRequest(sequence_ids=ids), timeout=self.timeout_s
+            verifier_pb2.CloseVerifySequencesRequest(sequence_ids=ids, ignore_unknown=True), timeout=self.timeout_s
         )
 
     async def verify(self, request: verifier_pb2.VerifyRequest) -> verifier_pb2.VerifyResponse:
@@ -194,7 +197,7 @@ class DrafterClient(_Backend):
 
     async def close_sequences(self, ids: list[str]) -> None:
         await self.stub.CloseDraftSequences(
-            drafter_pb2.CloseDraftSequencesRequest(sequence_ids=ids), timeout=self.timeout_s
+            drafter_pb2.CloseDraftSequencesRequest(sequence_ids=ids, ignore_unknown=True), timeout=self.timeout_s
         )
 
     async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:

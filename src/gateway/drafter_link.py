@@ -124,6 +124,6 @@ class DrafterLink:
 
 
 def not_found_error(exc: BaseException) -> bool:
-    # The drafter closes the ids it knows and then refuses the rest with NOT_FOUND.
+    # Closes ask the drafter to skip unknown ids; NOT_FOUND still means "already free".
     code = getattr(exc, "code", None)
     return callable(code) and getattr(code(), "name", "") == "NOT_FOUND"

@@ -188,9 +188,9 @@ class SequenceRpcs:
             total_ns=time.perf_counter_ns() - arrived,
         )
 
-    async def close_sequences(self, ids: Iterable[str], context: grpc.aio.ServicerContext) -> int:
+    async def close_sequences(self, ids: Iterable[str], ignore_unknown: bool, context: grpc.aio.ServicerContext) -> int:
         try:
-            closed, _ = await self.runner.run(self.engine.close, list(ids))
+            closed, _ = await self.runner.run(self.engine.close, list(ids), ignore_unknown)
         except EngineError as exc:
             await context.abort(STATUS[exc.kind], exc.message)
         return closed

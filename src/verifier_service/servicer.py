@@ -41,7 +41,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
 
     async def CloseVerifySequences(self, request, context) -> verifier_pb2.CloseVerifySequencesResponse:
         return verifier_pb2.CloseVerifySequencesResponse(
-            closed=await self.close_sequences(request.sequence_ids, context)
+            closed=await self.close_sequences(request.sequence_ids, request.ignore_unknown, context)
         )
 
     async def Verify(

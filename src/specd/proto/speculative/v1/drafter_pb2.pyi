@@ -36,10 +36,12 @@ class OpenDraftSequencesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.OpenResult, _Mapping]]] = ...) -> None: ...
 
 class CloseDraftSequencesRequest(_message.Message):
-    __slots__ = ("sequence_ids",)
+    __slots__ = ("sequence_ids", "ignore_unknown")
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    ignore_unknown: bool
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., ignore_unknown: _Optional[bool] = ...) -> None: ...
 
 class CloseDraftSequencesResponse(_message.Message):
     __slots__ = ("closed",)
