@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from gateway import prompt_text
 from gateway.scheduler import Delta, Failed, Finished, GenerationError, GenerationParams, Scheduler, _Sequence
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 from specd.sampling import SamplingParams, validate_sampling
@@ -56,7 +57,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
         )
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
-        return self.scheduler.submit(self.tokenizer.encode(prompt), generation, metadata)
+        try:
+            prompt_ids = prompt_text.encode(self.tokenizer, prompt, "prompt")
+        except prompt_text.UnencodableText as exc:
+            raise GenerationError(400, exc.message) from None
+        return self.scheduler.submit(prompt_ids, generation, metadata)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> None:
         await context.abort(HTTP_TO_GRPC.get(error.status, grpc.StatusCode.INTERNAL), error.message)

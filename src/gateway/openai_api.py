@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import prompt_text
 from gateway.limits import RateLimiter, api_key
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.scheduler import Delta, Failed, Finished, GenerationError, GenerationParams, Scheduler, _Sequence
@@ -119,10 +120,12 @@ class OpenAIApi:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         if (bad := self._check_model(body.model)) is not None:
             return bad
-        if isinstance(body.prompt, str):
-            prompt = self.tokenizer.encode(body.prompt)
-        elif body.prompt and isinstance(body.prompt[0], str):
-            prompt = self.tokenizer.encode(body.prompt[0])
+        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], str)):
+            text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+            try:
+                prompt = prompt_text.encode(self.tokenizer, text, "prompt")
+            except prompt_text.UnencodableText as exc:
+                return error_response(400, exc.message, "invalid_value", exc.param)
         else:
             prompt = list(body.prompt)  # token ids
             vocab = len(self.tokenizer)
@@ -162,8 +165,11 @@ class OpenAIApi:
             rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may reject some role orders
             return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
-        # The template already wrote the special tokens.
-        prompt = self.tokenizer.encode(rendered, add_special_tokens=False)
+        try:
+            # The template already wrote the special tokens.
+            prompt = prompt_text.encode(self.tokenizer, rendered, "messages", add_special_tokens=False)
+        except prompt_text.UnencodableText as exc:
+            return error_response(400, exc.message, "invalid_value", exc.param)
         seq = self._submit(prompt, body.generation_params(), request)
         if isinstance(seq, JSONResponse):
             return seq

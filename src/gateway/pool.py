@@ -534,10 +534,11 @@ def _pool(
     max_message_bytes: int,
     credentials: Any = None,
     server_name: str = "",
+    token: str = "",
     **options: Any,
 ) -> P:
     def factory(address: str, name_hint: str) -> Any:
-        return client_cls(address, timeout_s, max_message_bytes, credentials, server_name or name_hint)
+        return client_cls(address, timeout_s, max_message_bytes, credentials, server_name or name_hint, token)
 
     return pool_cls(spec, factory, timeout_s=timeout_s, **options)
 

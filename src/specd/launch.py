@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 
 import grpc
 
@@ -19,8 +20,8 @@ class Launcher:
     def request_stop(self) -> None:
         self._stop = True
 
-    def spawn(self, name: str, argv: list[str]) -> None:
-        self.procs[name] = subprocess.Popen(argv)
+    def spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> None:
+        self.procs[name] = subprocess.Popen(argv, env=env)
 
     def _check_alive(self) -> None:
         for name, proc in self.procs.items():
