@@ -11,6 +11,8 @@
 #   (model|ngram|none), SPECD_{DRAFTER,VERIFIER}_{DEVICE,DTYPE,PORT}, SPECD_DRAFTER_QUANTIZE,
 #   SPECD_GATEWAY_{HOST,HTTP_PORT,GRPC_PORT,NUM_SPECULATIVE_TOKENS,MAX_BATCH},
 #   SPECD_TLS_{CERT,KEY,CA,CLIENT_CERT,CLIENT_KEY,SERVER_NAME}, SPECD_GATEWAY_API_KEY.
+# The drafter and verifier stay on 127.0.0.1 and answer only the gateway: `specd up` gives
+# all three a random backend token (or SPECD_BACKEND_TOKEN, when set).
 # Variables `specd up` does not pass on as flags (SPECD_DRAFTER_THREADS, ...) reach the
 # services unchanged. SPECD_GPU_COUNT overrides GPU detection; SPECD (default `specd`) is the
 # command to run. Arguments after the options go to `specd up` as they are.

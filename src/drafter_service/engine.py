@@ -31,8 +31,8 @@ class _DrafterBase:
     def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
         return self.table.open(specs)
 
-    def close(self, ids: Sequence[str]) -> int:
-        return self.table.close(ids)
+    def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
+        return self.table.close(ids, ignore_unknown)
 
     def kv_bytes(self) -> int:
         return self.table.kv_bytes()

@@ -7,12 +7,15 @@ write and one read on it. A broken stream is dropped and reopened on next use.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specd.backend_auth import client_interceptors
 from specd.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specd.serving import channel_options, fingerprint_from_pb
@@ -96,6 +99,7 @@ class _Backend:
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
         lease_owner: str = "",
+        token: str = "",
     ) -> None:
         self.address = address
         # This gateway instance: every open, round and close names it, so the service knows whose
@@ -104,11 +108,12 @@ class _Backend:
         self.name = name
         self.timeout_s = timeout_s
         options = channel_options(max_message_bytes)
+        interceptors = client_interceptors(token)
         if credentials is None:
-            self.channel = grpc.aio.insecure_channel(address, options=options)
+            self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
         else:
             options += server_name_option(server_name)
-            self.channel = grpc.aio.secure_channel(address, credentials, options=options)
+            self.channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: common_pb2.ModelInfo | None = None
 
@@ -126,6 +131,19 @@ class _Backend:
             if loop.time() > deadline:
                 raise BackendError(f"{self.name} at {self.address} not ready after {timeout_s:.0f}s")
             await asyncio.sleep(0.5)
+
+    @contextlib.contextmanager
+    def _refused_credentials(self) -> Iterator[None]:
+        """A backend that refuses the gateway's token is a configuration error: say which one, and why."""
+        try:
+            yield
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAUTHENTICATED:
+                raise
+            raise BackendError(
+                f"the {self.name} at {self.address} refused the gateway ({exc.details()}): give both the same "
+                "backend token (SPECD_BACKEND_TOKEN or --backend-token-file)"
+            ) from None
 
     @property
     def fingerprint(self) -> TokenizerFingerprint | None:
@@ -154,13 +172,17 @@ class VerifierClient(_Backend):
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
         lease_owner: str = "",
+        token: str = "",
     ) -> None:
-        super().__init__(address, "verifier", timeout_s, max_message_bytes, credentials, server_name, lease_owner)
+        super().__init__(
+            address, "verifier", timeout_s, max_message_bytes, credentials, server_name, lease_owner, token
+        )
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Verify(), "verifier", timeout_s)
 
     async def load_info(self) -> common_pb2.ModelInfo:
-        reply = await self.stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=self.timeout_s)
+        with self._refused_credentials():
+            reply = await self.stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=self.timeout_s)
         self.info = reply.model
         return reply.model
 
@@ -171,7 +193,10 @@ class VerifierClient(_Backend):
         )
         return list(reply.results)
 
-    async def close_sequences(self, ids: list[str], missing_ok: bool = False) -> None:
+    async def close_sequences(self, ids: list[str], missing_ok: bool = True) -> None:
+        # The gateway closes what it believes is open; an id the service no longer
+        # has (it restarted, or never got the open) is already free, and must not
+        # keep the others open.
         request = verifier_pb2.CloseVerifySequencesRequest(
             sequence_ids=ids, lease_owner=self.lease_owner, missing_ok=missing_ok
         )
@@ -191,14 +216,16 @@ class DrafterClient(_Backend):
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str = "",
         lease_owner: str = "",
+        token: str = "",
     ) -> None:
-        super().__init__(address, "drafter", timeout_s, max_message_bytes, credentials, server_name, lease_owner)
+        super().__init__(address, "drafter", timeout_s, max_message_bytes, credentials, server_name, lease_owner, token)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Draft(), "drafter", timeout_s)
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
 
     async def load_info(self) -> common_pb2.ModelInfo:
-        reply = await self.stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=self.timeout_s)
+        with self._refused_credentials():
+            reply = await self.stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=self.timeout_s)
         self.info = reply.model
         self.kind = reply.kind
         return reply.model
@@ -213,7 +240,10 @@ class DrafterClient(_Backend):
         )
         return list(reply.results)
 
-    async def close_sequences(self, ids: list[str], missing_ok: bool = False) -> None:
+    async def close_sequences(self, ids: list[str], missing_ok: bool = True) -> None:
+        # The gateway closes what it believes is open; an id the service no longer
+        # has (it restarted, or never got the open) is already free, and must not
+        # keep the others open.
         request = drafter_pb2.CloseDraftSequencesRequest(
             sequence_ids=ids, lease_owner=self.lease_owner, missing_ok=missing_ok
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gateway.pool import parse_endpoints
 from specd import configuration
+from specd.backend_auth import BACKEND_TOKEN_ENV
 from specd.configuration import field
 
 
@@ -53,6 +54,15 @@ class GatewayConfig:
     )
     request_timeout_s: float = field(600.0, "a request not finished by then fails (HTTP 504); 0 disables")
     max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
+    http_max_body_bytes: int = field(
+        8 * 1024 * 1024, "largest HTTP request body; a larger one gets 413 before it is read (or as soon as it is)"
+    )
+    http_read_timeout_s: float = field(
+        30.0, "seconds a client has to send a request's headers, and again its body, before the connection is closed"
+    )
+    http_max_connections: int = field(
+        1024, "most open HTTP connections and requests; beyond it new requests get 503; 0 = no limit"
+    )
     rate_limit: float = field(0.0, "requests per second per API key (Authorization: Bearer); 0 disables")
     shutdown_grace_s: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     connect_timeout_s: float = field(300.0, "how long to wait for the backends at startup")
@@ -69,6 +79,14 @@ class GatewayConfig:
     backend_tls_ca: str = field("", "PEM CA that signed the drafter's and verifier's certificates: TLS to both")
     backend_tls_cert: str = field("", "PEM client certificate for the backends (mutual TLS); needs --backend-tls-ca")
     backend_tls_key: str = field("", "PEM private key of --backend-tls-cert")
+    backend_token: str = field(
+        "",
+        "token sent to the drafters and verifiers (authorization: Bearer TOKEN); of a comma-separated list, the "
+        "first; better from the environment or --backend-token-file than on the command line",
+        secret=True,
+        env=BACKEND_TOKEN_ENV,
+    )
+    backend_token_file: str = field("", "file holding the backend token (instead of SPECD_BACKEND_TOKEN)")
     backend_tls_server_name: str = field("", "name the backends' certificates are checked against; default: the host")
 
     def validate(self) -> None:
@@ -90,8 +108,12 @@ class GatewayConfig:
             raise ValueError("--backend-tls-cert and --backend-tls-key go together")
         if self.backend_tls_cert and not self.backend_tls_ca:
             raise ValueError("--backend-tls-cert (mutual TLS) needs --backend-tls-ca")
+        if self.backend_token and self.backend_token_file:
+            raise ValueError(f"give the backend token once: {BACKEND_TOKEN_ENV} or --backend-token-file, not both")
         if self.drafter_timeout_s <= 0 or self.backend_timeout_s <= 0:
             raise ValueError("drafter_timeout_s and backend_timeout_s must be > 0")
+        if self.http_max_body_bytes < 1 or self.http_read_timeout_s <= 0 or self.http_max_connections < 0:
+            raise ValueError("http_max_body_bytes >= 1, http_read_timeout_s > 0 and http_max_connections >= 0")
         if self.max_waiting < 0 or self.request_timeout_s < 0 or self.rate_limit < 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_waiting, request_timeout_s, rate_limit and shutdown_grace_s must be >= 0")
 

@@ -613,11 +613,14 @@ def _pool(
     max_message_bytes: int,
     credentials: Any = None,
     server_name: str = "",
+    token: str = "",
     lease_owner: str = "",
     **options: Any,
 ) -> P:
     def factory(address: str, name_hint: str) -> Any:
-        return client_cls(address, timeout_s, max_message_bytes, credentials, server_name or name_hint, lease_owner)
+        return client_cls(
+            address, timeout_s, max_message_bytes, credentials, server_name or name_hint, lease_owner, token
+        )
 
     return pool_cls(spec, factory, timeout_s=timeout_s, **options)
 

@@ -16,6 +16,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gateway import http_limits
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
@@ -23,8 +24,9 @@ from gateway.limits import RateLimiter
 from gateway.openai_api import OpenAIApi
 from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.scheduler import Scheduler
-from specd import models, tls
+from specd import backend_auth, models, tls
 from specd.fingerprint import TokenizerFingerprint
+from specd.grpc_decode import DecodeErrorInterceptor
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specd.serving import channel_options, setup_logging
 from specd.tracing import Tracing
@@ -39,7 +41,14 @@ async def run(config: GatewayConfig) -> None:
     backend_tls = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
     api_tls = tls.server_credentials(config.tls_cert, config.tls_key)
     api_keys = tls.ApiKeys(config.api_key)
-    channel = (config.backend_timeout_s, config.max_message_bytes, backend_tls, config.backend_tls_server_name)
+    tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
+    channel = (
+        config.backend_timeout_s,
+        config.max_message_bytes,
+        backend_tls,
+        config.backend_tls_server_name,
+        tokens[0] if tokens else "",
+    )
     intervals = {
         "health_interval_s": config.backend_health_interval_s,
         "resolve_interval_s": config.backend_resolve_interval_s,
@@ -105,7 +114,9 @@ async def run(config: GatewayConfig) -> None:
     api = OpenAIApi(scheduler, tokenizer, model_name, health_status, RateLimiter(config.rate_limit))
     grpc_server = None
     if config.grpc_port:
+        # Innermost last: the key is checked before anything else looks at the request.
         interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
+        interceptors.append(DecodeErrorInterceptor())
         grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayServicer(scheduler, tokenizer, model_name), grpc_server
@@ -119,7 +130,9 @@ async def run(config: GatewayConfig) -> None:
         for service in ("", name):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # /health answers probes and /metrics scrapers without a key; neither shows prompts or outputs.
-    app = tls.http_api_key_middleware(api.app(), api_keys, open_paths=("/health", "/metrics"))
+    # The key is checked before the body is read: a caller without one costs nothing.
+    limited = http_limits.body_limits(api.app(), config.http_max_body_bytes, config.http_read_timeout_s)
+    app = tls.http_api_key_middleware(limited, api_keys, open_paths=("/health", "/metrics"))
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -127,6 +140,8 @@ async def run(config: GatewayConfig) -> None:
             port=config.http_port,
             log_level="warning",
             lifespan="off",
+            http=http_limits.read_deadline_protocol(config.http_read_timeout_s),
+            limit_concurrency=config.http_max_connections or None,
             ssl_certfile=config.tls_cert or None,
             ssl_keyfile=config.tls_key or None,
             # In-flight requests already had the grace period (see drain below).
@@ -185,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level)
     try:
         asyncio.run(run(config))
-    except (BackendError, models.ModelLoadError, tls.TlsConfigError) as exc:
+    except (BackendError, models.ModelLoadError, tls.TlsConfigError, backend_auth.BackendAuthError) as exc:
         log.error("%s", exc)
         sys.exit(2)
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
 
+LOOPBACK = "127.0.0.1"
 USAGE = """specd <command> [options]
 
 commands:
@@ -54,7 +57,11 @@ def _up_parser() -> argparse.ArgumentParser:
         description="Start drafter, verifier and gateway as child processes and restart any that dies "
         "(with backoff; the others keep running); stop all on Ctrl-C/SIGTERM, or when a child cannot start.",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address all three services listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gateway listens on; the drafter and verifier always listen on 127.0.0.1",
+    )
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50050, help="gateway gRPC port")
     p.add_argument("--drafter-port", type=int, default=50051)
@@ -126,8 +133,11 @@ def up(argv: Sequence[str]) -> None:
     server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
     backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     draft_model = args.draft_model or args.target_model
+    backend_server_name = args.tls_server_name or args.host
     tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
-    common = ["--host", args.host, "--max-context", str(args.max_context), "--lease-s", str(args.lease_s), *tracing]
+    # The backends never leave loopback here, and still ask for the gateway's token:
+    # any local user could otherwise open sequences on them.
+    common = ["--host", LOOPBACK, "--max-context", str(args.max_context), "--lease-s", str(args.lease_s), *tracing]
     children = {
         "verifier": [
             "verifier",
@@ -162,8 +172,8 @@ def up(argv: Sequence[str]) -> None:
         "--host", args.host,
         "--http-port", str(args.http_port),
         "--grpc-port", str(args.grpc_port),
-        "--verifier", f"{args.host}:{args.verifier_port}",
-        "--drafter", f"{args.host}:{args.drafter_port}" if args.drafter != "none" else "",
+        "--verifier", f"{LOOPBACK}:{args.verifier_port}",
+        "--drafter", f"{LOOPBACK}:{args.drafter_port}" if args.drafter != "none" else "",
         "--tokenizer", args.target_model,
         "--num-speculative-tokens", str(args.num_speculative_tokens),
         "--speculative-mode", args.speculative_mode,
@@ -176,15 +186,25 @@ def up(argv: Sequence[str]) -> None:
         *server_tls,
     ]  # fmt: skip
     if args.tls_ca:
-        children["gateway"] += ["--backend-tls-ca", args.tls_ca, "--backend-tls-server-name", args.tls_server_name]
+        # The certificate names --host (or --tls-server-name), not the loopback address dialed.
+        children["gateway"] += ["--backend-tls-ca", args.tls_ca, "--backend-tls-server-name", backend_server_name]
     if args.tls_client_cert:
         children["gateway"] += ["--backend-tls-cert", args.tls_client_cert, "--backend-tls-key", args.tls_client_key]
     health = {
-        "verifier": f"{args.host}:{args.verifier_port}",
-        "drafter": f"{args.host}:{args.drafter_port}",
+        "verifier": f"{LOOPBACK}:{args.verifier_port}",
+        "drafter": f"{LOOPBACK}:{args.drafter_port}",
         "gateway": f"{args.host}:{args.grpc_port}",
     }
+    from specd.backend_auth import child_environment
     from specd.tls import TlsConfigError, channel_credentials
+
+    env, generated = child_environment(os.environ)
+    print(
+        f"specd up: the drafter and verifier listen on {LOOPBACK} only, and answer only the gateway: "
+        + ("by a random token made for this run" if generated else "by the backend token you set"),
+        file=sys.stderr,
+        flush=True,
+    )
 
     try:
         credentials = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
@@ -192,12 +212,13 @@ def up(argv: Sequence[str]) -> None:
         parser.error(str(exc))
 
     def healthy(address: str) -> bool:
+        server_name = args.tls_server_name if address == health["gateway"] else backend_server_name
         try:
-            return check(address, credentials, args.tls_server_name, timeout_s=1.0) == "SERVING"
+            return check(address, credentials, server_name, timeout_s=1.0) == "SERVING"
         except grpc.RpcError:
             return False
 
-    supervisor = Supervisor(healthy)
+    supervisor = Supervisor(healthy, spawn=lambda argv: subprocess.Popen(argv, env=env))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
     code = 0

@@ -12,6 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
 
+from specd.backend_auth import BACKEND_TOKEN_ENV, exposure_problem
+
 T = TypeVar("T")
 
 
@@ -28,11 +30,16 @@ def _parse_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def env_name(f: dataclasses.Field[Any], env_prefix: str) -> str:
+    """The variable a field reads: its own `env` name if it has one (shared by services), else the prefixed one."""
+    return f.metadata.get("env") or f"SPECD_{env_prefix}_{f.name.upper()}"
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str) -> None:
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        env = f"SPECD_{env_prefix}_{f.name.upper()}"
+        env = env_name(f, env_prefix)
         kind = hints[f.name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         parse: Any = {int: int, float: float, bool: _parse_bool, str: str}.get(kind)
@@ -67,9 +74,10 @@ def parse(cls: type[T], env_prefix: str, argv: Sequence[str] | None, prog: str, 
         raise  # unreachable: parser.error exits
 
 
-def field(default: Any, help: str, choices: Sequence[str] | None = None, secret: bool = False) -> Any:
-    """A config field; `secret` keeps its value (say, from the environment) out of --help."""
-    metadata: dict[str, Any] = {"help": help, "secret": secret}
+def field(default: Any, help: str, choices: Sequence[str] | None = None, secret: bool = False, env: str = "") -> Any:
+    """A config field; `secret` keeps its value (say, from the environment) out of --help; `env`
+    names a variable that every service reads the same way (one secret for all three)."""
+    metadata: dict[str, Any] = {"help": help, "secret": secret, "env": env}
     if choices:
         metadata["choices"] = list(choices)
     if isinstance(default, (list, tuple)):
@@ -107,6 +115,17 @@ class ModelServiceConfig:
     tls_cert: str = field("", "PEM certificate (chain) to serve gRPC over TLS; empty serves plaintext")
     tls_key: str = field("", "PEM private key of --tls-cert")
     tls_client_ca: str = field("", "PEM CA: require client certificates it signed (mutual TLS); needs --tls-cert")
+    backend_token: str = field(
+        "",
+        "token every call but health checks must carry (authorization: Bearer TOKEN); comma-separated to accept "
+        "several while rotating; better from the environment or --backend-token-file than on the command line",
+        secret=True,
+        env=BACKEND_TOKEN_ENV,
+    )
+    backend_token_file: str = field("", "file holding the backend token (instead of SPECD_BACKEND_TOKEN)")
+    insecure: bool = field(
+        False, "allow listening on a non-loopback address with no client authentication (no token, no mutual TLS)"
+    )
 
     def validate(self) -> None:
         from specd.placement import parse_cpus
@@ -120,3 +139,9 @@ class ModelServiceConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+        if self.backend_token and self.backend_token_file:
+            raise ValueError(f"give the backend token once: {BACKEND_TOKEN_ENV} or --backend-token-file, not both")
+        authenticated = bool(self.backend_token or self.backend_token_file or self.tls_client_ca)
+        problem = exposure_problem(self.host, authenticated, self.insecure)
+        if problem:
+            raise ValueError(problem)

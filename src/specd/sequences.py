@@ -123,7 +123,14 @@ class SequenceTable:
                 spec.logprobs,
             )
             opened.append(state)
-        forward_ns = self._prefill(opened) if self.lm is not None else 0
+        try:
+            forward_ns = self._prefill(opened) if self.lm is not None else 0
+        except BaseException:
+            # A failed prefill (out of memory, a bad kernel) opens nothing: the
+            # slots taken above go back, so no request can leak them.
+            for state in opened:
+                heapq.heappush(self._free, state.slot)
+            raise
         for state in opened:
             self.seqs[state.sequence_id] = state
         return errors, forward_ns
@@ -158,16 +165,24 @@ class SequenceTable:
         # prefill only needs its last position's (which this forward discards anyway).
         return 0 if self._scores_prompt(s) else len(s.committed) - 2
 
-    def close(self, ids: Sequence[str]) -> int:
-        unknown = [i for i in ids if i not in self.seqs]
+    def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
+        """Free the sequences; returns how many were open.
+
+        All or nothing: an unknown id is NOT_FOUND before anything is freed, so a
+        caller that gets the error knows every sequence it named is still open.
+        With `ignore_unknown` (a caller cleaning up ids it is unsure of) unknown
+        ids are skipped instead.
+        """
+        wanted = list(dict.fromkeys(ids))
+        unknown = [i for i in wanted if i not in self.seqs]
+        if unknown and not ignore_unknown:
+            raise not_found(f"sequences not open (none closed): {', '.join(map(repr, unknown))}")
         closed = 0
-        for sequence_id in dict.fromkeys(ids):
+        for sequence_id in wanted:
             state = self.seqs.pop(sequence_id, None)
             if state is not None:
                 heapq.heappush(self._free, state.slot)
                 closed += 1
-        if unknown:
-            raise not_found(f"sequences not open: {', '.join(map(repr, unknown))}")
         return closed
 
     def kv_bytes(self) -> int:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from specd import backend_auth
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
 from specd.leases import Leases, bad_owner, engine_id, public_message
@@ -433,6 +434,8 @@ def run_service(
     try:
         # Before the model loads: a bad certificate path should not cost a model load.
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
+        log.info("clients: %s", client_authentication(config.host, bool(tokens), bool(config.tls_client_ca)))
         engine, info = runner.call(build, config)
     except (ModelLoadError, ValueError) as exc:
         log.error("cannot start the %s: %s", name, exc)
@@ -451,9 +454,20 @@ def run_service(
             lambda server: register(server, engine, info, runner, tracing, metrics, leases),
             credentials=credentials,
             background=(lambda: expire_leases(name, leases, engine, runner, metrics)) if config.lease_s > 0 else None,
+            interceptors=backend_auth.server_interceptors(tokens),
         )
     )
     tracing.shutdown()
+
+
+def client_authentication(host: str, token: bool, mutual_tls: bool) -> str:
+    """How this service knows its caller is the gateway, for the startup log."""
+    ways = [w for w, on in (("a backend token", token), ("mutual TLS", mutual_tls)) if on]
+    if ways:
+        return "only the gateway, by " + " and ".join(ways)
+    if backend_auth.is_loopback(host):
+        return f"any local process (no token, no mutual TLS; {host} is loopback)"
+    return f"ANYONE who reaches {host} (--insecure: no token, no mutual TLS)"
 
 
 async def serve(
@@ -465,9 +479,10 @@ async def serve(
     grace_s: float = 5.0,
     credentials: grpc.ServerCredentials | None = None,
     background: Callable[[], Awaitable[None]] | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes))
+    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -137,11 +137,15 @@ def http_api_key_middleware(app: Any, keys: ApiKeys, open_paths: Iterable[str]) 
     return guarded
 
 
+API_KEY_REFUSAL = "invalid or missing API key (authorization: Bearer <key>)"
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED for calls without `authorization: Bearer <key>` metadata (health stays open)."""
 
-    def __init__(self, keys: ApiKeys) -> None:
+    def __init__(self, keys: ApiKeys, refusal: str = API_KEY_REFUSAL) -> None:
         self._keys = keys
+        self._refusal = refusal
 
     async def intercept_service(
         self,
@@ -155,13 +159,13 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         if self._keys.allows(metadata.get("authorization")):
             return handler
-        return _refusal(handler)
+        return _refusal(handler, self._refusal)
 
 
-def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     # The refusal must have the method's own shape (unary or streaming) to be served.
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key (authorization: Bearer <key>)")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     kwargs = {
         "request_deserializer": handler.request_deserializer,

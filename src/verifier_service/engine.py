@@ -45,8 +45,8 @@ class VerifierEngine:
         out, state.prompt_logprobs = state.prompt_logprobs, None
         return out
 
-    def close(self, ids: Sequence[str]) -> int:
-        return self.table.close(ids)
+    def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
+        return self.table.close(ids, ignore_unknown)
 
     def _draft_distribution(self, task: VerifyTask) -> torch.Tensor | None:
         """Dense q [k, V] from the sparse lists, after checking them; None if absent."""

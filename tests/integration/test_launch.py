@@ -13,9 +13,14 @@ import time
 from pathlib import Path
 
 import certs as certgen
+import grpc
 import httpx
 import pytest
 import stack as st
+
+from specd.health import check
+from specd.proto.speculative.v1 import verifier_pb2, verifier_pb2_grpc
+from specd.tls import channel_credentials
 
 LAUNCH = Path(__file__).resolve().parents[2] / "deploy" / "launch.sh"
 
@@ -78,6 +83,18 @@ def test_launch_script_serves_and_stops_cleanly(model_dirs, log_dir, tmp_path):
         reply = httpx.post(url, json=body, verify=trust, headers={"Authorization": "Bearer launch-key"}, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 8
+
+        # specd up made a token for its backends: even the gateway's own client certificate
+        # (mutual TLS passes) gets no answer without it; health checks stay open for probes.
+        assert "answer only the gateway: by a random token made for this run" in output
+        credentials = channel_credentials(str(certs.ca), str(certs.client_cert), str(certs.client_key))
+        verifier = f"{st.HOST}:{ports['verifier']}"
+        with grpc.secure_channel(verifier, credentials) as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert check(verifier, credentials) == "SERVING"
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=45) == 0, log.read_text()

@@ -27,6 +27,8 @@ import yaml
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
+from specd import configuration
+from specd.backend_auth import BACKEND_TOKEN_ENV
 from specd.health import HealthConfig
 from verifier_service.config import VerifierConfig
 
@@ -45,7 +47,7 @@ def known_variables() -> set[str]:
         ("GATEWAY", GatewayConfig),
         ("HEALTH", HealthConfig),
     ):
-        names |= {f"SPECD_{prefix}_{f.name.upper()}" for f in dataclasses.fields(cls)}
+        names |= {configuration.env_name(f, prefix) for f in dataclasses.fields(cls)}
     return names
 
 
@@ -123,6 +125,18 @@ def test_launch_reads_the_services_variables():
     assert "--tls-client-cert" not in command
 
 
+def test_launch_keeps_backend_traffic_authenticated():
+    # launch.sh runs `specd up`, which keeps the backends on loopback and gives them a
+    # random token (tests/integration/test_launch.py shows a call without it refused).
+    command = launch_dry_run(SPECD_GPU_COUNT="0", SPECD_DRAFTER_HOST="0.0.0.0", SPECD_VERIFIER_HOST="0.0.0.0")
+    assert command.startswith("specd up ")
+    assert "--insecure" not in command
+    from specd.cli import _up_parser
+
+    host = next(a for a in _up_parser()._actions if "--host" in a.option_strings)
+    assert "always listen on 127.0.0.1" in host.help, "specd up's --host is the gateway's alone"
+
+
 def test_launch_script_passes_shellcheck():
     result = subprocess.run([tool("shellcheck"), str(DEPLOY / "launch.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
@@ -163,9 +177,21 @@ def test_systemd_units_verify(tmp_path):
     assert result.returncode == 0 and not complaints, result.stderr
 
 
+def test_systemd_units_authenticate_backend_traffic():
+    for service in SERVICES:
+        text = (DEPLOY / "systemd" / f"specd-{service}.service").read_text()
+        # A credential the unit cannot load keeps it from starting: no silent fallback to open.
+        assert re.search(r"^LoadCredential=backend-token:/etc/specd/backend-token$", text, re.M), service
+        variable = f"SPECD_{service.upper()}_BACKEND_TOKEN_FILE"
+        assert re.search(rf"^Environment={variable}=%d/backend-token$", text, re.M), service
+        assert_known({variable}, f"specd-{service}.service")
+        assert "INSECURE" not in text
+
+
 def test_systemd_environment_file_sets_real_options():
     env = env_file(DEPLOY / "systemd" / "specd.env")
     assert_known(set(env), "deploy/systemd/specd.env")
+    assert not any(k.endswith("_INSECURE") for k in env)
     assert env["SPECD_DRAFTER_DEVICE"] != env["SPECD_VERIFIER_DEVICE"], "the two-GPU example uses two GPUs"
 
 
@@ -261,6 +287,11 @@ def test_compose_services():
         expected = {"drafter": "50051", "verifier": "50052", "gateway": "50050"}[name]
         assert port == expected, f"{name} healthcheck on port {port}"
         assert_known(set(service["environment"]), f"compose service {name}")
+    for name in SERVICES:
+        # Required: compose refuses to start without it, rather than run the backends open.
+        token = services[name]["environment"][BACKEND_TOKEN_ENV]
+        assert token.startswith("${SPECD_BACKEND_TOKEN:?"), (name, token)
+        assert not any(k.endswith("_INSECURE") for k in services[name]["environment"])
     assert services["gateway"]["depends_on"] == {
         "verifier": {"condition": "service_healthy"},
         "drafter": {"condition": "service_healthy"},
@@ -354,6 +385,15 @@ def test_kubernetes_topology(rendered):
             assert config["data"][f"SPECD_{role.upper()}_DEVICE"] == "cuda"
         else:
             assert gpus is None
+    for name, deployment in deployments.items():
+        # Every overlay: the backend token from a Secret the pods cannot start without,
+        # in the gateway and in both backends (the -tls overlay adds mutual TLS on top).
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container.get("env", ())}
+        ref = env[BACKEND_TOKEN_ENV]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "specd-backend-token" and ref["key"] == "token", name
+        assert not ref.get("optional", False), f"{name}: an optional token would let the pod run unauthenticated"
+    assert not any(k.endswith("_INSECURE") for k in config["data"])
     if overlay.endswith("-tls"):
         for variable in ("TLS_CERT", "TLS_KEY", "TLS_CLIENT_CA"):
             for role in ports:

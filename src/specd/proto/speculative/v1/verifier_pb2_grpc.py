@@ -84,7 +84,8 @@ class VerifierServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CloseVerifySequences(self, request, context):
-        """Closes sequences and frees their memory; an unknown id is NOT_FOUND.
+        """Closes sequences and frees their memory. All or nothing: an unknown id is
+        NOT_FOUND and then no sequence is closed (unless ignore_unknown is set).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
