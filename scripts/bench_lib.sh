@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Shared by the benchmark scripts: start a `specd up` stack and run `specd bench` against it.
 # The caller sets MAX_TOKENS, N and EXTRA (extra `specd bench` flags) before calling bench.
 BIN=${BIN:-.venv/bin}
