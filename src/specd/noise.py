@@ -3,9 +3,11 @@
 Seeded requests draw every random number from here instead of from a stateful
 torch.Generator, so a token's noise does not depend on how many numbers were
 drawn before it: not on k, on the batch, on whether a drafter was consulted, or
-on which service computes it. Integer hashing on int64 tensors is exact on any
-device, so the drafter and the verifier compute the same noise even when one
-runs on a CPU and the other on a GPU.
+on which service computes it. The uniforms come from integer hashing on int64
+tensors, exact on any device, so the drafter and the verifier use the same ones
+even when one runs on a CPU and the other on a GPU. (The Gumbel transform's logs
+may differ in the last bit between devices; that can change whether a draft is
+accepted in a near-tie, never which token the verifier emits.)
 
 Keys are built in Python from the request's 64-bit seed with SplitMix64 (one key
 per (seed, position, stream)); the per-token value is Wellons' lowbias32 hash of

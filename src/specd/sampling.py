@@ -1,4 +1,4 @@
-"""Target/draft distributions and the exact speculative rejection rule.
+"""Target/draft distributions and the exact rules that accept or reject drafts.
 
 Pure tensor functions: no model, no service. Two exact rules, one per kind of
 sampled request:

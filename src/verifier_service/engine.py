@@ -123,8 +123,9 @@ class VerifierEngine:
         timing.phases.append(("rejection_sampling", end, time.time_ns()))
         return results, timing
 
+    @staticmethod
     def _coupled_tokens(
-        self, live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]], probs: torch.Tensor
+        live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]], probs: torch.Tensor
     ) -> dict[str, list[int]]:
         """The target's token at each row of every seeded sequence, all rows in one pass.
 

@@ -21,7 +21,6 @@ from scipy import stats
 from specd import sampling
 from specd.noise import noise_key
 from specd.sampling import (
-    Verdict,
     coupled_verdict,
     gumbel_argmax,
     rejection_sample,
@@ -231,7 +230,3 @@ def test_noise_keyed_by_round_instead_of_position_is_detected(toy: ToyPair, targ
     pairs, _ = coupled_pairs(toy, 2, verify_at=lambda pos, j: pos)
     assert pairs != target_only
     assert joint_p_value(toy, Counter(pairs)) < DETECTED_P_VALUE
-
-
-def test_verdict_type_is_shared():
-    assert coupled_verdict([4], []) == Verdict(0, 4)
