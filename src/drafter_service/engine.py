@@ -11,7 +11,7 @@ from specd import ngram
 from specd.errors import EngineError, invalid, precondition
 from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM, Row
-from specd.sampling import probabilities, sample, truncate
+from specd.sampling import gumbel_argmax, position_keys, probabilities, sparse_draft
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
 
@@ -128,17 +128,21 @@ class ModelDrafter(_DrafterBase):
             start = time.time_ns()
             # What it drafted so far this round counts as output, as the verifier will count it.
             logits = [
-                s.penalized(x, drafted=proposals[i].tokens)
+                s.penalized(x, drafted=[*contexts[i][len(s.committed) :], *proposals[i].tokens])
                 for (i, s, _), x in zip(active, self.lm.forward(rows), strict=True)
             ]
             probs = probabilities(torch.cat(logits), [s.params for _, s, _ in active])
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))
+            coupled = self._coupled_tokens(active, probs, [len(contexts[i]) + step for i, _, _ in active])
             still = []
             for row_i, (i, state, k) in enumerate(active):
                 state.cached.extend(feed[i])
-                token, dist = self._pick(probs[row_i], state)
+                if row_i in coupled:
+                    token, dist = coupled[row_i], None
+                else:
+                    token, dist = self._pick(probs[row_i], state)
                 proposals[i].tokens.append(token)
                 if dist is not None:
                     proposals[i].dists.append(dist)
@@ -150,15 +154,32 @@ class ModelDrafter(_DrafterBase):
         timing.forward_ns = forward_ns
         return proposals, timing
 
+    @staticmethod
+    def _coupled_tokens(
+        active: Sequence[tuple[int, SequenceState, int]], probs: torch.Tensor, positions: Sequence[int]
+    ) -> dict[int, int]:
+        """Draft tokens of the seeded rows: argmax(log q + g) with the noise the verifier
+        will use at the same position, so a draft is accepted whenever the draft
+        model's noisy argmax agrees with the target's. Keyed by row."""
+        rows = [r for r, (_, state, _) in enumerate(active) if state.params.seeded]
+        if not rows:
+            return {}
+        keys = []
+        for r in rows:
+            state = active[r][1]
+            assert state.params.seed is not None
+            # Drafting step s proposes the token at position len(committed + assumed) + s.
+            keys.append(position_keys(state.params.seed, positions[r], 1, probs.device))
+        tokens = gumbel_argmax(probs[torch.tensor(rows, device=probs.device)], torch.cat(keys)).tolist()
+        return dict(zip(rows, tokens, strict=True))
+
     def _pick(self, probs: torch.Tensor, state: SequenceState) -> tuple[int, SparseDist | None]:
         if state.generator is None:
             return int(probs.argmax()), None
-        ids, top = truncate(probs[None], self.max_support)
-        ids, top = ids[0], top[0]
-        keep = top > 0
-        ids, top = ids[keep], top[keep]
-        token = int(ids[sample(top, state.generator)])
-        return token, SparseDist(ids.tolist(), top.tolist())
+        # Unseeded: a sample from the truncated q with this service's own generator,
+        # never one the verifier also draws from.
+        token, ids, top = sparse_draft(probs, self.max_support, state.generator)
+        return token, SparseDist(ids, top)
 
 
 class NgramDrafter(_DrafterBase):

@@ -1,10 +1,21 @@
-"""Target/draft distributions and the exact speculative rejection rule.
+"""Target/draft distributions and the exact rules that accept or reject drafts.
 
-Pure tensor functions: no model, no service. `rejection_sample` implements
-Leviathan et al. 2023 (arXiv 2211.17192) / Chen et al. 2023: accept draft token
-x with probability min(1, p(x)/q(x)); at the first rejection sample from
-norm(max(0, p - q)); if all k are accepted, sample a bonus token from p. The
-emitted tokens are then distributed exactly as sampling from p alone.
+Pure tensor functions: no model, no service. Two exact rules, one per kind of
+sampled request:
+
+- unseeded: `rejection_sample` implements Leviathan et al. 2023 (arXiv 2211.17192)
+  / Chen et al. 2023: accept draft token x with probability min(1, p(x)/q(x)); at
+  the first rejection sample from norm(max(0, p - q)); if all k are accepted,
+  sample a bonus token from p. Drafter and verifier draw from independent
+  generators.
+- seeded: the Gumbel-max coupling. The token at position i is
+  argmax(log p_i + g_i), where g_i is Gumbel noise that depends only on (seed, i)
+  (`specd.noise`). The drafter proposes argmax(log q_i + g_i) with the same noise;
+  the verifier accepts while its own argmax agrees and emits its argmax at the
+  first disagreement (or as the bonus). Every emitted token is then the token
+  target-only sampling with that seed emits, whatever the drafts were.
+
+Either way the emitted tokens are distributed exactly as sampling from p alone.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specd import noise
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing float32
 # logits by a tinier one overflows to inf and the softmax to NaN.
@@ -30,6 +43,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: drawn with counter-based noise and verified by the Gumbel-max coupling."""
+        return not self.greedy and self.seed is not None
+
 
 def validate_sampling(params: SamplingParams) -> str | None:
     """Return why `params` are invalid, or None."""
@@ -43,14 +61,16 @@ def validate_sampling(params: SamplingParams) -> str | None:
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """Each sampled sequence draws from its own generator, so batching cannot change its samples."""
-    if params.greedy:
+    """A fresh, nondeterministically seeded generator for an unseeded sampled sequence.
+
+    Greedy sequences need no randomness and seeded ones draw counter-based noise
+    (`gumbel_argmax`), so both get None. Each service makes its own, so the
+    drafter's draws are independent of the verifier's.
+    """
+    if params.greedy or params.seeded:
         return None
     gen = torch.Generator(device=device)
-    if params.seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(params.seed)
+    gen.seed()
     return gen
 
 
@@ -108,11 +128,50 @@ def truncate(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch
     return ids, top
 
 
+def sparse_draft(
+    probs: torch.Tensor, max_support: int, generator: torch.Generator
+) -> tuple[int, list[int], list[float]]:
+    """Sample a draft token from the `max_support` most likely tokens of `probs` [V].
+
+    Returns (token, ids, probs) of the sparse distribution the token was drawn
+    from, zero tail dropped: the q the verifier needs for an unseeded request.
+    """
+    ids, top = truncate(probs[None], max_support)
+    ids, top = ids[0], top[0]
+    keep = top > 0
+    ids, top = ids[keep], top[keep]
+    return int(ids[sample(top, generator)]), ids.tolist(), top.tolist()
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a distribution [V]; without a generator, its argmax (greedy)."""
     if generator is None:
         return int(probs.argmax())
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def position_keys(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
+    """Noise keys [count] of positions start, start + 1, ... for one seeded sequence."""
+    keys = [noise.noise_key(seed, start + i) for i in range(count)]
+    return torch.tensor(keys, dtype=torch.int64, device=device)
+
+
+def gumbel_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """argmax over tokens of log p + g(key, token) for each row of probs [R, V]; keys [R].
+
+    Exactly a sample from each row's p (Gumbel-max), so temperature, top-k and
+    top-p compose by being already in p. Noise is hashed only where p > 0: the
+    other tokens cannot win, and truncated rows (top-k, top-p) then cost little.
+    """
+    support = probs > 0
+    if bool(support.all()):
+        # Full support (no top-k / top-p cut): broadcasting hashes each token id once.
+        tokens = torch.arange(probs.shape[-1], device=probs.device)
+        return (probs.log() + noise.gumbel(keys[:, None], tokens[None, :])).argmax(dim=-1)
+    rows, tokens = support.nonzero(as_tuple=True)
+    scores = torch.full_like(probs, float("-inf"))
+    scores[rows, tokens] = probs[rows, tokens].log() + noise.gumbel(keys[rows], tokens)
+    return scores.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -153,14 +212,40 @@ def rejection_sample(
     else:
         num = 0
     if num < k:
-        residual = target_probs[num].clone()
-        if draft_probs is not None:
-            residual = (residual - draft_probs[num]).clamp_(min=0.0)
-        else:
-            residual[draft_tokens[num]] = 0.0
-        total = residual.sum()
-        # Only when p == q exactly can the residual vanish, and then rejection had
-        # probability 0; fall back to p rather than divide by zero.
-        residual = residual / total if total > 0 else target_probs[num]
-        return Verdict(num, sample(residual, generator))
+        return Verdict(num, sample(residual(target_probs, draft_tokens, draft_probs, num), generator))
     return Verdict(k, sample(target_probs[k], generator))
+
+
+def residual(
+    target_probs: torch.Tensor, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None, position: int
+) -> torch.Tensor:
+    """norm(max(0, p - q)) at the rejected `position`: where the correction is drawn from.
+
+    A function of its own so that tests can swap in a wrong position and check
+    that the statistical tests notice.
+    """
+    out = target_probs[position].clone()
+    if draft_probs is not None:
+        out = (out - draft_probs[position]).clamp_(min=0.0)
+    else:
+        out[draft_tokens[position]] = 0.0
+    total = out.sum()
+    # Only when p == q exactly can the residual vanish, and then rejection had
+    # probability 0; fall back to p rather than divide by zero.
+    return out / total if total > 0 else target_probs[position]
+
+
+def coupled_verdict(target_tokens: Sequence[int], draft_tokens: Sequence[int]) -> Verdict:
+    """The Gumbel-max coupling's verdict: accept drafts while they equal the target's own tokens.
+
+    target_tokens: [k + 1], the target's argmax(log p + g) at each draft position
+    and the bonus position (`gumbel_argmax`); the emitted token at the first
+    disagreement is the target's, so no draft distribution is needed.
+    """
+    k = len(draft_tokens)
+    if len(target_tokens) != k + 1:
+        raise ValueError(f"{len(target_tokens)} target tokens for {k} draft tokens")
+    num = 0
+    while num < k and draft_tokens[num] == target_tokens[num]:
+        num += 1
+    return Verdict(num, int(target_tokens[num]))

@@ -11,7 +11,7 @@ from specd.errors import EngineError, ErrorKind, invalid, precondition
 from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM, Row
 from specd.logprobs import TokenLogprob, token_logprobs
-from specd.sampling import probabilities, rejection_sample
+from specd.sampling import coupled_verdict, gumbel_argmax, position_keys, probabilities, rejection_sample
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
 
@@ -111,13 +111,19 @@ class VerifierEngine:
             state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
         ]
         probs = probabilities(torch.cat(adjusted), params)
+        coupled = self._coupled_tokens(live, probs)
         offset = 0
         for (i, state, task, q), raw in zip(live, logits, strict=True):
             k = len(task.draft_tokens)
             rows_of_task = probs[offset : offset + k + 1]
             offset += k + 1
             try:
-                verdict = rejection_sample(rows_of_task, task.draft_tokens, q, state.generator)
+                if state.params.seeded:
+                    # Any draft distributions sent along are not needed: the target's
+                    # own noisy argmax decides, whatever the drafter sampled from.
+                    verdict = coupled_verdict(coupled[task.sequence_id], task.draft_tokens)
+                else:
+                    verdict = rejection_sample(rows_of_task, task.draft_tokens, q, state.generator)
             except Exception as exc:  # one sequence's failure must not corrupt the others
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
                 continue
@@ -132,6 +138,38 @@ class VerifierEngine:
             results[i].next_token = verdict.next_token
         timing.phases.append(("rejection_sampling", end, time.time_ns()))
         return results, timing
+
+    @staticmethod
+    def _coupled_tokens(
+        live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]], probs: torch.Tensor
+    ) -> dict[str, list[int]]:
+        """The target's token at each row of every seeded sequence, all rows in one pass.
+
+        Row j of a sequence with n committed tokens decides token n + j, so its
+        noise is keyed by that position: the same however the tokens are split
+        into rounds, which is what makes a seed reproduce across k.
+        """
+        rows: list[int] = []
+        keys: list[torch.Tensor] = []
+        spans: list[tuple[str, int]] = []
+        offset = 0
+        for _, state, task, _ in live:
+            n = len(task.draft_tokens) + 1
+            if state.params.seeded:
+                assert state.params.seed is not None
+                rows.extend(range(offset, offset + n))
+                keys.append(position_keys(state.params.seed, len(state.committed), n, probs.device))
+                spans.append((task.sequence_id, n))
+            offset += n
+        if not rows:
+            return {}
+        tokens = gumbel_argmax(probs[torch.tensor(rows, device=probs.device)], torch.cat(keys)).tolist()
+        out: dict[str, list[int]] = {}
+        start = 0
+        for sequence_id, n in spans:
+            out[sequence_id] = tokens[start : start + n]
+            start += n
+        return out
 
     def kv_bytes(self) -> int:
         return self.table.kv_bytes()

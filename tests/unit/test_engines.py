@@ -429,11 +429,17 @@ def test_ngram_drafter_proposes_from_the_committed_context(make_ngram):
     assert proposals[0].tokens == []
 
 
-def test_model_drafter_sampled_proposals_carry_their_distributions(make_drafter, tiny_draft):
+def test_model_drafter_unseeded_proposals_carry_their_distributions(make_drafter, tiny_draft):
     drafter = make_drafter(max_support=5)
-    open_ok(drafter, SequenceSpec("a", PROMPT, SAMPLED), SequenceSpec("g", PROMPT, GREEDY))
-    proposals, timing = drafter.draft([DraftTask("a", [], len(PROMPT), 4), DraftTask("g", [], len(PROMPT), 2)])
-    sampled, greedy = proposals
+    unseeded = SamplingParams(temperature=0.8, top_p=0.9)
+    specs = [SequenceSpec("a", PROMPT, unseeded), SequenceSpec("g", PROMPT, GREEDY), SequenceSpec("s", PROMPT, SAMPLED)]
+    open_ok(drafter, *specs)
+    proposals, timing = drafter.draft(
+        [DraftTask("a", [], len(PROMPT), 4), DraftTask("g", [], len(PROMPT), 2), DraftTask("s", [], len(PROMPT), 3)]
+    )
+    sampled, greedy, seeded = proposals
+    # Seeded drafts are noisy argmaxes that the verifier checks against its own: no q.
+    assert len(seeded.tokens) == 3 and seeded.dists == []
     assert len(sampled.tokens) == len(sampled.dists) == 4
     for token, dist in zip(sampled.tokens, sampled.dists, strict=True):
         assert token in dist.token_ids
@@ -441,7 +447,7 @@ def test_model_drafter_sampled_proposals_carry_their_distributions(make_drafter,
         assert all(p > 0 for p in dist.probs)
         assert sum(dist.probs) == pytest.approx(1.0, abs=1e-5)
     assert len(greedy.tokens) == 2 and greedy.dists == []
-    assert timing.batch_size == 2
+    assert timing.batch_size == 3
     # k = 0 asks for nothing and feeds nothing.
     proposals, timing = drafter.draft([DraftTask("a", [], len(PROMPT), 0)])
     assert proposals[0].tokens == [] and proposals[0].error is None

@@ -175,10 +175,12 @@ class History:
         sid = f"seq-{self.opened}"
         self.opened += 1
         prompt = random_tokens(rng, rng.randint(1, 24), self.vocab)
-        if rng.random() < 0.5:
+        # In turn: greedy, seeded (the Gumbel-coupled path), unseeded (the Leviathan rule).
+        kind = (self.opened - 1) % 3
+        if kind == 0:
             params = GREEDY
         else:
-            params = SamplingParams(temperature=0.8, top_p=0.9, seed=rng.randrange(2**31))
+            params = SamplingParams(temperature=0.8, top_p=0.9, seed=rng.randrange(2**31) if kind == 1 else None)
         spec = SequenceSpec(sid, prompt, params)
         for engine in (self.verifier, self.drafter):
             errors, _ = engine.open([spec])
@@ -186,7 +188,7 @@ class History:
         self.committed[sid] = list(prompt)
         self.unsent[sid] = []
         self.params[sid] = params
-        self.kinds_opened.add("greedy" if params.greedy else "sampled")
+        self.kinds_opened.add("greedy" if params.greedy else "seeded" if params.seeded else "unseeded")
         self.slots_seen.add(self.verifier.table.get(sid).slot)
 
     def close(self) -> None:
@@ -219,6 +221,8 @@ class History:
             if self.params[sid].greedy:
                 assert proposal.dists == []
                 self.check_greedy_draft(sid, proposal.tokens)
+            elif self.params[sid].seeded:
+                assert proposal.dists == []  # the coupling needs no q
             else:
                 assert len(proposal.dists) == ks[sid]
                 for token, dist in zip(proposal.tokens, proposal.dists, strict=True):
@@ -331,7 +335,7 @@ def test_after_random_accept_reject_histories_each_services_next_token_logits_eq
     # The history really exercised what the test is about.
     assert history.closed >= 1 and history.opened > history.max_sequences  # slots were reused
     assert history.accepted > 0 and history.rejected > 0
-    assert history.kinds_opened == {"greedy", "sampled"}
+    assert history.kinds_opened == {"greedy", "seeded", "unseeded"}
 
 
 def test_many_long_sequences_through_the_verifier_match_full_recompute(make_verifier, tiny_target, vocab_size):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import pytest
@@ -11,7 +12,10 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from specd.sampling import (
     SamplingParams,
     Verdict,
+    coupled_verdict,
+    gumbel_argmax,
     make_generator,
+    position_keys,
     probabilities,
     rejection_sample,
     sample,
@@ -284,44 +288,83 @@ def test_rejection_sampling_when_draft_equals_target_accepts_everything():
 # -- seeded determinism -----------------------------------------------------------
 
 
-def run_seeded(seed: int, rounds: int = 60) -> list[Verdict]:
-    """A sequence of sampled verification rounds whose randomness all comes from one generator."""
-    setup = torch.Generator().manual_seed(2024)  # fixed p and q, independent of `seed`
-    vocab = 12
-    p = torch.softmax(torch.randn(rounds, K + 1, vocab, generator=setup) * 2, dim=-1)
-    q = torch.softmax(torch.randn(rounds, K, vocab, generator=setup) * 2, dim=-1)
-    gen = make_generator(SamplingParams(temperature=1.0, seed=seed), torch.device("cpu"))
-    assert gen is not None
-    out = []
-    for r in range(rounds):
-        draft = [int(torch.multinomial(q[r, i], 1, generator=gen)) for i in range(K)]
-        out.append(rejection_sample(p[r], draft, q[r], gen))
-    return out
+def run_seeded(seed: int, ks: list[int]) -> list[int]:
+    """Tokens of one seeded sequence verified in blocks of ks[r] drafts with the Gumbel-max coupling.
+
+    p and q at output position i depend on i and on the previous token, as a
+    model's would; the drafts come from q with the same keyed noise.
+    """
+    setup = torch.Generator().manual_seed(2024)  # fixed tables, independent of `seed`
+    vocab, length = 12, 40
+    p = torch.softmax(torch.randn(length + 9, vocab, vocab, generator=setup) * 2, dim=-1)
+    q = torch.softmax(torch.randn(length + 9, vocab, vocab, generator=setup) * 2, dim=-1)
+    out: list[int] = []
+    for k in ks:
+        if len(out) >= length:
+            break
+        pos, prev = len(out), out[-1] if out else 0
+        draft: list[int] = []
+        for j in range(k):
+            keys = position_keys(seed, pos + j, 1, torch.device("cpu"))
+            draft.append(int(gumbel_argmax(q[pos + j, prev][None], keys)[0]))
+            prev = draft[-1]
+        rows = torch.stack([p[pos + j, t] for j, t in enumerate([out[-1] if out else 0, *draft])])
+        targets = gumbel_argmax(rows, position_keys(seed, pos, k + 1, torch.device("cpu"))).tolist()
+        verdict = coupled_verdict(targets, draft)
+        out += [*draft[: verdict.num_accepted], verdict.next_token]
+    return out[:length]
 
 
-def test_same_seed_gives_identical_verdicts():
-    assert run_seeded(7) == run_seeded(7)
-    assert run_seeded(123456789) == run_seeded(123456789)
+def test_same_seed_gives_the_same_tokens_whatever_the_block_sizes():
+    rng = random.Random(0)
+    target_only = run_seeded(7, [0] * 40)
+    assert len(target_only) == 40
+    for ks in ([1] * 40, [4] * 40, [8] * 40, [rng.randint(0, 8) for _ in range(40)]):
+        assert run_seeded(7, ks) == target_only
+    assert run_seeded(123456789, [3] * 40) == run_seeded(123456789, [0] * 40)
 
 
-def test_different_seeds_give_different_verdicts():
-    base = run_seeded(7)
-    assert run_seeded(8) != base
-    assert run_seeded(9) != base
+def test_different_seeds_give_different_tokens():
+    base = run_seeded(7, [2] * 40)
+    assert run_seeded(8, [2] * 40) != base
+    assert run_seeded(9, [2] * 40) != base
+
+
+@pytest.mark.parametrize(
+    ("targets", "draft", "expected"),
+    [
+        ([3, 5, 1], [3, 5], Verdict(2, 1)),
+        ([3, 5, 1], [3, 4], Verdict(1, 5)),
+        ([3, 5, 1], [2, 5], Verdict(0, 3)),
+        ([6], [], Verdict(0, 6)),
+    ],
+)
+def test_coupled_verdict(targets: list[int], draft: list[int], expected: Verdict):
+    assert coupled_verdict(targets, draft) == expected
+
+
+def test_coupled_verdict_checks_row_count():
+    with pytest.raises(ValueError):
+        coupled_verdict([1, 2], [1, 2])
 
 
 def test_make_generator():
     cpu = torch.device("cpu")
     assert make_generator(GREEDY, cpu) is None
     assert make_generator(SamplingParams(temperature=0.0, seed=3), cpu) is None
-    a = make_generator(SamplingParams(seed=5), cpu)
-    b = make_generator(SamplingParams(seed=5), cpu)
-    assert a is not None and b is not None
-    assert torch.equal(torch.rand(16, generator=a), torch.rand(16, generator=b))
+    # Seeded sequences draw keyed noise, not from a generator.
+    assert make_generator(SamplingParams(seed=5), cpu) is None
+    # Unseeded: each call (each service) gets its own independent stream.
     c = make_generator(SamplingParams(seed=None), cpu)
     d = make_generator(SamplingParams(seed=None), cpu)
     assert c is not None and d is not None
     assert not torch.equal(torch.rand(16, generator=c), torch.rand(16, generator=d))
+
+
+def test_seeded_property():
+    assert SamplingParams(seed=0).seeded
+    assert not SamplingParams().seeded
+    assert not SamplingParams(temperature=0.0, seed=3).seeded
 
 
 def test_sample_greedy_and_seeded():

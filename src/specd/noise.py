@@ -1,0 +1,83 @@
+"""Counter-based Gumbel noise: a pure function of (seed, position, stream, token id).
+
+Seeded requests draw every random number from here instead of from a stateful
+torch.Generator, so a token's noise does not depend on how many numbers were
+drawn before it: not on k, on the batch, on whether a drafter was consulted, or
+on which service computes it. The uniforms come from integer hashing on int64
+tensors, exact on any device, so the drafter and the verifier use the same ones
+even when one runs on a CPU and the other on a GPU. (The Gumbel transform's logs
+may differ in the last bit between devices; that can change whether a draft is
+accepted in a near-tie, never which token the verifier emits.)
+
+Keys are built in Python from the request's 64-bit seed with SplitMix64 (one key
+per (seed, position, stream)); the per-token value is Wellons' lowbias32 hash of
+the key mixed with the token id, computed only at the tokens that need it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+_TOP_BIT32 = 1 << 31
+# The float32 uniform keeps 24 of the 32 hash bits, as torch.rand does for float32:
+# u = (h + 0.5) / 2**24 is exact and lies strictly inside (0, 1), so -log(-log(u))
+# is finite.
+_UNIFORM_BITS = 24
+
+# Streams separate independent uses of one seed at one position. The drafter and
+# the verifier share TOKEN on purpose: that shared noise is the coupling.
+TOKEN_STREAM = 0
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def noise_key(seed: int, position: int, stream: int = TOKEN_STREAM) -> int:
+    """The 32-bit key of one (seed, position, stream); any int seed (taken mod 2**64)."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (position & _MASK64))
+    h = _splitmix64(h ^ (stream & _MASK64))
+    return h >> 32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32) without overflowing int64.
+
+    x * c would overflow for c >= 2**31 (signed overflow, which torch does not
+    define), so the top bit of c is applied as a shift of x's lowest bit.
+    """
+    if c < _TOP_BIT32:
+        return (x * c) & _MASK32
+    return (x * (c - _TOP_BIT32) + ((x & 1) << 31)) & _MASK32
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    # A bijection on 32-bit values with near-ideal avalanche (C. Wellons, "hash prospector").
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash32(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """32-bit hash of (key, token) pairs: int64 tensors that broadcast together, keys < 2**32."""
+    # Hashing the token first makes nearby ids unrelated before they meet the key.
+    return _lowbias32(keys ^ _lowbias32(tokens & _MASK32))
+
+
+def uniform(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) at (key, token) pairs (broadcast)."""
+    top = (hash32(keys, tokens) >> (32 - _UNIFORM_BITS)).to(torch.float32)
+    return (top + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
+
+
+def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise at (key, token) pairs (float32, the broadcast shape of the inputs)."""
+    return -torch.log(-torch.log(uniform(keys, tokens)))
