@@ -47,10 +47,11 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
             raise ValueError("--quantize int8 uses a CPU kernel; use --quantize none on GPUs")
         quantize_int8(loaded.model)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
-    lm.warm_up(2)
+    # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = ModelDrafter(
         lm, loaded.fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens, config.max_support
     )
+    lm.warm_up(2)
     info = common_pb2.ModelInfo(
         model_id=config.model,
         tokenizer=fingerprint_pb(loaded.fingerprint),

@@ -1,16 +1,24 @@
 """A batched causal LM over a slot-based KV cache with per-sequence lengths.
 
-Each open sequence owns one slot (a row) of a preallocated KV tensor per layer.
-A forward pass takes any subset of slots, each with its own number of new
-tokens at its own position: new keys/values are written at each row's offset and
-a 4D mask hides, per row, the positions beyond its own length. So sequences of
+Each open sequence owns one slot (a row) of a KV tensor per layer, sized once to
+the service's bound: `max_slots` sequences of `max_positions` positions each. A
+forward pass takes any subset of slots, each with its own number of new tokens
+at its own position: new keys/values are written at each row's offset and a 4D
+mask hides, per row, the positions beyond its own length. So sequences of
 different lengths and different accepted counts share one forward pass, and
 rolling a sequence back is only lowering its length: rejected positions are
 overwritten later, the accepted prefix is never recomputed.
+
+Memory never grows past the bound and is never copied: the tensors are made at
+the first forward at their full size. On the CPU they lie in an anonymous
+private mapping, so the kernel backs only the pages written (a slot's positions
+are contiguous per head) and `release` hands a closed slot's pages back; on an
+accelerator they are allocated outright.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,48 +26,95 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+# Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
+DEFAULT_SLOTS = 16
+DEFAULT_POSITIONS = 2048
+
+
+# Anonymous private mappings that can hand pages back (Linux, macOS); elsewhere plain zeros.
+_MAP_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+CAN_MAP = bool(_MAP_FLAGS) and hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap.mmap, "madvise")
+
+
+def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+    """Zeros whose pages the kernel backs only when written, or plain zeros where it cannot."""
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if not nbytes or not CAN_MAP:
+        return torch.zeros(shape, dtype=dtype), None
+    region = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape), region
+
 
 class SlotKVCache(Cache):
-    """Per-layer KV storage [slots, kv_heads, positions, head_dim], grown on demand.
+    """Per-layer KV storage [max_slots, kv_heads, max_positions, head_dim], made once.
 
     Plugged into an HF model as `past_key_values`: the model calls `update` once
     per layer with the new tokens' keys/values and attends over what it returns.
     """
 
-    def __init__(self, num_layers: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_slots: int = DEFAULT_SLOTS,
+        max_positions: int = DEFAULT_POSITIONS,
+    ) -> None:
         super().__init__(layers=[])
         self.num_layers = num_layers
         self.device = device
         self.dtype = dtype
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.slot_capacity = 0
-        self.position_capacity = 0
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        # The CPU mappings behind keys/values, per layer (None: plain tensors).
+        self._key_regions: list[mmap.mmap | None] = []
+        self._value_regions: list[mmap.mmap | None] = []
+        self.reserve(max_slots, max_positions)
         # Per-forward addressing, set by `prepare`.
         self._rows: torch.Tensor | None = None
         self._row_range: tuple[int, int] | None = None
         self._write_slots: torch.Tensor | None = None
         self._write_pos: torch.Tensor | None = None
+        self._pick: tuple[torch.Tensor, torch.Tensor] | None = None
         self._kv_len = 0
 
-    # -- capacity -------------------------------------------------------
-    def ensure_capacity(self, slots: int, positions: int) -> None:
-        new_slots = self.slot_capacity
-        while new_slots < slots:
-            new_slots = max(1, new_slots * 2)
-        new_pos = self.position_capacity
-        while new_pos < positions:
-            new_pos = max(64, new_pos * 2)
-        if (new_slots, new_pos) == (self.slot_capacity, self.position_capacity):
+    # -- the bound ------------------------------------------------------
+    def reserve(self, max_slots: int, max_positions: int) -> None:
+        """Set the bound: what any slot or position may ever use. Drops what is cached."""
+        if max_slots < 1 or max_positions < 1:
+            raise ValueError(f"a KV cache needs at least 1 slot and 1 position, got {max_slots} x {max_positions}")
+        self.max_slots = max_slots
+        self.max_positions = max_positions
+        self.keys = [None] * self.num_layers
+        self.values = [None] * self.num_layers
+        # Dropped, not closed: views handed to the model may still hold them; the last reference unmaps.
+        self._key_regions = [None] * self.num_layers
+        self._value_regions = [None] * self.num_layers
+        # Per slot: positions written since it was last released (what its pages back).
+        self._high = [0] * max_slots
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the kernel backs only the pages written (CPU), rather than all of it up front."""
+        return self.device.type == "cpu" and CAN_MAP
+
+    def _allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+        if not self.lazy:
+            return torch.zeros(shape, dtype=dtype, device=self.device), None
+        return _lazy_cpu_zeros(shape, dtype)
+
+    def release(self, slot: int) -> None:
+        """Hand a freed slot's memory back to the kernel (CPU); it reads as zeros after."""
+        if not self._high[slot]:
             return
-        for store in (self.keys, self.values):
-            for i, old in enumerate(store):
-                if old is None:
-                    continue
-                grown = old.new_zeros((new_slots, old.shape[1], new_pos, old.shape[3]))
-                grown[: old.shape[0], :, : old.shape[2]] = old
-                store[i] = grown
-        self.slot_capacity, self.position_capacity = new_slots, new_pos
+        self._high[slot] = 0
+        for store, regions in ((self.keys, self._key_regions), (self.values, self._value_regions)):
+            for t, region in zip(store, regions, strict=True):
+                if t is not None and region is not None:
+                    _dontneed(region, t, slot)
 
     def bytes_per_token(self) -> int:
         total = 0
@@ -69,20 +124,55 @@ class SlotKVCache(Cache):
                     total += t.shape[1] * t.shape[3] * t.element_size()
         return total
 
+    def reserved_bytes(self) -> int:
+        """The bound in bytes: every slot at every position (known once the first forward made the tensors)."""
+        return self.bytes_per_token() * self.max_slots * self.max_positions
+
     def allocated_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s if t is not None)
+        """Bytes backed by memory now: all of it on an accelerator, the slots' written positions on the CPU."""
+        if not self.lazy:
+            return self.reserved_bytes()
+        return self.bytes_per_token() * sum(self._high)
+
+    def check_row(self, slot: int, start: int, count: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is outside the cache's {self.max_slots} slots")
+        if start < 0 or start + count > self.max_positions:
+            raise ValueError(
+                f"positions {start}..{start + count - 1} are outside the cache's {self.max_positions} positions"
+            )
 
     # -- per-forward addressing ----------------------------------------
-    def prepare(self, slots: Sequence[int], lengths: Sequence[int], num_new: int) -> None:
+    def prepare(self, slots: Sequence[int], lengths: Sequence[int], counts: Sequence[int]) -> None:
+        """Rows (sorted by slot) at `lengths` with `counts` new tokens each; padding is never written."""
         rows = torch.tensor(slots, dtype=torch.long, device=self.device)
-        starts = torch.tensor(lengths, dtype=torch.long, device=self.device)
         self._rows = rows
         first, last = min(slots), max(slots)
         contiguous = list(slots) == list(range(first, last + 1))
         self._row_range = (first, last + 1) if contiguous else None
-        self._write_slots = rows[:, None].expand(-1, num_new)
-        self._write_pos = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
-        self._kv_len = max(lengths) + num_new
+        num_new = max(counts)
+        if all(n == num_new for n in counts):
+            starts = torch.tensor(lengths, dtype=torch.long, device=self.device)
+            self._write_slots = rows[:, None].expand(-1, num_new)
+            self._write_pos = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
+            self._pick = None
+        else:
+            # Only each row's own tokens: padding past a row's end could reach past the bound.
+            pick_rows = [i for i, n in enumerate(counts) for _ in range(n)]
+            pick_cols = [j for n in counts for j in range(n)]
+            self._write_slots = torch.tensor([slots[i] for i in pick_rows], dtype=torch.long, device=self.device)
+            self._write_pos = torch.tensor(
+                [lengths[i] + j for i, j in zip(pick_rows, pick_cols, strict=True)],
+                dtype=torch.long,
+                device=self.device,
+            )
+            self._pick = (
+                torch.tensor(pick_rows, dtype=torch.long, device=self.device),
+                torch.tensor(pick_cols, dtype=torch.long, device=self.device),
+            )
+        for slot, start, n in zip(slots, lengths, counts, strict=True):
+            self._high[slot] = max(self._high[slot], start + n)
+        self._kv_len = max(s + n for s, n in zip(lengths, counts, strict=True))
 
     def update(
         self,
@@ -95,10 +185,15 @@ class SlotKVCache(Cache):
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             buf = store[layer_idx]
             if buf is None:
-                buf = new.new_zeros((self.slot_capacity, new.shape[1], self.position_capacity, new.shape[3]))
+                shape = (self.max_slots, new.shape[1], self.max_positions, new.shape[3])
+                buf, region = self._allocate(shape, new.dtype)
                 store[layer_idx] = buf
-            # new: [batch, heads, num_new, dim] -> indexed [batch, num_new] x [heads, dim]
-            buf[self._write_slots, :, self._write_pos] = new.transpose(1, 2).to(buf.dtype)
+                (self._key_regions if store is self.keys else self._value_regions)[layer_idx] = region
+            # new: [batch, heads, num_new, dim] -> [batch, num_new, heads, dim] (or [tokens, heads, dim] picked)
+            fresh = new.transpose(1, 2)
+            if self._pick is not None:
+                fresh = fresh[self._pick[0], self._pick[1]]
+            buf[self._write_slots, :, self._write_pos] = fresh.to(buf.dtype)
             if self._row_range is not None:
                 a, b = self._row_range
                 out.append(buf[a:b, :, : self._kv_len])
@@ -110,11 +205,25 @@ class SlotKVCache(Cache):
         return self._kv_len
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.position_capacity
+        return self.max_positions
 
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
         return False
+
+
+def _dontneed(region: mmap.mmap, t: torch.Tensor, slot: int) -> None:
+    """madvise(MADV_DONTNEED) the whole pages inside one slot's part of a mapped tensor.
+
+    Pages it shares with a neighbouring slot stay: they may hold that slot's keys.
+    """
+    per_slot = t[0].numel() * t.element_size()
+    start, end = slot * per_slot, (slot + 1) * per_slot
+    page = mmap.PAGESIZE
+    first = -(-start // page) * page
+    last = end // page * page
+    if last > first:
+        region.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 @dataclass
@@ -130,7 +239,14 @@ class Row:
 class BatchedCausalLM:
     """An HF causal LM plus a slot KV cache; rows of any lengths in one forward."""
 
-    def __init__(self, model: Any, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_slots: int = DEFAULT_SLOTS,
+        max_positions: int = DEFAULT_POSITIONS,
+    ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -141,18 +257,25 @@ class BatchedCausalLM:
         self.vocab_size = int(getattr(head, "out_features", 0) or head.weight.shape[0])
         self.max_positions = int(getattr(text_config, "max_position_embeddings", 2048))
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
-        self.cache = SlotKVCache(self.num_layers, device, dtype)
+        self.cache = SlotKVCache(self.num_layers, device, dtype, max_slots, min(max_positions, self.max_positions))
         self._base = model.base_model
         self._head = model.get_output_embeddings()
         self._mask_min = torch.finfo(dtype).min
 
+    def reserve(self, max_slots: int, max_positions: int) -> None:
+        """Bound the cache to `max_slots` sequences of `max_positions` positions (capped by the model's)."""
+        self.cache.reserve(max_slots, min(max_positions, self.max_positions))
+
     def warm_up(self, max_new: int) -> None:
         """Run the shapes of a prefill and of rounds once, so the first request
-        does not pay for first-call kernel setup. Slot 0 is left with garbage
-        that the next sequence using it overwrites."""
-        self.forward([Row(0, 0, [0] * 32, 31)])
-        for n in range(1, max_new + 1):
-            self.forward([Row(0, 32, [0] * n, n - 1)])
+        does not pay for first-call kernel setup, and make the cache's tensors
+        (so its size is known). Slot 0 is released again afterwards."""
+        room = self.cache.max_positions
+        prompt = max(1, min(32, room - max_new))
+        self.forward([Row(0, 0, [0] * prompt, prompt - 1)])
+        for n in range(1, min(max_new, room - prompt) + 1):
+            self.forward([Row(0, prompt, [0] * n, n - 1)])
+        self.cache.release(0)
 
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Feed each row's tokens; return per row float32 logits [n_wanted, vocab]."""
@@ -160,17 +283,21 @@ class BatchedCausalLM:
             return []
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         rows = [rows[i] for i in order]
+        for r in rows:
+            # Before anything is written: a row past the bound is the caller's error, never growth.
+            self.cache.check_row(r.slot, r.start, len(r.tokens))
         num_new = max(len(r.tokens) for r in rows)
         lengths = [r.start for r in rows]
-        self.cache.ensure_capacity(max(r.slot for r in rows) + 1, max(lengths) + num_new)
-        self.cache.prepare([r.slot for r in rows], lengths, num_new)
+        self.cache.prepare([r.slot for r in rows], lengths, [len(r.tokens) for r in rows])
         ids = torch.zeros((len(rows), num_new), dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
         ids = ids.to(self.device)
         starts = torch.tensor(lengths, dtype=torch.long, device=self.device)
         positions = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
-        kv_len = max(lengths) + num_new
+        # Keys up to the furthest real token: a short row's padding is neither
+        # written nor attended to by real tokens (its outputs are discarded).
+        kv_len = max(r.start + len(r.tokens) for r in rows)
         # Padding of a short row may run past the model's last position; its
         # outputs are discarded, but learned position tables would index out of range.
         positions = positions.clamp(max=self.max_positions - 1)

@@ -66,6 +66,10 @@ class SequenceTable:
         self.scores_prompts = scores_prompts
         self.seqs: dict[str, SequenceState] = {}
         self._free: list[int] = list(range(max_sequences))
+        if lm is not None:
+            # One slot per sequence, each as long as the context window: a sequence
+            # that was opened never needs more memory than is reserved here.
+            lm.reserve(max_sequences, max_context)
         heapq.heapify(self._free)
 
     def __len__(self) -> int:
@@ -129,7 +133,7 @@ class SequenceTable:
             # A failed prefill (out of memory, a bad kernel) opens nothing: the
             # slots taken above go back, so no request can leak them.
             for state in opened:
-                heapq.heappush(self._free, state.slot)
+                self._free_slot(state.slot)
             raise
         for state in opened:
             self.seqs[state.sequence_id] = state
@@ -181,12 +185,22 @@ class SequenceTable:
         for sequence_id in wanted:
             state = self.seqs.pop(sequence_id, None)
             if state is not None:
-                heapq.heappush(self._free, state.slot)
+                self._free_slot(state.slot)
                 closed += 1
         return closed
 
+    def _free_slot(self, slot: int) -> None:
+        if self.lm is not None:
+            self.lm.cache.release(slot)
+        heapq.heappush(self._free, slot)
+
     def kv_bytes(self) -> int:
+        """KV-cache bytes backed by memory now (on the CPU: the open sequences' written positions)."""
         return self.lm.cache.allocated_bytes() if self.lm is not None else 0
+
+    def kv_reserved_bytes(self) -> int:
+        """The most the KV cache can ever take: max_sequences x max_context positions."""
+        return self.lm.cache.reserved_bytes() if self.lm is not None else 0
 
     def kv_bytes_per_token(self) -> int:
         return self.lm.cache.bytes_per_token() if self.lm is not None else 0

@@ -355,9 +355,17 @@ class ServiceMetrics:
             registry=r,
         )
         Gauge(f"specd_{service}_open_sequences", "Sequences open", registry=r).set_function(lambda: len(engine.table))
-        Gauge(f"specd_{service}_kv_cache_bytes", "Bytes allocated for the KV cache", registry=r).set_function(
-            engine.kv_bytes
-        )
+        Gauge(
+            f"specd_{service}_kv_cache_bytes",
+            "KV-cache bytes backed by memory now (CPU: the written positions of open sequences; "
+            "accelerators: all of the reservation)",
+            registry=r,
+        ).set_function(engine.kv_bytes)
+        Gauge(
+            f"specd_{service}_kv_cache_reserved_bytes",
+            "The most the KV cache can ever take: --max-sequences x --max-context positions",
+            registry=r,
+        ).set_function(engine.table.kv_reserved_bytes)
         Gauge(
             f"specd_{service}_kv_cache_bytes_per_token",
             "KV-cache bytes one token of one sequence takes (all layers, keys and values)",
@@ -440,6 +448,7 @@ def run_service(
     except (ModelLoadError, ValueError) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
+    log.info("%s", kv_cache_summary(engine.table))
     info.lease_seconds = config.lease_s
     leases = Leases(config.lease_s)
     metrics = ServiceMetrics(name, engine)
@@ -458,6 +467,23 @@ def run_service(
         )
     )
     tracing.shutdown()
+
+
+def kv_cache_summary(table: Any) -> str:
+    """What the KV cache reserves, for the startup log."""
+    reserved = table.kv_reserved_bytes()
+    if table.lm is None:
+        return "KV cache: none (a model-free drafter)"
+    cache = table.lm.cache
+    backing = (
+        "pages are backed as sequences write them and handed back when they close"
+        if cache.lazy
+        else "allocated up front"
+    )
+    return (
+        f"KV cache: {reserved} bytes ({reserved / 2**30:.2f} GiB) reserved for {cache.max_slots} sequences x "
+        f"{cache.max_positions} positions x {cache.bytes_per_token()} bytes/token; {backing}"
+    )
 
 
 def client_authentication(host: str, token: bool, mutual_tls: bool) -> str:

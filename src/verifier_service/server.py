@@ -20,8 +20,9 @@ from verifier_service.servicer import VerifierServicer
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
     loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
-    lm.warm_up(min(config.max_draft_tokens, 8) + 1)
+    # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = VerifierEngine(lm, loaded.fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens)
+    lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     info = common_pb2.ModelInfo(
         model_id=config.model,
         tokenizer=fingerprint_pb(loaded.fingerprint),

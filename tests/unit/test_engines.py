@@ -454,3 +454,72 @@ def test_model_drafter_unseeded_proposals_carry_their_distributions(make_drafter
     assert timing.tokens_fed == 0 and timing.batch_size == 0
     state = drafter.table.get("a")
     assert state.cached == state.committed[: len(state.cached)]
+
+
+# -- the memory bound --------------------------------------------------------------------
+
+
+def cache_tensors(engine: Engine) -> list[torch.Tensor]:
+    cache = engine.lm.cache  # type: ignore[union-attr]
+    return [t for store in (cache.keys, cache.values) for t in store if t is not None]
+
+
+@pytest.mark.parametrize("kind", ["verifier", "drafter"])
+def test_the_kv_cache_is_reserved_once_at_the_flags_bound(engines, kind):
+    engine = engines[kind]
+    open_ok(engine, SequenceSpec("a", PROMPT, GREEDY))
+    tensors = cache_tensors(engine)
+    assert tensors and all(t.shape[0] == MAX_SEQUENCES and t.shape[2] == MAX_CONTEXT for t in tensors)
+    per_token = engine.table.kv_bytes_per_token()
+    assert engine.table.kv_reserved_bytes() == MAX_SEQUENCES * MAX_CONTEXT * per_token
+    assert sum(t.numel() * t.element_size() for t in tensors) == engine.table.kv_reserved_bytes()
+    assert engine.table.kv_bytes() == (len(PROMPT) - 1) * per_token  # the prefill's positions
+    engine.close(["a"])
+    assert engine.table.kv_bytes() == 0  # a closed sequence's memory goes back
+
+
+def test_a_sequence_at_the_context_window_beside_long_draft_blocks_neither_grows_nor_moves_the_cache(
+    engines, make_verifier
+):
+    """The padding of its one-token row to the other rows' 9 tokens once doubled the slab."""
+    verifier = engines["verifier"]
+    long = [(7 * i) % 50 + 1 for i in range(MAX_CONTEXT - 2)]
+    open_ok(verifier, SequenceSpec("long", long, GREEDY), SequenceSpec("short", PROMPT, GREEDY))
+    where = [t.data_ptr() for t in cache_tensors(verifier)]
+    results, _ = verifier.verify(
+        [VerifyTask("long", len(long), [5]), VerifyTask("short", len(PROMPT), [1] * MAX_DRAFT)]
+    )
+    assert [r.error for r in results] == [None, None]
+    assert [t.data_ptr() for t in cache_tensors(verifier)] == where
+    assert all(t.shape[2] == MAX_CONTEXT for t in cache_tensors(verifier))
+    # Token-identical to the same sequence verified alone.
+    alone = make_verifier(max_sequences=1, max_context=MAX_CONTEXT, max_draft_tokens=MAX_DRAFT)
+    open_ok(alone, SequenceSpec("long", long, GREEDY))
+    solo, _ = alone.verify([VerifyTask("long", len(long), [5])])
+    assert (solo[0].num_accepted, solo[0].next_token) == (results[0].num_accepted, results[0].next_token)
+    # The last position is reachable; one more is refused up front, not grown into.
+    n = len(verifier.table.get("long").committed)
+    results, _ = verifier.verify([VerifyTask("long", n, [1] * (MAX_CONTEXT - n + 1))])
+    assert kind_of(results[0].error) == ErrorKind.INVALID_ARGUMENT
+    results, _ = verifier.verify([VerifyTask("long", n, [1] * (MAX_CONTEXT - n))])
+    assert results[0].error is None
+    assert [t.data_ptr() for t in cache_tensors(verifier)] == where
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_an_open_that_cannot_fit_is_refused_before_any_state_changes(engines, kind):
+    engine = engines[kind]
+    open_ok(engine, SequenceSpec("a", PROMPT, GREEDY))
+    used = engine.table.kv_bytes()
+    errors, _ = engine.open(
+        [
+            SequenceSpec("too-long", list(range(1, MAX_CONTEXT + 1)), GREEDY),  # no room to generate anything
+            SequenceSpec("b", PROMPT, GREEDY),
+            SequenceSpec("c", PROMPT, GREEDY),
+            SequenceSpec("d", PROMPT, GREEDY),  # past --max-sequences
+        ]
+    )
+    assert [kind_of(e) for e in errors] == [ErrorKind.INVALID_ARGUMENT, None, None, ErrorKind.RESOURCE_EXHAUSTED]
+    assert sorted(engine.table.seqs) == ["a", "b", "c"]
+    if kind != "ngram":
+        assert engine.table.kv_bytes() == used * 3

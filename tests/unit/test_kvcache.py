@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import mmap
 import random
+import sys
 
 import pytest
 import torch
 
 from drafter_service.engine import ModelDrafter
-from specd.kvcache import BatchedCausalLM, Row
+from specd.kvcache import BatchedCausalLM, Row, SlotKVCache
 from specd.sampling import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
@@ -83,8 +85,14 @@ def test_logits_from_selects_the_wanted_positions(tiny_target, vocab_size):
     assert lm.forward([]) == []
 
 
-def test_slot_and_position_growth_keeps_cached_sequences(tiny_target, vocab_size):
-    lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+def cache_tensors(lm: BatchedCausalLM) -> list[torch.Tensor]:
+    return [t for store in (lm.cache.keys, lm.cache.values) for t in store if t is not None]
+
+
+def test_sequences_up_to_the_bound_share_one_fixed_cache(tiny_target, vocab_size):
+    """Slots and positions up to the bound: the tensors are made once at the bound's size
+    and never grow or move, whatever rows of mixed lengths feed them."""
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32, max_slots=11, max_positions=256)
     rng = random.Random(2)
     seqs: dict[int, list[int]] = {}
     cached: dict[int, int] = {}
@@ -106,23 +114,83 @@ def test_slot_and_position_growth_keeps_cached_sequences(tiny_target, vocab_size
         feed(dict.fromkeys(seqs, 1))
 
     feed({0: 5})
-    assert (lm.cache.slot_capacity, lm.cache.position_capacity) == (1, 64)
+    tensors = cache_tensors(lm)
+    assert tensors and all(t.shape[0] == 11 and t.shape[2] == 256 for t in tensors)
+    where = [t.data_ptr() for t in tensors]
     feed({1: 30, 2: 3})
-    assert lm.cache.slot_capacity >= 3
     check_all()
-    feed({slot: 2 + slot for slot in range(3, 11)})  # more sequences than any capacity so far
-    assert lm.cache.slot_capacity >= 11
+    feed({slot: 2 + slot for slot in range(3, 11)})  # every slot
     check_all()
     feed({0: 65, 4: 1, 7: 2})  # beyond 64 positions, mixed with short rows
-    assert lm.cache.position_capacity >= 128
     check_all()
     feed({5: 150})  # beyond 128 positions
-    assert lm.cache.position_capacity >= 256
     check_all()
+    assert [t.data_ptr() for t in cache_tensors(lm)] == where, "the cache was reallocated"
     assert lm.cache.bytes_per_token() > 0
-    assert lm.cache.allocated_bytes() == (
-        lm.cache.bytes_per_token() * lm.cache.slot_capacity * lm.cache.position_capacity
-    )
+    assert lm.cache.reserved_bytes() == lm.cache.bytes_per_token() * 11 * 256
+    assert sum(t.numel() * t.element_size() for t in cache_tensors(lm)) == lm.cache.reserved_bytes()
+    # On the CPU only the written positions count as backed.
+    assert lm.cache.allocated_bytes() == lm.cache.bytes_per_token() * sum(cached.values())
+
+
+def test_a_row_at_the_end_of_the_bound_batched_with_longer_rows_does_not_grow_the_cache(tiny_target, vocab_size):
+    """Padding a short row to the longest row's token count used to reach past the last
+    position and double the position capacity; padding is now never written."""
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32, max_slots=3, max_positions=64)
+    rng = random.Random(7)
+    long, short = random_tokens(rng, 63, vocab_size), random_tokens(rng, 2, vocab_size)
+    lm.forward([Row(0, 0, long, 62), Row(2, 0, short, 1)])
+    where = [t.data_ptr() for t in cache_tensors(lm)]
+    last, more = random_tokens(rng, 1, vocab_size), random_tokens(rng, 12, vocab_size)
+    out = lm.forward([Row(2, 2, more, 0), Row(0, 63, last, 0)])
+    assert_logits_close(out[1], full_logits(tiny_target, [*long, *last], 63), "row ending at the bound")
+    assert_logits_close(out[0], full_logits(tiny_target, [*short, *more], 2), "longer row beside it")
+    assert [t.data_ptr() for t in cache_tensors(lm)] == where
+    assert all(t.shape[0] == 3 and t.shape[2] == 64 for t in cache_tensors(lm))
+
+
+@pytest.mark.parametrize(
+    "row", [Row(3, 0, [1], 0), Row(0, 60, [1] * 5, 0), Row(-1, 0, [1], 0)], ids=["slot", "positions", "negative"]
+)
+def test_a_row_past_the_bound_is_refused_before_anything_is_written(tiny_target, vocab_size, row):
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32, max_slots=3, max_positions=64)
+    lm.forward([Row(1, 0, [5, 6, 7], 2)])
+    before = [t.clone() for t in cache_tensors(lm)]
+    with pytest.raises(ValueError, match="outside the cache"):
+        lm.forward([Row(1, 3, [8], 0), row])
+    assert all(torch.equal(a, b) for a, b in zip(before, cache_tensors(lm), strict=True))
+    assert lm.cache.allocated_bytes() == lm.cache.bytes_per_token() * 3
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_cpu_memory_is_backed_as_written_and_handed_back_when_a_slot_is_released():
+    heads, dim, positions, slots = 4, 64, 4096, 8
+    cache = SlotKVCache(1, CPU, torch.float32, max_slots=slots, max_positions=positions)
+    per_slot = 2 * heads * positions * dim * 4  # keys and values: 8 MiB
+    base = resident_bytes()
+
+    def write(slot: int, start: int, n: int) -> None:
+        cache.prepare([slot], [start], [n])
+        kv = torch.ones((1, heads, n, dim))
+        cache.update(kv, kv, 0)
+
+    write(0, 0, 16)
+    assert cache.reserved_bytes() == slots * per_slot
+    assert resident_bytes() - base < per_slot / 2, "reserving the bound backed it with memory"
+    write(3, 0, positions)  # one slot to the end of the context
+    grown = resident_bytes() - base
+    assert per_slot * 0.9 < grown < per_slot * 1.5
+    assert cache.allocated_bytes() == cache.bytes_per_token() * (16 + positions)
+    cache.release(3)
+    assert resident_bytes() - base < per_slot / 2, "a released slot kept its memory"
+    assert cache.allocated_bytes() == cache.bytes_per_token() * 16
+    assert float(cache.keys[0][3].abs().sum()) == 0.0  # a released slot reads as zeros
+    assert float(cache.keys[0][0, :, :16].sum()) == heads * 16 * dim  # its neighbours keep theirs
 
 
 def test_padding_positions_stay_inside_learned_position_embeddings():
@@ -357,8 +425,8 @@ def test_many_long_sequences_through_the_verifier_match_full_recompute(make_veri
         for task, result in zip(tasks, results, strict=True):
             assert result.error is None
             committed[task.sequence_id] += [*task.draft_tokens[: result.num_accepted], result.next_token]
-    assert verifier.lm.cache.slot_capacity >= 12
-    assert verifier.lm.cache.position_capacity >= 256
+    assert verifier.lm.cache.max_slots == 12
+    assert verifier.lm.cache.max_positions == 512
     for sid, tokens in committed.items():
         state = verifier.table.get(sid)
         fed = state.committed[len(state.cached) :]
