@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import EngineError, exhausted, invalid, not_found
-from specd.kvcache import BatchedCausalLM, Row
+from specd.kvcache import BatchedCausalLM, Row, trim_heap
 from specd.logits import Penalties, penalize, validate_penalties
 from specd.logprobs import LogprobsRequest, TokenLogprob, token_logprobs
 from specd.ranges import RANGES
@@ -183,10 +183,15 @@ class SequenceTable:
             raise not_found(f"sequences not open (none closed): {', '.join(map(repr, unknown))}")
         closed = 0
         for sequence_id in wanted:
-            state = self.seqs.pop(sequence_id, None)
+            state = self.seqs.get(sequence_id)
             if state is not None:
+                # Memory first: whoever sees the sequence gone sees its memory gone too.
                 self._free_slot(state.slot)
+                del self.seqs[sequence_id]
                 closed += 1
+        if closed and not self.seqs and self.lm is not None and self.lm.cache.lazy:
+            # Load dropped to nothing: the forwards' freed activations go back to the system too.
+            trim_heap()
         return closed
 
     def _free_slot(self, slot: int) -> None:
