@@ -124,3 +124,49 @@ async def _servicer_close(vocab_size: int) -> None:
     finally:
         await server.stop(None)
         runner.shutdown()
+
+
+def test_servicer_open_that_cannot_fit_is_refused_before_any_state_changes(make_verifier):
+    engine = make_verifier(max_sequences=2, max_context=64, max_draft_tokens=4)
+    engine.lm.warm_up(2)  # as the service does: the cache is made at its bound before any request
+    assert engine.table.kv_reserved_bytes() == 2 * 64 * engine.table.kv_bytes_per_token() > 0
+    asyncio.run(_servicer_open_too_big(engine))
+
+
+async def _servicer_open_too_big(engine) -> None:
+    from specd.proto.speculative.v1 import verifier_pb2, verifier_pb2_grpc
+    from verifier_service.servicer import VerifierServicer
+
+    runner = EngineRunner("test-verifier")
+    servicer = VerifierServicer(
+        engine, common_pb2.ModelInfo(), runner, Tracing("test"), ServiceMetrics("verifier", engine), Leases(0)
+    )
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+
+    def spec(sid: str, prompt: list[int]) -> common_pb2.SequenceSpec:
+        return common_pb2.SequenceSpec(
+            sequence_id=sid, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(top_p=1.0)
+        )
+
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = verifier_pb2_grpc.VerifierServiceStub(channel)
+            reserved = engine.table.kv_reserved_bytes()
+            specs = [spec("a", PROMPT), spec("too-long", list(range(1, 65))), spec("b", PROMPT), spec("c", PROMPT)]
+            reply = await stub.OpenVerifySequences(verifier_pb2.OpenVerifySequencesRequest(sequences=specs))
+            codes = [r.error.code if r.HasField("error") else None for r in reply.results]
+            assert codes == [
+                None,
+                common_pb2.ERROR_CODE_INVALID_ARGUMENT,
+                None,
+                common_pb2.ERROR_CODE_RESOURCE_EXHAUSTED,
+            ]
+            assert set(engine.table.seqs) == {engine_id("", "a"), engine_id("", "b")}
+            assert engine.table.kv_reserved_bytes() == reserved, "refusing must not grow the cache"
+            assert engine.table.kv_bytes() == 2 * (len(PROMPT) - 1) * engine.table.kv_bytes_per_token()
+    finally:
+        await server.stop(None)
+        runner.shutdown()
