@@ -108,7 +108,7 @@ class SlotKVCache(Cache):
         return _lazy_cpu_zeros(shape, dtype)
 
     def release(self, slot: int) -> None:
-        """Hand a freed slot's memory back to the kernel (CPU); it reads as zeros after."""
+        """Hand a freed slot's memory back to the kernel (CPU): its whole pages read as zeros after."""
         if not self._high[slot]:
             return
         self._high[slot] = 0
