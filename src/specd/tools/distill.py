@@ -156,58 +156,51 @@ def generate(
     stops: set[int],
     top_k: int,
     gen: torch.Generator,
-    pad: int = 0,
     top_p: float = 0.95,
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Answer each prefix (left-padded batch, KV cache); per row: tokens, top-k ids and logits per token."""
-    from transformers import DynamicCache
+    """Answer every prefix at once; per row: tokens, and the top-k ids and logits that chose each token.
 
-    b, length = len(prefixes), max(len(p) for p in prefixes)
-    ids = torch.full((b, length), pad, dtype=torch.long)
-    attn = torch.zeros((b, length), dtype=torch.long)
-    for i, p in enumerate(prefixes):
-        ids[i, length - len(p) :] = torch.tensor(p)
-        attn[i, length - len(p) :] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache, logits_to_keep=1)
-    logits = out.logits[:, -1].float()
+    Runs on the services' BatchedCausalLM: a preallocated per-slot KV cache (no copy per step) where
+    rows of different lengths share each forward and finished rows drop out.
+    """
+    dtype = next(model.parameters()).dtype
+    lm = BatchedCausalLM(model, torch.device("cpu"), dtype)
+    b = len(prefixes)
+    lengths = [len(p) for p in prefixes]
+    logits = torch.cat(lm.forward([Row(i, 0, list(p), len(p) - 1) for i, p in enumerate(prefixes)]))
     temps = torch.tensor(temperatures, dtype=torch.float32)
-    rows = list(range(b))  # original index of each live row
+    live = list(range(b))
     tokens: list[list[int]] = [[] for _ in range(b)]
     top_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
     top_vals: list[list[torch.Tensor]] = [[] for _ in range(b)]
     for _ in range(max_new):
         tv, ti = logits.topk(top_k, dim=-1)
         nxt = logits.argmax(-1)
-        sampled = (temps > 0).nonzero().flatten()
+        t_live = temps[live]
+        sampled = (t_live > 0).nonzero().flatten()
         if sampled.numel():
-            x = logits[sampled] / temps[sampled, None]
+            x = logits[sampled] / t_live[sampled, None]
             sv, si = x.sort(dim=-1, descending=True)
             probs = sv.softmax(-1)
-            cut = probs.cumsum(-1) - probs > top_p
-            probs = probs.masked_fill(cut, 0.0)
+            probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
             pick = torch.multinomial(probs, 1, generator=gen).flatten()
             nxt[sampled] = si.gather(1, pick[:, None]).flatten()
         keep = []
-        for j, r in enumerate(rows):
+        for j, r in enumerate(live):
             t = int(nxt[j])
             tokens[r].append(t)
             top_ids[r].append(ti[j].to(torch.int32))
             top_vals[r].append(tv[j].to(torch.float16))
             if t not in stops:
-                keep.append(j)
+                keep.append(r)
         if not keep:
             break
-        if len(keep) < len(rows):
-            index = torch.tensor(keep)
-            cache.batch_select_indices(index)
-            nxt, attn, pos, temps = nxt[index], attn[index], pos[index], temps[index]
-            rows = [rows[j] for j in keep]
-        attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        pos = pos[:, -1:] + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, past_key_values=cache)
-        logits = out.logits[:, -1].float()
+        rows = []
+        for r in keep:
+            rows.append(Row(r, lengths[r], [tokens[r][-1]], 0))
+            lengths[r] += 1
+        live = keep
+        logits = torch.cat(lm.forward(rows))
     return [(tokens[i], torch.stack(top_ids[i]), torch.stack(top_vals[i])) for i in range(b)]
 
 
