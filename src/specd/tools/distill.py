@@ -164,9 +164,10 @@ def generate(
     rows of different lengths share each forward and finished rows drop out.
     """
     dtype = next(model.parameters()).dtype
-    lm = BatchedCausalLM(model, torch.device("cpu"), dtype)
     b = len(prefixes)
     lengths = [len(p) for p in prefixes]
+    # Bounded to what this batch can reach: one slot per prefix, its prompt and answer.
+    lm = BatchedCausalLM(model, torch.device("cpu"), dtype, max_slots=b, max_positions=max(lengths) + max_new)
     logits = torch.cat(lm.forward([Row(i, 0, list(p), len(p) - 1) for i, p in enumerate(prefixes)]))
     temps = torch.tensor(temperatures, dtype=torch.float32)
     live = list(range(b))
@@ -527,7 +528,7 @@ def evaluate(student: Any, refs: list[tuple[list[int], list[int]]], dtype: torch
 
 def step_ms(model: Any, dtype: torch.dtype, n: int = 30) -> float:
     """Median time of one single-sequence decode step through the drafter service's BatchedCausalLM."""
-    lm = BatchedCausalLM(model, torch.device("cpu"), dtype)
+    lm = BatchedCausalLM(model, torch.device("cpu"), dtype, max_slots=1, max_positions=128 + n)
     lm.forward([Row(0, 0, list(range(100, 228)), 127)])
     times = []
     for i in range(n):
