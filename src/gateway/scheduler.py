@@ -472,16 +472,17 @@ class Scheduler:
 
     def _plan(self, seqs: list[_Sequence], round_id: int) -> RoundPlan:
         """Which sequences draft before the verify, which are verified, and which draft during it."""
-        cohorts = [s for s in seqs if self._pipeline(s) == "cohort"]
-        # A cohort alone has no partner to overlap with: it runs sequentially.
-        paired = len({s.cohort for s in cohorts}) == 2
         plan = RoundPlan()
         ks = self._choose_ks(seqs, len(seqs))
+        # Only sequences that draft take turns; a cohort alone has no partner to overlap
+        # with, and a sequence that does not draft is verified every round.
+        turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0]
+        paired = len({s.cohort for s in turns}) == 2
         for s in seqs:
             k = ks[s.id]
             mode = self._pipeline(s)
             ready = self._ready(s)
-            if mode == "cohort" and paired:
+            if mode == "cohort" and paired and k > 0:
                 if s.cohort != round_id % 2:
                     if k > 0 and ready is None:
                         plan.ahead.append(DraftItem(s, k))  # verified next round, with these drafts

@@ -214,3 +214,14 @@ def test_per_request_pipeline_mixes_in_one_batch() -> None:
 
     results = asyncio.run(main())
     assert [ids for ids, _ in results] == [reference(p, 20) for p in PROMPTS]
+
+
+def test_cohort_sequences_that_do_not_draft_are_verified_every_round() -> None:
+    """With k = 0 (the policy found drafting does not pay) cohorts have nothing to overlap:
+    every sequence must be verified every round, as target-only."""
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    sched = scheduler(verifier, drafter, "cohort", k=0)
+    results = generate(sched, PROMPTS[:4], max_tokens=12)
+    assert [ids for ids, _ in results] == [reference(p, 12) for p in PROMPTS[:4]]
+    # Each request needs 12 verifies; sharing every round, 4 requests need about 12 rounds, not 24.
+    assert len(verifier.requests) <= 14
