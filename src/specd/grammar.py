@@ -40,8 +40,9 @@ class GrammarError(ValueError):
 
 
 def canonical(schema: Mapping[str, Any] | bool) -> str:
-    """The wire form of a schema: compact, key-sorted JSON text."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The wire form of a schema: compact JSON text, keys in the client's order (properties
+    are generated in the order the schema lists them, as OpenAI's strict mode does)."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def _grammar(schema_text: str) -> str:
