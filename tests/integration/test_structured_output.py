@@ -12,12 +12,15 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import httpx
 import jsonschema
 import openai
 import pytest
 import stack as st
 import tinymodels
+
+from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
 MODEL = "target"
 MAX_TOKENS = 160
@@ -244,3 +247,19 @@ def test_bad_response_formats_are_400_naming_the_parameter(close_stack, fields, 
     r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_grpc_json_schema(close_stack):
+    """GenerationParams.json_schema constrains as response_format does; bad schemas are INVALID_ARGUMENT."""
+    prompt = "A user record:"
+    params = gateway_pb2.GenerationParams(max_tokens=MAX_TOKENS, temperature=0, json_schema=json.dumps(SCHEMAS[11]))
+    with grpc.insecure_channel(f"127.0.0.1:{close_stack.gateway.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        reply = stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=300)
+        assert reply.finish_reason == gateway_pb2.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(reply.text), SCHEMAS[11])
+        for bad in ("{not json", '{"type": "nope"}'):
+            params = gateway_pb2.GenerationParams(max_tokens=4, json_schema=bad)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=60)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
