@@ -246,3 +246,27 @@ def test_opened_mid_generation_the_grammar_consumes_what_was_generated(tok, tiny
         [SequenceSpec("y", prompt + tok.encode("[1]"), SamplingParams(), json_schema=schema, num_generated=3)]
     )
     assert errors[0] is not None
+
+
+def test_gateway_turns_response_format_into_schema_text():
+    from gateway.validation import InvalidParameter, json_schema
+
+    assert json_schema(None) == "" and json_schema({"type": "text"}) == ""
+    assert json.loads(json_schema({"type": "json_object"})) == {"type": "object"}
+    schema = {"type": "object", "properties": {"z": {"type": "boolean"}, "a": {"type": "boolean"}}}
+    text = json_schema({"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}})
+    assert list(json.loads(text)["properties"]) == ["z", "a"]  # the schema's order is the output's
+    for bad, param in [
+        ({"type": "xml"}, "response_format"),
+        ({"type": "json_object", "schema": {}}, "response_format"),
+        ({"type": "json_schema"}, "response_format"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format"),
+        ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "nope"}}}, "response_format"),
+        ({"type": "json_schema", "json_schema": {"name": "n", "strict": "yes"}}, "response_format"),
+    ]:
+        with pytest.raises(InvalidParameter) as caught:
+            json_schema(bad)
+        assert caught.value.param == param
+    with pytest.raises(InvalidParameter) as caught:
+        json_schema({"type": "json_object"}, ignore_eos=True)
+    assert caught.value.param == "ignore_eos"
