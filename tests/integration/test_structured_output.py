@@ -139,8 +139,9 @@ def response_format(i: int) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": f"schema_{i}", "schema": SCHEMAS[i], "strict": True}}
 
 
-def chat(stack: st.Stack, i: int, sampling: dict[str, Any], k: int) -> dict[str, Any]:
+def chat(stack: st.Stack, i: int, sampling: dict[str, Any], k: int, pipeline: str = "sequential") -> dict[str, Any]:
     body = {
+        "pipeline": pipeline,
         "model": MODEL,
         "messages": [{"role": "user", "content": PROMPTS[i]}],
         "max_tokens": MAX_TOKENS,
@@ -164,19 +165,26 @@ def accepted_and_drafted(stack: st.Stack) -> tuple[float, float]:
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_every_output_parses_and_validates_with_speculation_on_and_off(close_stack, sampling):
-    replies: dict[int, list[str]] = {}
+    replies: dict[tuple[int, str], list[str]] = {}
     accepted0, drafted0 = accepted_and_drafted(close_stack)
-    for k in (0, 4):
+    # Draft-ahead too: its drafter follows assumed tokens, which the grammar must roll back.
+    runs = [(0, "sequential"), (4, "sequential")] + ([(4, "ahead")] if sampling != "sampled" else [])
+    for k, pipeline in runs:
         with ThreadPoolExecutor(4) as pool:
-            choices = list(pool.map(lambda i, k=k: chat(close_stack, i, SAMPLINGS[sampling], k), range(len(SCHEMAS))))
+            choices = list(
+                pool.map(
+                    lambda i, k=k, p=pipeline: chat(close_stack, i, SAMPLINGS[sampling], k, p), range(len(SCHEMAS))
+                )
+            )
         for i, choice in enumerate(choices):
             text = choice["message"]["content"]
             assert choice["finish_reason"] == "stop", (i, text)
             jsonschema.validate(json.loads(text), SCHEMAS[i])
-        replies[k] = [c["message"]["content"] for c in choices]
+        replies[k, pipeline] = [c["message"]["content"] for c in choices]
     if sampling != "sampled":
         # Greedy and seeded: exactly what target-only constrained decoding emits.
-        assert replies[4] == replies[0]
+        assert replies[4, "sequential"] == replies[0, "sequential"]
+        assert replies[4, "ahead"] == replies[0, "sequential"]
     accepted, drafted = accepted_and_drafted(close_stack)
     assert drafted > drafted0 and (accepted - accepted0) / (drafted - drafted0) > 0.5
 
