@@ -159,6 +159,8 @@ class ModelDrafter(_DrafterBase):
                 if i in constrained and not self._push(state, token):
                     constrained.discard(i)
                     continue
+                if i in constrained and state.grammar is not None and state.grammar.ended:
+                    continue  # it drafted end-of-sequence: nothing can follow
                 if step + 1 < k:
                     still.append((i, state, k))
             active = still

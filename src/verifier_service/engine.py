@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -124,8 +125,10 @@ class VerifierEngine:
                 adjusted[n] = apply_mask(adjusted[n], allowed)
             except Exception as exc:
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"grammar failed: {exc}")
-                # Its rows stay in the pass, unconstrained, and its verdict is dropped below.
-                state.grammar.pop(consumed.pop(task.sequence_id, 0))
+                # Its rows stay in the pass, unconstrained, and its verdict is dropped below;
+                # the sequence has failed, so a grammar that cannot even roll back is left as is.
+                with contextlib.suppress(Exception):
+                    state.grammar.pop(consumed.pop(task.sequence_id, 0))
         probs = probabilities(torch.cat(adjusted), params)
         coupled = self._coupled_tokens(live, probs)
         offset = 0
