@@ -38,10 +38,6 @@ class SequenceState:
     # Structured output: the grammar state, following the output tokens.
     grammar: GrammarMatcher | None = None
 
-    @property
-    def output(self) -> list[int]:
-        return self.committed[self.prompt_len :]
-
     def penalized(self, logits: torch.Tensor, drafts: Sequence[int] = (), drafted: Sequence[int] = ()) -> torch.Tensor:
         """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""
         if not self.penalties.active:
