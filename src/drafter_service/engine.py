@@ -10,6 +10,7 @@ import torch
 from specd import ngram
 from specd.errors import EngineError, invalid, precondition
 from specd.fingerprint import TokenizerFingerprint
+from specd.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
 from specd.sampling import gumbel_argmax, position_keys, probabilities, sparse_draft
 from specd.sequences import SequenceState, SequenceTable
@@ -92,8 +93,11 @@ class ModelDrafter(_DrafterBase):
         max_context: int,
         max_draft_tokens: int,
         max_support: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
-        table = SequenceTable(lm, lm.vocab_size, max_sequences, min(max_context, lm.max_positions), lm.device)
+        table = SequenceTable(
+            lm, lm.vocab_size, max_sequences, min(max_context, lm.max_positions), lm.device, grammars=grammars
+        )
         super().__init__(table, fingerprint, max_draft_tokens)
         self.lm = lm
         self.max_support = max_support
@@ -115,6 +119,8 @@ class ModelDrafter(_DrafterBase):
         start = time.time_ns()
         for _, state, _, context in live:
             self._roll_back(state, context)
+        # Constrained sequences: the grammar follows committed + assumed tokens, then each draft.
+        constrained = self._sync_grammars(active, contexts)
         timing.phases.append(("rollback", start, time.time_ns()))
         forward_ns = 0
         # Step 0 feeds every committed token not yet cached (1 after a rejection,
@@ -131,6 +137,7 @@ class ModelDrafter(_DrafterBase):
                 s.penalized(x, drafted=[*contexts[i][len(s.committed) :], *proposals[i].tokens])
                 for (i, s, _), x in zip(active, self.lm.forward(rows), strict=True)
             ]
+            ended = self._mask(active, logits, constrained)
             probs = probabilities(torch.cat(logits), [s.params for _, s, _ in active])
             end = time.time_ns()
             forward_ns += end - start
@@ -143,16 +150,65 @@ class ModelDrafter(_DrafterBase):
                     token, dist = coupled[row_i], None
                 else:
                     token, dist = self._pick(probs[row_i], state)
+                if row_i in ended:
+                    continue  # its grammar allows nothing more (or failed): the block ends here
                 proposals[i].tokens.append(token)
                 if dist is not None:
                     proposals[i].dists.append(dist)
                 feed[i] = [token]
+                if i in constrained and not self._push(state, token):
+                    constrained.discard(i)
+                    continue
+                if i in constrained and state.grammar is not None and state.grammar.ended:
+                    continue  # it drafted end-of-sequence: nothing can follow
                 if step + 1 < k:
                     still.append((i, state, k))
             active = still
             step += 1
         timing.forward_ns = forward_ns
         return proposals, timing
+
+    @staticmethod
+    def _sync_grammars(active: Sequence[tuple[int, SequenceState, int]], contexts: dict[int, list[int]]) -> set[int]:
+        """Bring each constrained sequence's grammar to its committed + assumed output; the ones that follow."""
+        out = set()
+        for i, state, _ in active:
+            if state.grammar is None:
+                continue
+            try:
+                state.grammar.sync(contexts[i][state.prompt_len :])
+            except GrammarError:
+                # Only if the verifier committed what this grammar refuses: the sequence
+                # then drafts unconstrained, and the verifier's mask still holds.
+                state.grammar = None
+                continue
+            out.add(i)
+        return out
+
+    @staticmethod
+    def _mask(
+        active: Sequence[tuple[int, SequenceState, int]], logits: list[torch.Tensor], constrained: set[int]
+    ) -> set[int]:
+        """Mask each constrained row's logits in place in the list; returns the rows that must stop drafting."""
+        ended = set()
+        for row_i, (i, state, _) in enumerate(active):
+            if i not in constrained:
+                continue
+            assert state.grammar is not None
+            try:
+                logits[row_i] = apply_mask(logits[row_i], state.grammar.allowed()[None])
+            except GrammarError:
+                ended.add(row_i)
+        return ended
+
+    @staticmethod
+    def _push(state: SequenceState, token: int) -> bool:
+        assert state.grammar is not None
+        try:
+            state.grammar.push([token])
+        except GrammarError:
+            return False
+        return True
 
     @staticmethod
     def _coupled_tokens(

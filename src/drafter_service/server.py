@@ -10,6 +10,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd import draftlm, models
+from specd.grammar import GrammarCompiler
 from specd.kvcache import BatchedCausalLM
 from specd.leases import Leases
 from specd.placement import pin
@@ -52,7 +53,13 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = ModelDrafter(
-        lm, loaded.fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens, config.max_support
+        lm,
+        loaded.fingerprint,
+        config.max_sequences,
+        config.max_context,
+        config.max_draft_tokens,
+        config.max_support,
+        GrammarCompiler(loaded.tokenizer, lm.vocab_size),
     )
     lm.warm_up(2)
     info = common_pb2.ModelInfo(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,7 +11,7 @@ import grpc
 from gateway.failures import GenerationError
 from gateway.logprob_format import TokenTexts, grpc_logprobs
 from gateway.scheduler import Delta, Failed, Finished, Scheduler, _Sequence
-from gateway.validation import RequestedParams, encode_prompt, generation_params
+from gateway.validation import InvalidParameter, RequestedParams, encode_prompt, generation_params
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
 FINISH = {"stop": gateway_pb2.FINISH_REASON_STOP, "length": gateway_pb2.FINISH_REASON_LENGTH}
@@ -124,4 +125,16 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         top_logprobs=params.top_logprobs,
         prompt_logprobs=params.prompt_logprobs,
         pipeline=params.pipeline or None,
+        response_format=response_format(params.json_schema),
     )
+
+
+def response_format(schema_text: str) -> dict[str, Any] | None:
+    """GenerationParams.json_schema as the OpenAI response_format the validator checks."""
+    if not schema_text:
+        return None
+    try:
+        schema = json.loads(schema_text)
+    except ValueError as exc:
+        raise InvalidParameter("json_schema", f"json_schema is not JSON text: {exc}") from None
+    return {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}

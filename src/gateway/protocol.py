@@ -24,7 +24,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "functions": ("function calling is not implemented", ([],)),
     "function_call": ("function calling is not implemented", ("none",)),
     "parallel_tool_calls": ("tool calling is not implemented", ()),
-    "response_format": ('structured output is not implemented yet; only {"type": "text"}', ({"type": "text"},)),
     "audio": ("audio output is not implemented", ()),
     "modalities": ('only text output is implemented: ["text"]', (["text"],)),
     "prediction": ("predicted outputs are not implemented", ()),
@@ -175,12 +174,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # REFUSED (their types are the SDK's; any value but the neutral one is a 400).
+    # REFUSED but response_format (their types are the SDK's; any value but the neutral one is a 400).
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by gateway.validation.
     response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
@@ -193,7 +193,11 @@ class ChatCompletionRequest(_Request):
     def requested(self) -> RequestedParams:
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         return dataclasses.replace(
-            super().requested(), max_tokens=max_tokens, logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs
+            super().requested(),
+            max_tokens=max_tokens,
+            logprobs=bool(self.logprobs),
+            top_logprobs=self.top_logprobs,
+            response_format=self.response_format,
         )
 
     def messages_problem(self) -> InvalidParameter | None:

@@ -67,6 +67,8 @@ class GenerationParams:
     logprobs: LogprobsRequest | None = None
     # None: the gateway's --pipeline; else "sequential", "cohort" or "ahead".
     pipeline: str | None = None
+    # Structured output: canonical JSON Schema text the output must satisfy; "" = none.
+    json_schema: str = ""
 
 
 @dataclass
@@ -417,6 +419,7 @@ class Scheduler:
             sampling=add_penalties_pb(sampling_pb(seq.params.sampling), seq.params.penalties),
             num_generated=len(seq.output),
             logprobs=logprobs_request_pb(seq.params.logprobs),
+            json_schema=seq.params.json_schema,
         )
 
     async def _join_drafter(self, seqs: list[_Sequence]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.failures import GenerationError
 from gateway.scheduler import PIPELINES, GenerationParams
+from specd.grammar import JSON_OBJECT_SCHEMA, canonical, schema_problem
 from specd.logits import Penalties
 from specd.logprobs import LogprobsRequest
 from specd.ranges import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_SEQUENCES, RANGES
@@ -56,6 +57,8 @@ class RequestedParams:
     best_of: int | None = None
     # None: the gateway's --pipeline; else "sequential", "cohort" or "ahead".
     pipeline: str | None = None
+    # OpenAI's response_format, as sent: {"type": "text" | "json_object" | "json_schema", ...}.
+    response_format: Mapping[str, Any] | None = None
 
 
 def check(name: str, value: object, range_name: str | None = None) -> None:
@@ -111,7 +114,50 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
         ),
         logprobs=logprobs_request(raw),
         pipeline=raw.pipeline,
+        json_schema=json_schema(raw.response_format, raw.ignore_eos),
     )
+
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
+def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = False) -> str:
+    """The canonical JSON Schema text a response_format asks for; "" for none or text."""
+    if response_format is None:
+        return ""
+    if not isinstance(response_format, Mapping) or response_format.get("type") not in RESPONSE_FORMAT_TYPES:
+        raise InvalidParameter(
+            "response_format", f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}"
+        )
+    kind = response_format["type"]
+    extra = sorted(set(response_format) - {"type", *(("json_schema",) if kind == "json_schema" else ())})
+    if extra:
+        raise InvalidParameter("response_format", f"response_format of type {kind} has unknown fields: {extra}")
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        schema: Any = JSON_OBJECT_SCHEMA
+    else:
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+            raise InvalidParameter(
+                "response_format", "response_format.json_schema must be an object with a string name and a schema"
+            )
+        if unknown := sorted(set(spec) - set(JSON_SCHEMA_KEYS)):
+            raise InvalidParameter("response_format", f"response_format.json_schema has unknown fields: {unknown}")
+        if spec.get("strict") not in (None, True, False):
+            raise InvalidParameter("response_format", "response_format.json_schema.strict must be a boolean")
+        # Absent: any JSON value, as OpenAI allows. strict or not, the schema is enforced.
+        schema = spec.get("schema", {})
+        if not isinstance(schema, (Mapping, bool)):
+            raise InvalidParameter("response_format", "response_format.json_schema.schema must be a JSON object")
+    if ignore_eos:
+        raise InvalidParameter("ignore_eos", "ignore_eos cannot be combined with a JSON response_format")
+    text = canonical(schema)
+    if problem := schema_problem(text):
+        raise InvalidParameter("response_format", f"response_format: the JSON schema is not supported: {problem}")
+    return text
 
 
 def logit_bias(bias: Mapping[int, float] | Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:

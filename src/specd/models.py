@@ -183,6 +183,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     fingerprint: TokenizerFingerprint
+    # The tokenizer itself: structured output compiles grammars against it.
+    tokenizer: Any = None
 
 
 def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int = 0, cpus: str = "") -> LoadedModel:
@@ -196,4 +198,5 @@ def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int 
     if threads or pinned:
         torch.set_num_threads(threads or len(pinned))
     model = load_model(spec, device, dtype)
-    return LoadedModel(model, device, dtype, TokenizerFingerprint.of(load_tokenizer(spec)))
+    tokenizer = load_tokenizer(spec)
+    return LoadedModel(model, device, dtype, TokenizerFingerprint.of(tokenizer), tokenizer)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import EngineError, exhausted, invalid, not_found
+from specd.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from specd.kvcache import BatchedCausalLM, Row, trim_heap
 from specd.logits import Penalties, penalize, validate_penalties
 from specd.logprobs import LogprobsRequest, TokenLogprob, token_logprobs
@@ -34,6 +35,8 @@ class SequenceState:
     logprobs: LogprobsRequest | None = None
     # Filled by the prefill when the spec asked for them and the table scores prompts.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Structured output: the grammar state, following the output tokens.
+    grammar: GrammarMatcher | None = None
 
     def penalized(self, logits: torch.Tensor, drafts: Sequence[int] = (), drafted: Sequence[int] = ()) -> torch.Tensor:
         """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""
@@ -55,6 +58,7 @@ class SequenceTable:
         device: torch.device,
         prefill_chunk_tokens: int = 4096,
         scores_prompts: bool = False,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.lm = lm
         self.vocab_size = vocab_size
@@ -64,6 +68,8 @@ class SequenceTable:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         # Only the verifier's logprobs are the target's: a drafter ignores prompt logprob requests.
         self.scores_prompts = scores_prompts
+        # Compiles structured-output constraints; None: a service without a tokenizer (n-gram drafter).
+        self.grammars = grammars
         self.seqs: dict[str, SequenceState] = {}
         self._free: list[int] = list(range(max_sequences))
         if lm is not None:
@@ -111,6 +117,7 @@ class SequenceTable:
                     raise invalid(f"num_generated {spec.num_generated} must be below the prompt's length")
                 if not self._free:
                     raise exhausted(f"all {self.max_sequences} sequence slots are in use")
+                grammar = self._grammar(spec)
             except EngineError as exc:
                 errors[i] = exc
                 continue
@@ -125,6 +132,7 @@ class SequenceTable:
                 spec.penalties,
                 len(spec.prompt) - spec.num_generated,
                 spec.logprobs,
+                grammar=grammar,
             )
             opened.append(state)
         try:
@@ -138,6 +146,24 @@ class SequenceTable:
         for state in opened:
             self.seqs[state.sequence_id] = state
         return errors, forward_ns
+
+    def _grammar(self, spec: SequenceSpec) -> GrammarMatcher | None:
+        """The sequence's grammar state, having consumed what it already generated; None if unconstrained."""
+        if not spec.json_schema:
+            return None
+        if self.grammars is None:
+            if self.lm is None:
+                # The n-gram drafter has no tokenizer: it proposes unconstrained, and the
+                # verifier, which always constrains, rejects what the grammar refuses.
+                return None
+            raise invalid("this service was started without a tokenizer: it cannot apply a json_schema")
+        try:
+            grammar = self.grammars.matcher(spec.json_schema)
+            if spec.num_generated:
+                grammar.push(spec.prompt[len(spec.prompt) - spec.num_generated :])
+        except GrammarError as exc:
+            raise invalid(f"json_schema: {exc}") from None
+        return grammar
 
     def _prefill(self, states: list[SequenceState]) -> int:
         """Cache every prompt token but the last, which the first round feeds."""

@@ -144,6 +144,7 @@ def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
         penalties_from_pb(msg.sampling),
         msg.num_generated,
         LogprobsRequest(logprobs.top_logprobs, logprobs.prompt) if logprobs is not None else None,
+        msg.json_schema,
     )
 
 

@@ -19,6 +19,8 @@ class SequenceSpec:
     # Trailing prompt tokens the sequence already generated: penalties count them as output.
     num_generated: int = 0
     logprobs: LogprobsRequest | None = None
+    # Structured output: JSON Schema text the output must be an instance of; "" = unconstrained.
+    json_schema: str = ""
 
 
 @dataclass(frozen=True)

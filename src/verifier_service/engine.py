@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -9,6 +10,7 @@ import torch
 
 from specd.errors import EngineError, ErrorKind, invalid, precondition
 from specd.fingerprint import TokenizerFingerprint
+from specd.grammar import GrammarCompiler, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
 from specd.logprobs import TokenLogprob, token_logprobs
 from specd.sampling import coupled_verdict, gumbel_argmax, position_keys, probabilities, rejection_sample
@@ -27,12 +29,15 @@ class VerifierEngine:
         max_sequences: int,
         max_context: int,
         max_draft_tokens: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.lm = lm
         self.fingerprint = fingerprint
         self.max_draft_tokens = max_draft_tokens
         self.max_context = min(max_context, lm.max_positions)
-        self.table = SequenceTable(lm, lm.vocab_size, max_sequences, self.max_context, lm.device, scores_prompts=True)
+        self.table = SequenceTable(
+            lm, lm.vocab_size, max_sequences, self.max_context, lm.device, scores_prompts=True, grammars=grammars
+        )
 
     def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
         return self.table.open(specs)
@@ -106,10 +111,24 @@ class VerifierEngine:
         timing.forward_ns = end - start
         timing.phases.append(("forward", start, end))
         params = [state.params for _, state, task, _ in live for _ in range(len(task.draft_tokens) + 1)]
-        # Penalties and bias shape p; the logprobs below stay the raw model's.
+        # Penalties, bias and the grammar's mask shape p; the logprobs below stay the raw model's.
         adjusted = [
             state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
         ]
+        # Drafts each grammar consumed while masking its rows, settled after the verdict.
+        consumed: dict[str, int] = {}
+        for n, (i, state, task, _) in enumerate(live):
+            if state.grammar is None:
+                continue
+            try:
+                allowed, consumed[task.sequence_id] = state.grammar.masks_along(task.draft_tokens)
+                adjusted[n] = apply_mask(adjusted[n], allowed)
+            except Exception as exc:
+                results[i].error = EngineError(ErrorKind.INTERNAL, f"grammar failed: {exc}")
+                # Its rows stay in the pass, unconstrained, and its verdict is dropped below;
+                # the sequence has failed, so a grammar that cannot even roll back is left as is.
+                with contextlib.suppress(Exception):
+                    state.grammar.pop(consumed.pop(task.sequence_id, 0))
         probs = probabilities(torch.cat(adjusted), params)
         coupled = self._coupled_tokens(live, probs)
         offset = 0
@@ -117,6 +136,8 @@ class VerifierEngine:
             k = len(task.draft_tokens)
             rows_of_task = probs[offset : offset + k + 1]
             offset += k + 1
+            if results[i].error is not None:
+                continue
             try:
                 if state.params.seeded:
                     # Any draft distributions sent along are not needed: the target's
@@ -124,6 +145,10 @@ class VerifierEngine:
                     verdict = coupled_verdict(coupled[task.sequence_id], task.draft_tokens)
                 else:
                     verdict = rejection_sample(rows_of_task, task.draft_tokens, q, state.generator)
+                if state.grammar is not None:
+                    # The grammar follows the committed tokens exactly: the accepted drafts
+                    # stay consumed, the rejected ones are rolled back, the next token goes on.
+                    state.grammar.commit(consumed[task.sequence_id], verdict.num_accepted, verdict.next_token)
             except Exception as exc:  # one sequence's failure must not corrupt the others
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
                 continue

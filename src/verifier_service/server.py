@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import grpc
 
 from specd import models
+from specd.grammar import GrammarCompiler
 from specd.kvcache import BatchedCausalLM
 from specd.leases import Leases
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -21,7 +22,14 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
     loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
-    engine = VerifierEngine(lm, loaded.fingerprint, config.max_sequences, config.max_context, config.max_draft_tokens)
+    engine = VerifierEngine(
+        lm,
+        loaded.fingerprint,
+        config.max_sequences,
+        config.max_context,
+        config.max_draft_tokens,
+        GrammarCompiler(loaded.tokenizer, lm.vocab_size),
+    )
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     info = common_pb2.ModelInfo(
         model_id=config.model,

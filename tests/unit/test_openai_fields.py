@@ -22,7 +22,6 @@ REFUSED_SAMPLES: dict[str, Any] = {
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
     "parallel_tool_calls": True,
-    "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},

@@ -136,18 +136,20 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_generated: int
     logprobs: LogprobsRequest
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ...) -> None: ...
+    json_schema: str
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class OpenResult(_message.Message):
     __slots__ = ("sequence_id", "error", "prompt_logprobs")

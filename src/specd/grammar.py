@@ -1,0 +1,176 @@
+"""Structured output: a JSON Schema compiled by llguidance into a token mask at every position.
+
+A sequence's constraint travels as JSON Schema text (`SequenceSpec.json_schema`; OpenAI's
+`json_object` is `{"type": "object"}`); each service compiles it against its own tokenizer
+with the same options, so the drafter's and the verifier's masks agree. The constraint
+covers the generated tokens only, never the prompt. End-of-sequence is allowed exactly
+when the grammar accepts what was generated, and is then the only token left once nothing
+can follow (a closed top-level object).
+
+The verifier masks the target's logits at every verified position (`masks_along`: row j
+is what may follow the output plus drafts[:j]), so p is the constrained distribution and
+the exact rules sample from it unchanged; it then commits the accepted drafts and the
+next token (`commit`). The model drafter masks its own logits the same way
+(`sync`, then `allowed` and `push` per draft step). No torch on the wire, no gRPC here.
+
+Why llguidance and not xgrammar: see README ("Structured output").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+
+# Fixed separators and no free whitespace: a model cannot pad the JSON forever, and the
+# output looks like json.dumps'. Both services must compile with these same options.
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# OpenAI's response_format {"type": "json_object"}: any JSON object.
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
+class GrammarError(ValueError):
+    """A schema llguidance cannot compile, or tokens the grammar does not allow."""
+
+
+def canonical(schema: Mapping[str, Any] | bool) -> str:
+    """The wire form of a schema: compact JSON text, keys in the client's order (properties
+    are generated in the order the schema lists them, as OpenAI's strict mode does)."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def _grammar(schema_text: str) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema_text, defaults=JSON_OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"not a JSON schema: {exc}") from None
+
+
+def schema_problem(schema_text: str) -> str | None:
+    """Why llguidance cannot compile `schema_text`, or None (no tokenizer needed: the gateway's check)."""
+    try:
+        grammar = _grammar(schema_text)
+    except GrammarError as exc:
+        return str(exc)
+    return llguidance.LLMatcher.validate_grammar(grammar) or None
+
+
+class GrammarCompiler:
+    """One per service: the tokenizer's byte-level view, built once (about 0.6 s for 49k tokens)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos = int(tokenizer.eos_token_id)
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos)
+
+    def matcher(self, schema_text: str) -> GrammarMatcher:
+        m = llguidance.LLMatcher(self._tokenizer, _grammar(schema_text), log_level=0)
+        if m.is_error():
+            raise GrammarError(f"cannot compile the JSON schema: {m.get_error()}")
+        return GrammarMatcher(m, self.vocab_size, self.eos)
+
+
+class GrammarMatcher:
+    """The grammar state of one sequence, following the tokens it consumed (`tokens`).
+
+    End-of-sequence is kept here, not in llguidance: it is allowed exactly where the grammar
+    accepts, ends the output, and whatever follows it (a verifier's bonus token after an
+    accepted EOS draft) is never output, so it is recorded but constrains nothing.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int) -> None:
+        self._m = matcher
+        self.vocab_size = vocab_size
+        self.eos = eos
+        self.tokens: list[int] = []
+        # Index in `tokens` of the EOS that ended the output, if any.
+        self._ended_at: int | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self._ended_at is not None
+
+    def _in_grammar(self) -> int:
+        """How many of `tokens` llguidance has consumed."""
+        return len(self.tokens) if self._ended_at is None else self._ended_at
+
+    def allowed(self) -> torch.Tensor:
+        """Bool [V]: the tokens that may come next (EOS only where the grammar accepts; nothing after EOS)."""
+        if self.ended:
+            return torch.zeros(self.vocab_size, dtype=torch.bool)
+        if self._m.is_error():
+            raise GrammarError(self._m.get_error())
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        out = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(np.bool_))
+        out[self.eos] = self._m.is_accepting()
+        return out
+
+    def push(self, tokens: Sequence[int]) -> None:
+        for t in map(int, tokens):
+            if self.ended:
+                pass  # after EOS: never output
+            elif t == self.eos:
+                if not self._m.is_accepting():
+                    raise GrammarError("end-of-sequence is not allowed before the JSON is complete")
+                self._ended_at = len(self.tokens)
+            elif not self._m.consume_token(t):
+                raise GrammarError(f"token {t} is not allowed here: {self._m.get_error()}")
+            self.tokens.append(t)
+
+    def pop(self, n: int) -> None:
+        if n <= 0:
+            return
+        before = self._in_grammar()
+        del self.tokens[-n:]
+        if self._ended_at is not None and self._ended_at >= len(self.tokens):
+            self._ended_at = None
+        undo = before - self._in_grammar()
+        if undo and not self._m.rollback(undo):
+            raise GrammarError(f"cannot roll back {undo} tokens: {self._m.get_error()}")
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Follow `tokens` (the output so far): keep the common prefix, roll back the rest, consume what is new."""
+        n = 0
+        limit = min(len(self.tokens), len(tokens))
+        while n < limit and self.tokens[n] == tokens[n]:
+            n += 1
+        self.pop(len(self.tokens) - n)
+        self.push(tokens[n:])
+
+    def masks_along(self, drafts: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Bool [k + 1, V]: row j allows what may follow the output plus drafts[:j].
+
+        Consumes the drafts as far as the grammar allows them and returns how many it
+        consumed; `commit` settles the state once the verdict is known. A draft the
+        grammar refuses gets p = 0 in its own row, so it is rejected there by every rule,
+        and the rows after it are never used: they are left unconstrained.
+        """
+        rows = torch.ones((len(drafts) + 1, self.vocab_size), dtype=torch.bool)
+        consumed = 0
+        for j in range(len(drafts) + 1):
+            if self.ended:
+                break  # rows after an EOS draft are never output
+            rows[j] = self.allowed()
+            if j == len(drafts) or not rows[j, drafts[j]]:
+                break
+            self.push([drafts[j]])
+            consumed += 1
+        return rows, consumed
+
+    def commit(self, consumed: int, accepted: int, next_token: int) -> None:
+        """After `masks_along` consumed `consumed` drafts: keep the `accepted` first, then `next_token`."""
+        self.pop(consumed - accepted)
+        self.push([next_token])
+
+
+def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits [n, V] with every token the grammar refuses at -inf (a new tensor)."""
+    if not bool(allowed.any(dim=-1).all()):
+        raise GrammarError("the grammar allows no token at this position")
+    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -1,0 +1,273 @@
+"""Structured output through real services: every reply parses and validates.
+
+The tiny models have random weights, so left alone they write garbage; only the grammar can
+make their output valid JSON, which makes this a real test of the masks. Greedy and seeded
+outputs must also be the same with speculation on and off (the masked target distribution is
+the one sampled from), and the drafter, masked by the same grammar, must be mostly accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pytest
+import stack as st
+import tinymodels
+
+from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
+
+MODEL = "target"
+MAX_TOKENS = 160
+
+S = {"type": "string", "maxLength": 8}
+SCHEMAS: list[dict[str, Any]] = [
+    {
+        "type": "object",
+        "properties": {"name": S, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "additionalProperties": False,
+    },
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+        },
+        "required": ["color", "hex"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 9}, "minItems": 2, "maxItems": 4},
+    {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    {"enum": ["yes", "no", "maybe"]},
+    {"type": "string", "pattern": "^[a-z]{3,6}$"},
+    {"type": "integer", "minimum": 10, "maximum": 99},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"const": {"version": 1}},
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 1000}, "tag": S},
+                "required": ["id", "tag"],
+                "additionalProperties": False,
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "boolean"}, {"type": "string", "maxLength": 4}]},
+    {
+        "type": "object",
+        "properties": {"kind": {"const": "point"}, "x": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["kind", "x"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": S, "maxItems": 2}},
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    {"type": "string", "format": "date"},
+    {
+        "type": "array",
+        "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 5}, {"enum": ["a", "b"]}],
+        "items": False,
+    },
+    {
+        "type": "object",
+        "properties": {"a": {"type": "null"}, "b": {"enum": [1, 2, 3]}, "c": {"type": "boolean"}},
+        "required": ["a", "b", "c"],
+        "additionalProperties": False,
+    },
+    {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 3}, {"type": "null"}]},
+    {
+        "type": "object",
+        "properties": {"q": {"type": "string", "enum": ["x", "y"]}},
+        "required": ["q"],
+        "additionalProperties": False,
+    },
+]
+PROMPTS = [
+    "Describe a person as JSON.",
+    "Is it raining?",
+    "Pick a colour.",
+    "Some small numbers:",
+    "Flags:",
+    "Answer yes, no or maybe.",
+    "A short word:",
+    "A two-digit number:",
+    "True or false?",
+    "Nothing:",
+    "The version object:",
+    "A user record:",
+    "Either:",
+    "A point:",
+    "A list of items:",
+    "A date:",
+    "A pair:",
+    "Three fields:",
+    "Zero to three, or null:",
+    "Pick x or y.",
+]
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0},
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
+    "sampled": {"temperature": 1.0},
+}
+
+
+@pytest.fixture(scope="module")
+def close_stack(tmp_path_factory, tok, tiny_target, model_dirs, log_dir):
+    """A drafter close to the target, so drafts are accepted and rejected both."""
+    draft = tinymodels.save(tinymodels.perturbed(tiny_target, 0.02, seed=3), tok, tmp_path_factory.mktemp("close"))
+    s = st.start_stack(model_dirs["target"], draft, log_dir, k=4)
+    yield s
+    s.stop()
+
+
+def response_format(i: int) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": f"schema_{i}", "schema": SCHEMAS[i], "strict": True}}
+
+
+def chat(stack: st.Stack, i: int, sampling: dict[str, Any], k: int, pipeline: str = "sequential") -> dict[str, Any]:
+    body = {
+        "pipeline": pipeline,
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS[i]}],
+        "max_tokens": MAX_TOKENS,
+        "response_format": response_format(i),
+        "num_speculative_tokens": k,
+        **sampling,
+    }
+    r = httpx.post(stack.base_url + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def accepted_and_drafted(stack: st.Stack) -> tuple[float, float]:
+    values = {}
+    for line in httpx.get(stack.base_url + "/metrics").text.splitlines():
+        for name in ("specd_spec_decode_num_accepted_tokens_total", "specd_spec_decode_num_draft_tokens_total"):
+            if line.startswith(name + " "):
+                values[name] = float(line.split()[-1])
+    return values["specd_spec_decode_num_accepted_tokens_total"], values["specd_spec_decode_num_draft_tokens_total"]
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_every_output_parses_and_validates_with_speculation_on_and_off(close_stack, sampling):
+    replies: dict[tuple[int, str], list[str]] = {}
+    accepted0, drafted0 = accepted_and_drafted(close_stack)
+    # Draft-ahead too: its drafter follows assumed tokens, which the grammar must roll back.
+    runs = [(0, "sequential"), (4, "sequential")] + ([(4, "ahead")] if sampling != "sampled" else [])
+    for k, pipeline in runs:
+        with ThreadPoolExecutor(4) as pool:
+            choices = list(
+                pool.map(
+                    lambda i, k=k, p=pipeline: chat(close_stack, i, SAMPLINGS[sampling], k, p), range(len(SCHEMAS))
+                )
+            )
+        for i, choice in enumerate(choices):
+            text = choice["message"]["content"]
+            assert choice["finish_reason"] == "stop", (i, text)
+            jsonschema.validate(json.loads(text), SCHEMAS[i])
+        replies[k, pipeline] = [c["message"]["content"] for c in choices]
+    if sampling != "sampled":
+        # Greedy and seeded: exactly what target-only constrained decoding emits.
+        assert replies[4, "sequential"] == replies[0, "sequential"]
+        assert replies[4, "ahead"] == replies[0, "sequential"]
+    accepted, drafted = accepted_and_drafted(close_stack)
+    assert drafted > drafted0 and (accepted - accepted0) / (drafted - drafted0) > 0.5
+
+
+def test_openai_sdk_json_schema_and_json_object(close_stack, tok):
+    client = openai.OpenAI(base_url=close_stack.base_url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "A user record as JSON."}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, response_format=response_format(11)
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMAS[11])
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format=response_format(11),
+        stream=True,
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == (
+        reply.choices[0].message.content
+    )
+    # json_object: any JSON object. Pushed hard towards "}", the reply is "{}" and then EOS,
+    # the only token the grammar allows after it; a random model left alone may nest for long,
+    # so only what finishes must parse.
+    close = str(tok.convert_tokens_to_ids("}"))
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        logit_bias={close: 100},
+        response_format={"type": "json_object"},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert json.loads(reply.choices[0].message.content) == {}
+    for seed in range(2):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=48,
+            temperature=0.8,
+            seed=seed,
+            response_format={"type": "json_object"},
+        )
+        choice = reply.choices[0]
+        assert choice.message.content.startswith("{")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schemas": {}}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_bad_response_formats_are_400_naming_the_parameter(close_stack, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **fields}
+    r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_grpc_json_schema(close_stack):
+    """GenerationParams.json_schema constrains as response_format does; bad schemas are INVALID_ARGUMENT."""
+    prompt = "A user record:"
+    params = gateway_pb2.GenerationParams(max_tokens=MAX_TOKENS, temperature=0, json_schema=json.dumps(SCHEMAS[11]))
+    with grpc.insecure_channel(f"127.0.0.1:{close_stack.gateway.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        reply = stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=300)
+        assert reply.finish_reason == gateway_pb2.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(reply.text), SCHEMAS[11])
+        for bad in ("{not json", '{"type": "nope"}'):
+            params = gateway_pb2.GenerationParams(max_tokens=4, json_schema=bad)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=60)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
