@@ -39,14 +39,12 @@ def test_greedy_token_identical_one_at_a_time(gateway_for, references, k):
         assert reply.usage.completion_tokens == MAX_TOKENS
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
-def test_greedy_token_identical_16_concurrent(gateway_for, references, tok, k):
-    gateway = gateway_for(k)
-    prompts = (PROMPTS * 2)[:16]
+def concurrent_texts(gateway, prompts: list[str], **extra) -> list[str]:
+    """Greedy completions of all prompts at once over HTTP."""
 
     async def one(client: httpx.AsyncClient, prompt: str) -> str:
         body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        r = await client.post("/v1/completions", json=body)
+        r = await client.post("/v1/completions", json={**body, **extra})
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
 
@@ -54,8 +52,13 @@ def test_greedy_token_identical_16_concurrent(gateway_for, references, tok, k):
         async with httpx.AsyncClient(base_url=base_url(gateway), timeout=300) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
-    texts = asyncio.run(run())
-    for prompt, text in zip(prompts, texts, strict=True):
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_token_identical_16_concurrent(gateway_for, references, tok, k):
+    prompts = (PROMPTS * 2)[:16]
+    for prompt, text in zip(prompts, concurrent_texts(gateway_for(k), prompts), strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
 
 
@@ -75,26 +78,7 @@ def test_ngram_drafter_is_exact(model_dirs, log_dir, references):
 def test_greedy_token_identical_in_every_pipeline(gateway_for, references, tok, pipeline, concurrency):
     """The pipelines change when drafts are made, never what is committed (the drafter here is a
     different model, so drafts are often wrong and ahead blocks often thrown away)."""
-    gateway = gateway_for(4)
     prompts = (PROMPTS * 2)[:concurrency]
-
-    async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        body = {
-            "model": "target",
-            "prompt": prompt,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "pipeline": pipeline,
-        }
-        r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-
-    async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=base_url(gateway), timeout=300) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
-
-    texts = asyncio.run(run())
+    texts = concurrent_texts(gateway_for(4), prompts, pipeline=pipeline)
     for prompt, text in zip(prompts, texts, strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
