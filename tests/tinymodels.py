@@ -6,12 +6,25 @@ and fingerprints are meaningful, with a 2-layer body that runs in milliseconds.
 
 from __future__ import annotations
 
+import copy
+import os
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from specd.models import EMBEDDED, materialize
+
+
+def test_device() -> torch.device:
+    """Where engine tests run their models: SPECD_TEST_DEVICE (e.g. cuda), default the CPU."""
+    return torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
+
+
+def on_test_device(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The model on the test device; a copy off the CPU, so session-wide CPU models stay put."""
+    device = test_device()
+    return model if device.type == "cpu" else copy.deepcopy(model).to(device)
 
 
 def tokenizer():

@@ -11,7 +11,7 @@ from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM
 from verifier_service.engine import VerifierEngine
 
-CPU = torch.device("cpu")
+DEVICE = tinymodels.test_device()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +43,7 @@ def close_draft(tiny_target):
 @pytest.fixture
 def make_verifier(tiny_target, fingerprint) -> Callable[..., VerifierEngine]:
     def make(max_sequences: int = 8, max_context: int = 512, max_draft_tokens: int = 8) -> VerifierEngine:
-        lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+        lm = BatchedCausalLM(tinymodels.on_test_device(tiny_target), DEVICE, torch.float32)
         return VerifierEngine(lm, fingerprint, max_sequences, max_context, max_draft_tokens)
 
     return make
@@ -58,7 +58,7 @@ def make_drafter(tiny_draft, fingerprint) -> Callable[..., ModelDrafter]:
         max_support: int = 16,
         model=None,
     ) -> ModelDrafter:
-        lm = BatchedCausalLM(tiny_draft if model is None else model, CPU, torch.float32)
+        lm = BatchedCausalLM(tinymodels.on_test_device(tiny_draft if model is None else model), DEVICE, torch.float32)
         return ModelDrafter(lm, fingerprint, max_sequences, max_context, max_draft_tokens, max_support)
 
     return make

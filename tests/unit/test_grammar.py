@@ -14,6 +14,7 @@ import random
 import jsonschema
 import pytest
 import torch
+from tinymodels import on_test_device, test_device
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.grammar import JSON_OBJECT_SCHEMA, GrammarCompiler, apply_mask, canonical, schema_problem
@@ -59,11 +60,13 @@ def grammars(tok, tiny_target) -> GrammarCompiler:
 
 
 def make_verifier(model, fingerprint, grammars) -> VerifierEngine:
-    return VerifierEngine(BatchedCausalLM(model, CPU, torch.float32), fingerprint, 8, 512, 8, grammars)
+    lm = BatchedCausalLM(on_test_device(model), test_device(), torch.float32)
+    return VerifierEngine(lm, fingerprint, 8, 512, 8, grammars)
 
 
 def make_drafter(model, fingerprint, grammars) -> ModelDrafter:
-    return ModelDrafter(BatchedCausalLM(model, CPU, torch.float32), fingerprint, 8, 512, 8, 16, grammars)
+    lm = BatchedCausalLM(on_test_device(model), test_device(), torch.float32)
+    return ModelDrafter(lm, fingerprint, 8, 512, 8, 16, grammars)
 
 
 def reference(model, grammars, prompt: list[int], schema: str, params: SamplingParams, eos: int) -> list[int]:
