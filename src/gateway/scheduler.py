@@ -630,7 +630,8 @@ class Scheduler:
 
         # 4. Observe, then retire.
         pipeline = "+".join(sorted({self._pipeline(s) for s in seqs}))
-        self.observer.observe(RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans))
+        prefilled = sum(n for _, n in plan.prefill) + sum(item.prefill for item in ahead_items)
+        self.observer.observe(RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans, prefilled))
         await self._retire([s for s in seqs if s.done])
 
     def _drop_stale_blocks(self, seqs: list[_Sequence]) -> int:

@@ -101,3 +101,14 @@ def test_plan_leaves_prefilling_sequences_out_of_the_verify() -> None:
     assert [s.id for s in plan.verify] == [ready.id]
     assert [(s.id, n) for s, n in plan.prefill] == [(filling.id, 6), (queued.id, 4)]
     assert isinstance(ready, _Sequence)
+
+
+def test_rounds_that_prefill_do_not_teach_the_policy_verify_costs() -> None:
+    verifier = FakeVerifier()
+    sched = scheduler(verifier, None, k=0, prefill_chunk_tokens=8)
+    learned: list[Any] = []
+    real = sched.policy.observe_round
+    sched.policy.observe_round = lambda *a: learned.append(a) or real(*a)  # type: ignore[method-assign]
+    generate(sched, [[3, 4, 5], LONG], max_tokens=30)
+    with_prefill = [r for r in verifier.requests if any(t.prefill_tokens for t in r.tasks)]
+    assert with_prefill and len(learned) == len(verifier.requests) - len(with_prefill)
