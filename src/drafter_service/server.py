@@ -10,7 +10,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd import draftlm, models
-from specd.grammar import GrammarCompiler
+from specd.grammar import grammar_compiler
 from specd.kvcache import BatchedCausalLM
 from specd.leases import Leases
 from specd.placement import pin
@@ -59,7 +59,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         config.max_context,
         config.max_draft_tokens,
         config.max_support,
-        GrammarCompiler(loaded.tokenizer, lm.vocab_size),
+        grammar_compiler(loaded.tokenizer, lm.vocab_size),
     )
     lm.warm_up(2)
     info = common_pb2.ModelInfo(

@@ -19,6 +19,7 @@ Why llguidance and not xgrammar: see README ("Structured output").
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,9 @@ JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_
 
 # OpenAI's response_format {"type": "json_object"}: any JSON object.
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -74,6 +78,16 @@ class GrammarCompiler:
         if m.is_error():
             raise GrammarError(f"cannot compile the JSON schema: {m.get_error()}")
         return GrammarMatcher(m, self.vocab_size, self.eos)
+
+
+def grammar_compiler(tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:
+    """The service's grammar engine, or None (with a warning) if its tokenizer does not fit the
+    model's vocabulary: the service still serves, and refuses json_schema sequences."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size)
+    except Exception as exc:
+        log.warning("structured output is off: no grammar engine for this tokenizer (%s)", exc)
+        return None
 
 
 class GrammarMatcher:

@@ -163,7 +163,7 @@ class SequenceTable:
                 # The n-gram drafter has no tokenizer: it proposes unconstrained, and the
                 # verifier, which always constrains, rejects what the grammar refuses.
                 return None
-            raise invalid("this service was started without a tokenizer: it cannot apply a json_schema")
+            raise invalid("this service has no grammar engine for its tokenizer: it cannot apply a json_schema")
         try:
             grammar = self.grammars.matcher(spec.json_schema)
             if spec.num_generated:

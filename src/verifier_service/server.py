@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import grpc
 
 from specd import models
-from specd.grammar import GrammarCompiler
+from specd.grammar import grammar_compiler
 from specd.kvcache import BatchedCausalLM
 from specd.leases import Leases
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -28,7 +28,7 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_sequences,
         config.max_context,
         config.max_draft_tokens,
-        GrammarCompiler(loaded.tokenizer, lm.vocab_size),
+        grammar_compiler(loaded.tokenizer, lm.vocab_size),
     )
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     info = common_pb2.ModelInfo(

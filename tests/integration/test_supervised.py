@@ -33,6 +33,10 @@ MODEL = "target"
 PROMPTS = list(ALL_PROMPTS[:8])
 LONGEST = 48
 LEASE_S = 3.0
+# The backends answer only callers with this token; specd up passes it to its children,
+# and the test uses it to read the backends' open-sequence counts.
+BACKEND_TOKEN = "supervised-test-token-" + "0" * 16
+AUTH = (("authorization", f"Bearer {BACKEND_TOKEN}"),)
 
 
 @dataclass
@@ -86,9 +90,10 @@ class Up:
         with grpc.insecure_channel(f"{st.HOST}:{self.ports[kind]}") as ch:
             if kind == "verifier":
                 stub = verifier_pb2_grpc.VerifierServiceStub(ch)
-                return stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=5).open_sequences
+                request = verifier_pb2.GetVerifierInfoRequest()
+                return stub.GetVerifierInfo(request, timeout=5, metadata=AUTH).open_sequences
             d = drafter_pb2_grpc.DrafterServiceStub(ch)
-            return d.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5).open_sequences
+            return d.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5, metadata=AUTH).open_sequences
 
 
 def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
@@ -122,7 +127,7 @@ def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", SPECD_BACKEND_TOKEN=BACKEND_TOKEN),
             start_new_session=True,  # a failing test can end the launcher and its children together
         )
     up = Up(proc, log, ports)
