@@ -60,6 +60,8 @@ class _DrafterBase:
                     raise invalid(f"num_draft_tokens must be >= 0, got {task.num_draft_tokens}")
                 if task.num_draft_tokens > self.max_draft_tokens:
                     raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
+                if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed):
+                    raise invalid("a prefill task drafts nothing and assumes nothing")
                 self.table.check_tokens(task.new_tokens, "new tokens")
                 self.table.check_tokens(task.assumed, "assumed tokens")
                 total = len(state.committed) + len(task.new_tokens)
@@ -123,6 +125,16 @@ class ModelDrafter(_DrafterBase):
         constrained = self._sync_grammars(active, contexts)
         timing.phases.append(("rollback", start, time.time_ns()))
         forward_ns = 0
+        prefills = [(i, state, tasks[i].prefill_tokens) for i, state, _, _ in live if tasks[i].prefill_tokens > 0]
+        if prefills:
+            # Chunks of prompts on their own forward, before the draft steps (which would pad to them).
+            start = time.time_ns()
+            self.table.prefill([(state, n) for _, state, n in prefills])
+            end = time.time_ns()
+            forward_ns += end - start
+            timing.phases.append(("prefill", start, end))
+            for i, state, _ in prefills:
+                proposals[i].prefill_pending = self.table.pending(state)
         # Step 0 feeds every committed token not yet cached (1 after a rejection,
         # 2 when all drafts were accepted, more after a target-only stretch);
         # later steps feed the token just drafted.

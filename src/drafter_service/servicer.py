@@ -63,7 +63,14 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
             owner = request.lease_owner
             ids = self.round_ids(owner, (t.sequence_id for t in request.tasks))
             tasks = [
-                DraftTask(sid, list(t.new_token_ids), t.num_committed, t.num_draft_tokens, tuple(t.assumed_token_ids))
+                DraftTask(
+                    sid,
+                    list(t.new_token_ids),
+                    t.num_committed,
+                    t.num_draft_tokens,
+                    tuple(t.assumed_token_ids),
+                    t.prefill_tokens,
+                )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
             proposals, timings = await self.run_round(
@@ -85,6 +92,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                             common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs) for d in p.dists
                         ],
                         error=self.wire_error(p.error, owner),
+                        prefill_pending=p.prefill_pending,
                     )
                     for t, p in zip(request.tasks, proposals, strict=True)
                 ],

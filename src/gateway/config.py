@@ -48,6 +48,11 @@ class GatewayConfig:
         0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"
     )
     max_batch: int = field(32, "most sequences in one round")
+    prefill_chunk_tokens: int = field(
+        512,
+        "prompt tokens each service prefills per round, in chunks interleaved with the running sequences' rounds, "
+        "so a long prompt delays them by at most one chunk a round; 0 prefills each prompt whole at its open",
+    )
     backend_timeout_s: float = field(60.0, "deadline for each verifier call and round exchange")
     drafter_timeout_s: float = field(
         5.0, "deadline for each drafter call and round; past it the gateway continues target-only"
@@ -102,6 +107,8 @@ class GatewayConfig:
             raise ValueError("--verifier needs at least one endpoint")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if bool(self.backend_tls_cert) != bool(self.backend_tls_key):

@@ -66,6 +66,8 @@ class RoundOutcome:
     pipeline: str = "sequential"
     wasted_drafts: int = 0  # drafted ahead and thrown away
     spans: dict[str, Any] = field(default_factory=dict)
+    # Prompt chunks prefilled in the round (chunked prefill): its times are not a verify's alone.
+    prefill_tokens: int = 0
 
     @property
     def drafted(self) -> list[int]:
@@ -119,9 +121,17 @@ class RoundObserver:
                         acceptance.observe(v.drafted, v.accepted)
                     self.policy.overall.observe(v.drafted, v.accepted)
         choice = self.policy.last_choice
-        observed_gain = self.policy.observe_round(
-            outcome.drafted, times.round_ns, times.draft_ns, times.verify_ns, times.drafter_forward_ns, outcome.emitted
-        )
+        observed_gain = None
+        if not outcome.prefill_tokens:
+            # A round that also prefilled would teach the policy a verify far dearer than it is.
+            observed_gain = self.policy.observe_round(
+                outcome.drafted,
+                times.round_ns,
+                times.draft_ns,
+                times.verify_ns,
+                times.drafter_forward_ns,
+                outcome.emitted,
+            )
         attributes = times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)
         for v in outcome.verdicts:

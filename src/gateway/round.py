@@ -62,6 +62,8 @@ class DraftItem:
     # None: drafts continue the committed tokens. A tuple: the sequence is being
     # verified meanwhile, and drafts continue these tokens of its block, assumed accepted.
     assumed: tuple[int, ...] | None = None
+    # Above 0: a chunk of its prefill on the drafter instead of drafts (num_draft_tokens is 0).
+    prefill: int = 0
 
 
 @dataclass
@@ -70,6 +72,24 @@ class RoundPlan:
     verify: list[RoundSequence] = field(default_factory=list)
     ahead: list[DraftItem] = field(default_factory=list)  # drafted while the verifier works
     ks: dict[str, int] = field(default_factory=dict)  # drafts each verified sequence may use
+    # Sequences still prefilling on the verifier, and the prompt tokens each prefills this round.
+    prefill: list[tuple[RoundSequence, int]] = field(default_factory=list)
+
+
+def plan_prefill(pending: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:
+    """Share a round's prefill budget out first come, first served: each sequence's chunk, by id.
+
+    `pending` is (id, tokens left to prefill) in arrival order; a sequence gets all it
+    has left or what is left of the budget, so the round prefills at most `budget` tokens.
+    """
+    chunks: dict[str, int] = {}
+    for sid, left in pending:
+        if budget <= 0:
+            break
+        if left > 0:
+            chunks[sid] = min(left, budget)
+            budget -= chunks[sid]
+    return chunks
 
 
 def draft_request(
@@ -84,6 +104,7 @@ def draft_request(
             num_committed=len(s.tokens),
             num_draft_tokens=item.num_draft_tokens,
             assumed_token_ids=item.assumed or (),
+            prefill_tokens=item.prefill,
         )
         if s.id in contexts:
             task.trace_context.update(contexts[s.id])
@@ -96,7 +117,9 @@ def verify_request(
     blocks: Mapping[str, Block],
     ks: Mapping[str, int],
     contexts: Mapping[str, Mapping[str, str]],
+    prefill: Sequence[tuple[RoundSequence, int]] = (),
 ) -> verifier_pb2.VerifyRequest:
+    """The verify tasks of `seqs`, then a prefill task for each (sequence, chunk) of `prefill`."""
     request = verifier_pb2.VerifyRequest(round_id=round_id)
     for s in seqs:
         task = request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens))
@@ -107,6 +130,8 @@ def verify_request(
             task.draft_distributions.extend(block.distributions[:k])
         if s.id in contexts:
             task.trace_context.update(contexts[s.id])
+    for s, n in prefill:
+        request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens), prefill_tokens=n)
     return request
 
 
@@ -158,6 +183,7 @@ class Verdict:
     error: GenerationError | None = None
     drafts_refused: bool = False  # the verifier refused its drafts; it goes on target-only
     logprobs: Sequence[common_pb2.TokenLogprob] = ()  # the target's, per emitted token, when asked
+    prefill_pending: int | None = None  # a prefill task's: prompt tokens still to prefill (None: not one)
 
 
 class ProtocolError(Exception):
@@ -172,7 +198,10 @@ def read_verdicts(
     verdicts = []
     for s, task, result in zip(seqs, request.tasks, reply.results, strict=True):
         k = len(task.draft_token_ids)
-        if result.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and k > 0:
+        if task.prefill_tokens > 0:
+            error = verifier_round_error(result.error) if result.error.code else None
+            verdicts.append(Verdict(s, 0, error=error, prefill_pending=result.prefill_pending))
+        elif result.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and k > 0:
             # The verifier checks a round before changing anything, so bad drafts
             # cost this sequence one round.
             verdicts.append(Verdict(s, k, drafts_refused=True))

@@ -36,6 +36,7 @@ from gateway.round import (
     RoundPlan,
     Verdict,
     draft_request,
+    plan_prefill,
     read_drafts,
     read_verdicts,
     verify_request,
@@ -117,6 +118,10 @@ class _Sequence:
     span: Any = None  # the request's trace span, when traced
     acceptance: Acceptance | None = None  # its own per-position acceptance, for choosing its k
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # from the verifier's open, when asked for
+    # Chunked prefill: prompt tokens the verifier, and the drafter, have still to cache. A sequence
+    # is verified once the first is 0, and drafts once the second is.
+    prefill_pending: int = 0
+    drafter_prefill_pending: int = 0
 
 
 @dataclass
@@ -145,6 +150,7 @@ class Scheduler:
         max_waiting: int = 0,
         request_timeout_s: float = 0.0,
         pipeline: str = "sequential",
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
@@ -184,6 +190,11 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.draining = False
+        # Prompt tokens each service prefills per round (0: whole prompts at their open, which stalls
+        # every running sequence for as long as the prefill takes); what this round's opens spent of it.
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._verifier_prefill_spent = 0
+        self._drafter_prefill_spent = 0
         self.drafter_link = (
             DrafterLink(drafter, self.metrics.registry, self._wakeup.set) if drafter is not None else None
         )
@@ -365,16 +376,19 @@ class Scheduler:
         await self._retire(gone)
 
     async def _admit(self) -> None:
+        self._verifier_prefill_spent = 0
         batch: list[_Sequence] = []
         while self.waiting and len(self.active) + len(batch) < self.max_batch:
             batch.append(self.waiting.popleft())
         if not batch:
             return
+        chunks = self._open_chunks(batch, self.active, "prefill_pending")
+        self._verifier_prefill_spent = sum(chunks.values())
         # Only the verifier opens sequences here: they join the drafter after their
         # first round (see _join_drafter), so the drafter's prefill never delays
         # the first token, nor competes for the CPU with the verifier's prefill.
         try:
-            results = await self.verifier.open([self._spec(s) for s in batch])
+            results = await self.verifier.open([self._spec(s, chunks.get(s.id)) for s in batch])
             if [r.sequence_id for r in results] != [s.id for s in batch]:
                 raise BackendError("the verifier answered an open out of protocol")
         except BackendError as exc:
@@ -397,6 +411,7 @@ class Scheduler:
                 s.drafter.want()
             s.cohort = self._smaller_cohort()
             s.prompt_logprobs = [token_logprob_from_pb(lp) for lp in r.prompt_logprobs]
+            s.prefill_pending = r.prefill_pending if s.id in chunks else 0
             self.metrics.prompt_tokens.inc(len(s.prompt))
             if s.cancelled:
                 self._fail(s, CANCELLED)
@@ -410,9 +425,27 @@ class Scheduler:
         ones = sum(s.cohort for s in self.active)
         return int(ones < len(self.active) - ones)
 
+    def _open_chunks(self, opening: list[_Sequence], others: list[_Sequence], pending: str) -> dict[str, int]:
+        """What each sequence being opened prefills at its open, by id; one missing is opened whole.
+
+        With chunked prefill, the sequences already prefilling (`pending` names their counter)
+        have the first claim on the round's budget, and those being opened share what is left.
+        """
+        if self.prefill_chunk_tokens <= 0:
+            return {}
+        claimed = plan_prefill([(s.id, getattr(s, pending)) for s in others], self.prefill_chunk_tokens)
+        budget = self.prefill_chunk_tokens - sum(claimed.values())
+        # A sequence that wants its prompt's logprobs gets them from its open: it is prefilled whole.
+        chunked = [s for s in opening if not (s.params.logprobs is not None and s.params.logprobs.prompt)]
+        shares = plan_prefill([(s.id, len(s.tokens) - 1) for s in chunked], budget)
+        return {s.id: shares.get(s.id, 0) for s in chunked}
+
     @staticmethod
-    def _spec(seq: _Sequence) -> common_pb2.SequenceSpec:
-        """The sequence as committed so far (prompt plus any output), for opening it on a service."""
+    def _spec(seq: _Sequence, prefill_tokens: int | None = None) -> common_pb2.SequenceSpec:
+        """The sequence as committed so far (prompt plus any output), for opening it on a service.
+
+        `prefill_tokens`: prefill that many tokens at the open and the rest in rounds (None: all).
+        """
         return common_pb2.SequenceSpec(
             sequence_id=seq.id,
             prompt_token_ids=seq.tokens,
@@ -420,17 +453,21 @@ class Scheduler:
             num_generated=len(seq.output),
             logprobs=logprobs_request_pb(seq.params.logprobs),
             json_schema=seq.params.json_schema,
+            prefill_tokens=prefill_tokens,
         )
 
     async def _join_drafter(self, seqs: list[_Sequence]) -> None:
         """Open on the drafter the sequences that have their first token and want drafts."""
+        self._drafter_prefill_spent = 0
         joining = [s for s in seqs if s.drafter.pending and s.output and not s.done]
         if not joining or self.drafter is None:
             return
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
             return  # they stay pending: they join once the drafter is back
+        filling = [s for s in seqs if s.drafter.drafting and s.drafter_prefill_pending]
+        chunks = self._open_chunks(joining, filling, "drafter_prefill_pending")
         try:
-            results = await self.drafter.open([self._spec(s) for s in joining])
+            results = await self.drafter.open([self._spec(s, chunks.get(s.id)) for s in joining])
             if [r.sequence_id for r in results] != [s.id for s in joining]:
                 raise BackendError("the drafter answered an open out of protocol")
         except Exception as exc:
@@ -442,11 +479,13 @@ class Scheduler:
                 s.drafter.refused()
             else:
                 s.drafter.opened(len(s.tokens))
+                s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
+                self._drafter_prefill_spent += chunks.get(s.id, 0)
 
     # -- plan ---------------------------------------------------------------
     def _cap(self, seq: _Sequence, after: int = 0) -> int:
         """The most drafts the sequence can use in a block that starts `after` tokens from now."""
-        if not seq.drafter.drafting:
+        if not seq.drafter.drafting or seq.drafter_prefill_pending:
             return 0
         remaining = seq.max_tokens - len(seq.output) - after
         return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens) - after))
@@ -473,9 +512,21 @@ class Scheduler:
     def _pipeline(self, seq: _Sequence) -> str:
         return seq.params.pipeline or self.pipeline
 
-    def _plan(self, seqs: list[_Sequence], round_id: int) -> RoundPlan:
-        """Which sequences draft before the verify, which are verified, and which draft during it."""
+    def _plan(self, everyone: list[_Sequence], round_id: int) -> RoundPlan:
+        """Which sequences draft before the verify, which are verified, and which draft during it;
+        and which prefill a chunk of their prompt, on the verifier or the drafter, instead."""
         plan = RoundPlan()
+        if self.prefill_chunk_tokens > 0:
+            budget = self.prefill_chunk_tokens - self._verifier_prefill_spent
+            chunks = plan_prefill([(s.id, s.prefill_pending) for s in everyone], budget)
+            plan.prefill = [(s, chunks[s.id]) for s in everyone if s.id in chunks]
+            budget = self.prefill_chunk_tokens - self._drafter_prefill_spent
+            filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
+            chunks = plan_prefill([(s.id, s.drafter_prefill_pending) for s in filling], budget)
+            # Prefilled on the drafter while the verifier works, like a draft-ahead.
+            plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
+        # A sequence still prefilling on the verifier waits for its last chunk.
+        seqs = [s for s in everyone if not s.prefill_pending]
         ks = self._choose_ks(seqs, len(seqs))
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.
@@ -519,6 +570,8 @@ class Scheduler:
         await self._join_drafter(seqs)
         wasted = self._drop_stale_blocks(seqs)
         plan = self._plan(seqs, round_id)
+        if not plan.verify and not plan.prefill:
+            return  # only prompts to prefill, and their opens spent this round's budget
         # Sequences drafting for the next round only (cohort) get a round span too: their draft is in it.
         taking_part = {s.id: s for s in [*plan.verify, *(item.seq for item in plan.ahead)]}
         spans = self.observer.start_spans(round_id, list(taking_part.values()))
@@ -547,14 +600,19 @@ class Scheduler:
             for item in plan.ahead
             if item.seq.drafter.drafting and not item.seq.done
         ]
-        request = verify_request(round_id, plan.verify, blocks, ks, contexts)
+        request = verify_request(round_id, plan.verify, blocks, ks, contexts, plan.prefill)
         ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
         try:
             reply = await self.verifier.verify(request)
         finally:
             ahead = await ahead_task if ahead_task is not None else None
         for item in ahead_items if ahead is not None else ():
-            item.seq.block = self._ahead_block(item, ahead.verdicts.proposals.get(item.seq.id))
+            proposal = ahead.verdicts.proposals.get(item.seq.id)
+            if item.prefill:
+                if proposal is not None:
+                    item.seq.drafter_prefill_pending = proposal.prefill_pending
+                continue
+            item.seq.block = self._ahead_block(item, proposal)
         now = time.perf_counter_ns()
         times = RoundTimes(
             round_ns=now - started,
@@ -568,14 +626,16 @@ class Scheduler:
         )
 
         # 3. Apply the verdicts, each sequence on its own; draft-ahead blocks that missed are dropped.
-        verdicts = read_verdicts(request, reply, plan.verify)
-        for v in verdicts:
+        everything = read_verdicts(request, reply, [*plan.verify, *(s for s, _ in plan.prefill)])
+        for v in everything:
             self._apply(v)
+        verdicts = [v for v in everything if v.prefill_pending is None]
         wasted += self._drop_stale_blocks([item.seq for item in ahead_items])
 
         # 4. Observe, then retire.
         pipeline = "+".join(sorted({self._pipeline(s) for s in seqs}))
-        self.observer.observe(RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans))
+        prefilled = sum(n for _, n in plan.prefill) + sum(item.prefill for item in ahead_items)
+        self.observer.observe(RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans, prefilled))
         await self._retire([s for s in seqs if s.done])
 
     def _drop_stale_blocks(self, seqs: list[_Sequence]) -> int:
@@ -641,7 +701,9 @@ class Scheduler:
     def _apply(self, verdict: Verdict) -> None:
         s = verdict.seq
         try:
-            if verdict.drafts_refused:
+            if verdict.prefill_pending is not None and verdict.error is None:
+                s.prefill_pending = verdict.prefill_pending
+            elif verdict.drafts_refused:
                 log.warning("verifier refused the drafts of %s; continuing target-only", s.id)
                 s.drafter.park()
             elif verdict.error is not None:

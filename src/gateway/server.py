@@ -85,6 +85,7 @@ async def run(config: GatewayConfig) -> None:
         max_waiting=config.max_waiting,
         request_timeout_s=config.request_timeout_s,
         pipeline=config.pipeline,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)

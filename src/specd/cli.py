@@ -99,6 +99,9 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-metrics-port", type=int, default=0, help="drafter's Prometheus port; 0: none")
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument(
+        "--prefill-chunk-tokens", type=int, default=512, help="see specd gateway --help; 0: whole prompts at open"
+    )
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument(
         "--lease-s",
@@ -211,6 +214,7 @@ def up(argv: Sequence[str]) -> None:
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
+        "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),
         "--backend-timeout-s", str(args.backend_timeout_s),
         *tracing,

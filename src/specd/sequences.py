@@ -96,6 +96,7 @@ class SequenceTable:
         """Open and prefill; returns per-spec errors (None = opened) and forward ns."""
         errors: list[EngineError | None] = [None] * len(specs)
         opened: list[SequenceState] = []
+        limits: list[int | None] = []
         seen: set[str] = set()
         for i, spec in enumerate(specs):
             try:
@@ -135,8 +136,14 @@ class SequenceTable:
                 grammar=grammar,
             )
             opened.append(state)
+            # A sequence that scores its prompt is prefilled whole: its logprobs come back with the open.
+            limits.append(None if self._scores_prompt(state) else spec.prefill_tokens)
         try:
-            forward_ns = self._prefill(opened) if self.lm is not None else 0
+            work = [
+                (s, self.pending(s) if n is None else min(n, self.pending(s)))
+                for s, n in zip(opened, limits, strict=True)
+            ]
+            forward_ns = self._prefill(work) if self.lm is not None else 0
         except BaseException:
             # A failed prefill (out of memory, a bad kernel) opens nothing: the
             # slots taken above go back, so no request can leak them.
@@ -165,24 +172,43 @@ class SequenceTable:
             raise invalid(f"json_schema: {exc}") from None
         return grammar
 
-    def _prefill(self, states: list[SequenceState]) -> int:
-        """Cache every prompt token but the last, which the first round feeds."""
+    def pending(self, state: SequenceState) -> int:
+        """Committed tokens (all but the last, which a round feeds) not cached yet: prefill left to do."""
+        if self.lm is None:
+            return 0  # a model-free drafter caches nothing
+        return max(0, len(state.committed) - 1 - len(state.cached))
+
+    def prefill(self, work: Sequence[tuple[SequenceState, int]]) -> int:
+        """Cache up to n more committed tokens of each sequence (a chunk of its prefill); returns forward ns."""
+        if self.lm is None:
+            return 0
+        return self._prefill([(s, min(n, self.pending(s))) for s, n in work])
+
+    def _prefill(self, work: Sequence[tuple[SequenceState, int]]) -> int:
+        """Cache the next n prompt tokens of each sequence (n = all but the last, at a whole-prompt open)."""
         assert self.lm is not None
         start = time.perf_counter_ns()
-        todo = sorted((s for s in states if len(s.committed) > 1), key=lambda s: len(s.committed))
+        todo = sorted(((s, n) for s, n in work if n > 0), key=lambda w: w[1])
         while todo:
             # Similar lengths together keep padding small; chunk to bound memory.
             batch = [todo.pop()]
-            longest = len(batch[0].committed) - 1
+            longest = batch[0][1]
             while todo and longest * (len(batch) + 1) <= self.prefill_chunk_tokens:
                 batch.append(todo.pop())
-            outs = self.lm.forward([Row(s.slot, 0, s.committed[:-1], self._logits_from(s)) for s in batch])
-            for s, logits in zip(batch, outs, strict=True):
-                s.cached = s.committed[:-1]
+            rows = []
+            for s, n in batch:
+                at = len(s.cached)
+                rows.append(Row(s.slot, at, s.committed[at : at + n], self._logits_from(s, n)))
+            outs = self.lm.forward(rows)
+            for (s, n), logits in zip(batch, outs, strict=True):
+                at = len(s.cached)
+                s.cached = s.committed[: at + n]
                 if self._scores_prompt(s):
                     assert s.logprobs is not None
-                    s.prompt_logprobs = token_logprobs(logits, s.committed[1:], s.logprobs.top)
-        for s in states:
+                    # Row j scores the token after it: committed[at + 1 + j].
+                    scored = token_logprobs(logits, s.committed[at + 1 : at + n + 1], s.logprobs.top)
+                    s.prompt_logprobs = [*(s.prompt_logprobs or []), *scored]
+        for s, _ in work:
             if self._scores_prompt(s) and s.prompt_logprobs is None:
                 s.prompt_logprobs = []  # a one-token prompt: nothing to score
         return time.perf_counter_ns() - start
@@ -190,10 +216,10 @@ class SequenceTable:
     def _scores_prompt(self, s: SequenceState) -> bool:
         return self.scores_prompts and s.logprobs is not None and s.logprobs.prompt
 
-    def _logits_from(self, s: SequenceState) -> int:
+    def _logits_from(self, s: SequenceState, n: int) -> int:
         # Logits at every prompt position score tokens 1.. of the prompt; otherwise the
         # prefill only needs its last position's (which this forward discards anyway).
-        return 0 if self._scores_prompt(s) else len(s.committed) - 2
+        return 0 if self._scores_prompt(s) else n - 1
 
     def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
         """Free the sequences; returns how many were open.

@@ -145,6 +145,7 @@ def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
         msg.num_generated,
         LogprobsRequest(logprobs.top_logprobs, logprobs.prompt) if logprobs is not None else None,
         msg.json_schema,
+        msg.prefill_tokens if msg.HasField("prefill_tokens") else None,
     )
 
 
@@ -212,19 +213,24 @@ class SequenceRpcs:
         specs = [dataclasses.replace(s, sequence_id=s.sequence_id and engine_id(owner, s.sequence_id)) for s in wire]
         take = getattr(self.engine, "take_prompt_logprobs", None)  # a verifier's: prompt logprobs when asked for
 
-        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]]]:
+        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]], list[int]]:
             errors = open_leased(self.engine, self.leases, owner, specs)
             scored = [take(s.sequence_id) if take and e is None else [] for s, e in zip(specs, errors, strict=True)]
-            return errors, scored
+            table = self.engine.table
+            pending = [
+                table.pending(table.seqs[s.sequence_id]) if e is None else 0 for s, e in zip(specs, errors, strict=True)
+            ]
+            return errors, scored, pending
 
-        (errors, scored), _ = await self.runner.run(open_all)
+        (errors, scored, pending), _ = await self.runner.run(open_all)
         return [
             common_pb2.OpenResult(
                 sequence_id=s.sequence_id,
                 error=self.wire_error(e, owner),
                 prompt_logprobs=[token_logprob_pb(lp) for lp in lps],
+                prefill_pending=n,
             )
-            for s, e, lps in zip(wire, errors, scored, strict=True)
+            for s, e, lps, n in zip(wire, errors, scored, pending, strict=True)
         ]
 
     def round_ids(self, owner: str, sequence_ids: Iterable[str]) -> list[str]:

@@ -21,6 +21,8 @@ class SequenceSpec:
     logprobs: LogprobsRequest | None = None
     # Structured output: JSON Schema text the output must be an instance of; "" = unconstrained.
     json_schema: str = ""
+    # None: prefill the whole prompt at open; n: at most n tokens now, the rest by prefill tasks.
+    prefill_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class DraftTask:
     num_draft_tokens: int
     # Drafted after, not committed: a block the verifier is still checking.
     assumed: tuple[int, ...] = ()
+    # Above 0: draft nothing, cache up to this many more of the committed tokens (chunked prefill).
+    prefill_tokens: int = 0
 
 
 @dataclass
@@ -45,6 +49,7 @@ class DraftProposal:
     tokens: list[int] = field(default_factory=list)
     dists: list[SparseDist] = field(default_factory=list)
     error: EngineError | None = None
+    prefill_pending: int = 0  # for a prefill task: committed tokens still to cache
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class VerifyTask:
     num_committed: int
     draft_tokens: list[int]
     draft_dists: list[SparseDist] = field(default_factory=list)
+    # Above 0: verify nothing, prefill up to this many more prompt tokens (chunked prefill).
+    prefill_tokens: int = 0
 
 
 @dataclass
@@ -63,6 +70,7 @@ class VerifyResult:
     error: EngineError | None = None
     # The target's logprobs of the committed tokens, when the sequence asked for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prefill_pending: int = 0  # for a prefill task: prompt tokens still to prefill
 
 
 @dataclass

@@ -84,17 +84,32 @@ class VerifierEngine:
         self.table.check_tokens(task.draft_tokens, "draft")
         return self._draft_distribution(task)
 
+    @staticmethod
+    def _validate_prefill(state: SequenceState, task: VerifyTask) -> None:
+        if task.num_committed != len(state.committed):
+            raise precondition(
+                f"sequence {task.sequence_id!r} has {len(state.committed)} committed tokens, "
+                f"the caller assumed {task.num_committed}"
+            )
+        if task.draft_tokens or task.draft_dists:
+            raise invalid("a prefill task carries no draft tokens")
+
     def verify(self, tasks: Sequence[VerifyTask]) -> tuple[list[VerifyResult], RoundTiming]:
         results = [VerifyResult(t.sequence_id) for t in tasks]
         live: list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]] = []
         rows: list[Row] = []
         seen: set[str] = set()
+        prefills: list[tuple[int, SequenceState, int]] = []
         for i, task in enumerate(tasks):
             try:
                 if task.sequence_id in seen:
                     raise invalid(f"sequence {task.sequence_id!r} appears twice in one round")
                 seen.add(task.sequence_id)
                 state = self.table.get(task.sequence_id)
+                if task.prefill_tokens > 0:
+                    self._validate_prefill(state, task)
+                    prefills.append((i, state, task.prefill_tokens))
+                    continue
                 q = self._validate(state, task)
             except EngineError as exc:
                 results[i].error = exc
@@ -103,12 +118,22 @@ class VerifierEngine:
             rows.append(Row(state.slot, len(state.cached), fed, len(fed) - len(task.draft_tokens) - 1))
             live.append((i, state, task, q))
         timing = RoundTiming(batch_size=len(rows), tokens_fed=sum(len(r.tokens) for r in rows))
+        if prefills:
+            # Chunks of prompts on their own forward: in the verify's, every row would pad to a chunk's length.
+            timing.tokens_fed += sum(min(n, self.table.pending(state)) for _, state, n in prefills)
+            start = time.time_ns()
+            self.table.prefill([(state, n) for _, state, n in prefills])
+            end = time.time_ns()
+            timing.forward_ns += end - start
+            timing.phases.append(("prefill", start, end))
+            for i, state, _ in prefills:
+                results[i].prefill_pending = self.table.pending(state)
         if not rows:
             return results, timing
         start = time.time_ns()
         logits = self.lm.forward(rows)
         end = time.time_ns()
-        timing.forward_ns = end - start
+        timing.forward_ns += end - start
         timing.phases.append(("forward", start, end))
         params = [state.params for _, state, task, _ in live for _ in range(len(task.draft_tokens) + 1)]
         # Penalties, bias and the grammar's mask shape p; the logprobs below stay the raw model's.

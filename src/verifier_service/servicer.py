@@ -64,6 +64,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                     t.num_committed,
                     list(t.draft_token_ids),
                     [dist_from_pb(d) for d in t.draft_distributions],
+                    t.prefill_tokens,
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
@@ -85,6 +86,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                         next_token_id=r.next_token,
                         error=self.wire_error(r.error, owner),
                         logprobs=[token_logprob_pb(lp) for lp in r.logprobs],
+                        prefill_pending=r.prefill_pending,
                     )
                     for t, r in zip(request.tasks, results, strict=True)
                 ],

@@ -57,6 +57,10 @@ class _FakeService:
         self.max_busy_with_other = 0
         self.other: _FakeService | None = None
         self.fail_next: Exception | None = None
+        # Chunked prefill: tokens cached per sequence, and every chunk prefilled, (id, tokens) in order.
+        self.cached: dict[str, int] = {}
+        self.chunks: list[tuple[str, int]] = []
+        self.opens: list[list[Any]] = []
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         return True
@@ -64,7 +68,19 @@ class _FakeService:
     def reset_rounds(self) -> None:
         pass
 
+    def pending(self, sid: str) -> int:
+        return max(0, len(self.committed[sid]) - 1 - self.cached[sid])
+
+    def prefill(self, sid: str, n: int) -> int:
+        """Cache up to n more tokens; returns what is left."""
+        n = min(n, self.pending(sid))
+        self.cached[sid] += n
+        if n:
+            self.chunks.append((sid, n))
+        return self.pending(sid)
+
     async def open(self, specs: list[Any]) -> list[Any]:
+        self.opens.append(list(specs))
         results = []
         for spec in specs:
             if spec.sequence_id in self.committed:
@@ -76,12 +92,16 @@ class _FakeService:
                 )
                 continue
             self.committed[spec.sequence_id] = list(spec.prompt_token_ids)
-            results.append(common_pb2.OpenResult(sequence_id=spec.sequence_id))
+            self.cached[spec.sequence_id] = 0
+            limit = spec.prefill_tokens if spec.HasField("prefill_tokens") else len(spec.prompt_token_ids)
+            pending = self.prefill(spec.sequence_id, limit)
+            results.append(common_pb2.OpenResult(sequence_id=spec.sequence_id, prefill_pending=pending))
         return results
 
     async def close_sequences(self, ids: list[str]) -> None:
         for sid in ids:
             self.committed.pop(sid, None)
+            self.cached.pop(sid, None)
 
     async def _work(self) -> None:
         if self.fail_next is not None:
@@ -117,6 +137,14 @@ class FakeVerifier(_FakeService):
                 result.error.code = common_pb2.ERROR_CODE_FAILED_PRECONDITION
                 result.error.message = "count mismatch"
                 continue
+            if task.prefill_tokens:
+                result.prefill_pending = self.prefill(task.sequence_id, task.prefill_tokens)
+                continue
+            if self.pending(task.sequence_id):
+                # The real verifier would prefill the rest in this round: the stall chunking avoids.
+                result.error.code = common_pb2.ERROR_CODE_INTERNAL
+                result.error.message = "verified before its prefill was done"
+                continue
             if self.drafter is not None and task.draft_token_ids:
                 expected = self.drafter.propose(tokens, len(task.draft_token_ids))
                 self.stale_blocks += list(task.draft_token_ids) != expected
@@ -129,6 +157,7 @@ class FakeVerifier(_FakeService):
             result.num_accepted = accepted
             result.next_token_id = target_next(tokens)
             tokens.append(result.next_token_id)
+            self.cached[task.sequence_id] = len(tokens) - 1
         return reply
 
 
@@ -158,7 +187,17 @@ class FakeDrafter(_FakeService):
                 proposal.error.code = common_pb2.ERROR_CODE_FAILED_PRECONDITION
                 proposal.error.message = "count mismatch"
                 continue
+            unprefilled = self.pending(task.sequence_id)  # of what it had before this task's tokens
             tokens.extend(task.new_token_ids)
+            if task.prefill_tokens:
+                proposal.prefill_pending = self.prefill(task.sequence_id, task.prefill_tokens)
+                continue
+            if task.num_draft_tokens and unprefilled:
+                proposal.error.code = common_pb2.ERROR_CODE_INTERNAL
+                proposal.error.message = "drafted before its prefill was done"
+                continue
+            if not unprefilled:
+                self.cached[task.sequence_id] = len(tokens) - 1  # a draft step feeds what it was told
             proposal.token_ids.extend(self.propose(tokens + list(task.assumed_token_ids), task.num_draft_tokens))
         return reply
 

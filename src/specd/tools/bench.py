@@ -296,7 +296,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("-k", type=int, default=4, help="draft tokens per round for fixed mode and the HF peer")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level; default max(16, 2 x concurrency)")
-    p.add_argument("--workload", default="chat", help=f"bundled prompts: {', '.join(workload_names())} or mixed")
+    p.add_argument(
+        "--workload", default="chat", help=f"bundled prompts: {', '.join(workload_names())}, mixed or longmix"
+    )
     p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': ...} or {'messages': [...]} instead")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -12,6 +12,10 @@ Each workload stresses speculative decoding differently:
   tone change or code edit. Outputs copy large spans of the prompt, where prompt lookup shines.
 
 ``mixed`` (see :func:`prompts_for`) is every prompt of every workload, in file order.
+
+``longmix`` is the chat prompts with every fourth one replaced by a long prompt (about 1,400
+tokens): six consecutive ``rewrite`` prompts, quoted together under one instruction. It measures
+head-of-line blocking: how much a long prompt's prefill stalls the streams already running.
 """
 
 from __future__ import annotations
@@ -36,13 +40,28 @@ def workload_names() -> tuple[str, ...]:
     return tuple(_load())
 
 
+LONG_EVERY = 4
+LONG_PARTS = 6
+LONG_INSTRUCTION = "Below are several requests, each with its text. Say in two sentences what they have in common."
+
+
+def _long_prompts(rewrite: tuple[str, ...]) -> list[str]:
+    joined = [
+        "\n\n---\n\n".join(rewrite[(i + j) % len(rewrite)] for j in range(LONG_PARTS)) for i in range(len(rewrite))
+    ]
+    return [f"{LONG_INSTRUCTION}\n\n{text}" for text in joined]
+
+
 def prompts_for(workload: str) -> tuple[str, ...]:
-    """Return the prompts of ``workload`` (a bundled workload's name, or ``"mixed"`` for all of them)."""
+    """Return the prompts of ``workload``: a bundled workload's name, ``"mixed"`` (all of them) or ``"longmix"``."""
     workloads = _load()
     if workload == "mixed":
         return tuple(p for prompts in workloads.values() for p in prompts)
+    if workload == "longmix":
+        long = iter(_long_prompts(workloads["rewrite"]))
+        return tuple(next(long) if i % LONG_EVERY == LONG_EVERY - 1 else p for i, p in enumerate(workloads["chat"]))
     try:
         return workloads[workload]
     except KeyError:
-        choices = ", ".join([*workloads, "mixed"])
+        choices = ", ".join([*workloads, "mixed", "longmix"])
         raise ValueError(f"unknown workload {workload!r}; choose one of: {choices}") from None

@@ -136,30 +136,34 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_generated: int
     logprobs: LogprobsRequest
     json_schema: str
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenResult(_message.Message):
-    __slots__ = ("sequence_id", "error", "prompt_logprobs")
+    __slots__ = ("sequence_id", "error", "prompt_logprobs", "prefill_pending")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_PENDING_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     error: SequenceError
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, sequence_id: _Optional[str] = ..., error: _Optional[_Union[SequenceError, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prefill_pending: int
+    def __init__(self, sequence_id: _Optional[str] = ..., error: _Optional[_Union[SequenceError, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prefill_pending: _Optional[int] = ...) -> None: ...
 
 class ServiceTimings(_message.Message):
     __slots__ = ("queue_ns", "forward_ns", "total_ns")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.proto.speculative.v1 import common_pb2 as speculative_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspeculative/v1/verifier.proto\x12\x0especulative.v1\x1a\x1bspeculative/v1/common.proto\"\x18\n\x16GetVerifierInfoRequest\"s\n\x17GetVerifierInfoResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.speculative.v1.ModelInfo\x12\x16\n\x0eopen_sequences\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\"b\n\x1aOpenVerifySequencesRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.speculative.v1.SequenceSpec\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\"J\n\x1bOpenVerifySequencesResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.speculative.v1.OpenResult\"\\\n\x1b\x43loseVerifySequencesRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\x12\x12\n\nmissing_ok\x18\x03 \x01(\x08\".\n\x1c\x43loseVerifySequencesResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\x8c\x02\n\nVerifyTask\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnum_committed\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12?\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\".speculative.v1.SparseDistribution\x12\x43\n\rtrace_context\x18\x05 \x03(\x0b\x32,.speculative.v1.VerifyTask.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"g\n\rVerifyRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x05tasks\x18\x02 \x03(\x0b\x32\x1a.speculative.v1.VerifyTask\x12\x13\n\x0blease_owner\x18\x04 \x01(\tJ\x04\x08\x03\x10\x04\"\xae\x01\n\x0cVerifyResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1d.speculative.v1.SequenceError\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.speculative.v1.TokenLogprob\"\x82\x01\n\x0eVerifyResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12-\n\x07results\x18\x02 \x03(\x0b\x32\x1c.speculative.v1.VerifyResult\x12/\n\x07timings\x18\x03 \x01(\x0b\x32\x1e.speculative.v1.ServiceTimings2\xf7\x03\n\x0fVerifierService\x12\x62\n\x0fGetVerifierInfo\x12&.speculative.v1.GetVerifierInfoRequest\x1a\'.speculative.v1.GetVerifierInfoResponse\x12n\n\x13OpenVerifySequences\x12*.speculative.v1.OpenVerifySequencesRequest\x1a+.speculative.v1.OpenVerifySequencesResponse\x12q\n\x14\x43loseVerifySequences\x12+.speculative.v1.CloseVerifySequencesRequest\x1a,.speculative.v1.CloseVerifySequencesResponse\x12K\n\x06Verify\x12\x1d.speculative.v1.VerifyRequest\x1a\x1e.speculative.v1.VerifyResponse(\x01\x30\x01\x12P\n\tKeepAlive\x12 .speculative.v1.KeepAliveRequest\x1a!.speculative.v1.KeepAliveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspeculative/v1/verifier.proto\x12\x0especulative.v1\x1a\x1bspeculative/v1/common.proto\"\x18\n\x16GetVerifierInfoRequest\"s\n\x17GetVerifierInfoResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.speculative.v1.ModelInfo\x12\x16\n\x0eopen_sequences\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x03 \x01(\x04\"b\n\x1aOpenVerifySequencesRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.speculative.v1.SequenceSpec\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\"J\n\x1bOpenVerifySequencesResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.speculative.v1.OpenResult\"\\\n\x1b\x43loseVerifySequencesRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\x12\x12\n\nmissing_ok\x18\x03 \x01(\x08\".\n\x1c\x43loseVerifySequencesResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\xa4\x02\n\nVerifyTask\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnum_committed\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12?\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\".speculative.v1.SparseDistribution\x12\x43\n\rtrace_context\x18\x05 \x03(\x0b\x32,.speculative.v1.VerifyTask.TraceContextEntry\x12\x16\n\x0eprefill_tokens\x18\x06 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"g\n\rVerifyRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x05tasks\x18\x02 \x03(\x0b\x32\x1a.speculative.v1.VerifyTask\x12\x13\n\x0blease_owner\x18\x04 \x01(\tJ\x04\x08\x03\x10\x04\"\xc7\x01\n\x0cVerifyResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\r\x12\x15\n\rnext_token_id\x18\x03 \x01(\x05\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1d.speculative.v1.SequenceError\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.speculative.v1.TokenLogprob\x12\x17\n\x0fprefill_pending\x18\x06 \x01(\r\"\x82\x01\n\x0eVerifyResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12-\n\x07results\x18\x02 \x03(\x0b\x32\x1c.speculative.v1.VerifyResult\x12/\n\x07timings\x18\x03 \x01(\x0b\x32\x1e.speculative.v1.ServiceTimings2\xf7\x03\n\x0fVerifierService\x12\x62\n\x0fGetVerifierInfo\x12&.speculative.v1.GetVerifierInfoRequest\x1a\'.speculative.v1.GetVerifierInfoResponse\x12n\n\x13OpenVerifySequences\x12*.speculative.v1.OpenVerifySequencesRequest\x1a+.speculative.v1.OpenVerifySequencesResponse\x12q\n\x14\x43loseVerifySequences\x12+.speculative.v1.CloseVerifySequencesRequest\x1a,.speculative.v1.CloseVerifySequencesResponse\x12K\n\x06Verify\x12\x1d.speculative.v1.VerifyRequest\x1a\x1e.speculative.v1.VerifyResponse(\x01\x30\x01\x12P\n\tKeepAlive\x12 .speculative.v1.KeepAliveRequest\x1a!.speculative.v1.KeepAliveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,15 +47,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSEVERIFYSEQUENCESRESPONSE']._serialized_start=491
   _globals['_CLOSEVERIFYSEQUENCESRESPONSE']._serialized_end=537
   _globals['_VERIFYTASK']._serialized_start=540
-  _globals['_VERIFYTASK']._serialized_end=808
-  _globals['_VERIFYTASK_TRACECONTEXTENTRY']._serialized_start=757
-  _globals['_VERIFYTASK_TRACECONTEXTENTRY']._serialized_end=808
-  _globals['_VERIFYREQUEST']._serialized_start=810
-  _globals['_VERIFYREQUEST']._serialized_end=913
-  _globals['_VERIFYRESULT']._serialized_start=916
-  _globals['_VERIFYRESULT']._serialized_end=1090
-  _globals['_VERIFYRESPONSE']._serialized_start=1093
-  _globals['_VERIFYRESPONSE']._serialized_end=1223
-  _globals['_VERIFIERSERVICE']._serialized_start=1226
-  _globals['_VERIFIERSERVICE']._serialized_end=1729
+  _globals['_VERIFYTASK']._serialized_end=832
+  _globals['_VERIFYTASK_TRACECONTEXTENTRY']._serialized_start=781
+  _globals['_VERIFYTASK_TRACECONTEXTENTRY']._serialized_end=832
+  _globals['_VERIFYREQUEST']._serialized_start=834
+  _globals['_VERIFYREQUEST']._serialized_end=937
+  _globals['_VERIFYRESULT']._serialized_start=940
+  _globals['_VERIFYRESULT']._serialized_end=1139
+  _globals['_VERIFYRESPONSE']._serialized_start=1142
+  _globals['_VERIFYRESPONSE']._serialized_end=1272
+  _globals['_VERIFIERSERVICE']._serialized_start=1275
+  _globals['_VERIFIERSERVICE']._serialized_end=1778
 # @@protoc_insertion_point(module_scope)

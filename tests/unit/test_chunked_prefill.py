@@ -1,0 +1,114 @@
+"""Chunked prefill in the scheduler, with in-process fakes: no head-of-line blocking, same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fake_backends import FakeDrafter, FakeVerifier, reference
+from test_scheduler import GREEDY, collect, generate, scheduler
+
+from gateway.round import plan_prefill
+from gateway.scheduler import Finished, GenerationParams, _Sequence
+from specd.logprobs import LogprobsRequest
+
+LONG = [(5 * i + 1) % 49 + 1 for i in range(97)]
+PROMPTS = [[3, 4, 5], LONG, [9], LONG[:40], [11, 12], LONG[10:80]]
+
+
+def test_plan_prefill_is_first_come_first_served_within_the_budget() -> None:
+    assert plan_prefill([("a", 10), ("b", 5), ("c", 7)], 12) == {"a": 10, "b": 2}
+    assert plan_prefill([("a", 0), ("b", 5)], 3) == {"b": 3}
+    assert plan_prefill([("a", 4)], 0) == {}
+    assert plan_prefill([], 8) == {}
+
+
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_is_token_identical_and_within_budget(pipeline: str, budget: int) -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    results = generate(scheduler(verifier, drafter, pipeline, prefill_chunk_tokens=budget), PROMPTS)
+    for prompt, (ids, last) in zip(PROMPTS, results, strict=True):
+        assert isinstance(last, Finished), last
+        assert ids == reference(prompt, 24)
+    assert verifier.committed == {} and drafter.committed == {}
+    assert verifier.stale_blocks == 0
+    # Both services prefilled in chunks, never more than the budget in one request.
+    for service in (verifier, drafter):
+        assert len(service.chunks) > len(PROMPTS)
+        for specs in service.opens:
+            assert sum(s.prefill_tokens for s in specs) <= budget
+    for request in verifier.requests:
+        assert sum(t.prefill_tokens for t in request.tasks) <= budget
+    for request in drafter.requests:
+        assert sum(t.prefill_tokens for t in request.tasks) <= budget
+    assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+
+
+def test_a_long_prompt_does_not_stall_a_running_stream() -> None:
+    """While a long prompt prefills, a chunk a round, the running sequence is verified in every round."""
+    verifier = FakeVerifier()
+    sched = scheduler(verifier, None, k=0, prefill_chunk_tokens=8)
+
+    async def main() -> Any:
+        sched.start()
+        try:
+            short = sched.submit([3, 4, 5], GenerationParams(40, GREEDY))
+            while not verifier.requests:
+                await asyncio.sleep(0)
+            long = sched.submit(LONG, GenerationParams(4, GREEDY))
+            return await asyncio.gather(collect(sched, short), collect(sched, long)), short.id, long.id
+        finally:
+            await sched.stop()
+
+    (short_out, long_out), short_id, long_id = asyncio.run(main())
+    assert short_out[0] == reference([3, 4, 5], 40) and long_out[0] == reference(LONG, 4)
+    prefilling = [r for r in verifier.requests if any(t.prefill_tokens for t in r.tasks)]
+    assert len(prefilling) >= (len(LONG) - 1) // 8 - 1  # a chunk a round, the first at the open
+    for request in prefilling:
+        ids = {t.sequence_id: t for t in request.tasks}
+        assert ids[long_id].prefill_tokens <= 8
+        assert short_id in ids and not ids[short_id].prefill_tokens  # verified meanwhile
+
+
+def test_prompt_logprob_requests_are_opened_whole() -> None:
+    verifier = FakeVerifier()
+    results = generate(
+        scheduler(verifier, None, k=0, prefill_chunk_tokens=4), [LONG], max_tokens=3, logprobs=LogprobsRequest(0, True)
+    )
+    assert results[0][0] == reference(LONG, 3)
+    assert not verifier.opens[0][0].HasField("prefill_tokens")
+    assert verifier.chunks == [(verifier.opens[0][0].sequence_id, len(LONG) - 1)]
+
+
+def test_off_by_default_opens_whole() -> None:
+    verifier = FakeVerifier()
+    generate(scheduler(verifier, None, k=0), [LONG], max_tokens=2)
+    assert not verifier.opens[0][0].HasField("prefill_tokens")
+    assert all(not t.prefill_tokens for r in verifier.requests for t in r.tasks)
+
+
+def test_plan_leaves_prefilling_sequences_out_of_the_verify() -> None:
+    drafter = FakeDrafter()
+    sched = scheduler(FakeVerifier(drafter=drafter), drafter, prefill_chunk_tokens=10)
+    seqs = [sched.submit(p, GenerationParams(8, GREEDY)) for p in ([1, 2, 3], LONG, LONG[:30])]
+    sched.waiting.clear()
+    ready, filling, queued = seqs
+    filling.prefill_pending, queued.prefill_pending = 6, 29
+    plan = sched._plan(list(seqs), 1)
+    assert [s.id for s in plan.verify] == [ready.id]
+    assert [(s.id, n) for s, n in plan.prefill] == [(filling.id, 6), (queued.id, 4)]
+    assert isinstance(ready, _Sequence)
+
+
+def test_rounds_that_prefill_do_not_teach_the_policy_verify_costs() -> None:
+    verifier = FakeVerifier()
+    sched = scheduler(verifier, None, k=0, prefill_chunk_tokens=8)
+    learned: list[Any] = []
+    real = sched.policy.observe_round
+    sched.policy.observe_round = lambda *a: learned.append(a) or real(*a)  # type: ignore[method-assign]
+    generate(sched, [[3, 4, 5], LONG], max_tokens=30)
+    with_prefill = [r for r in verifier.requests if any(t.prefill_tokens for t in r.tasks)]
+    assert with_prefill and len(learned) == len(verifier.requests) - len(with_prefill)
