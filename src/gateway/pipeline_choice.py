@@ -57,14 +57,17 @@ class Overlap:
     Each overlapped round gives one sample: (V + A - phase) / min(V, A), with V and A the
     verify and draft exchanges predicted from rounds where each ran alone, and `phase` the
     time the two took together; clipped to [0, 1]. The estimate is the samples' mean,
-    forgetting old ones, pulled toward `prior` by `prior_weight` pseudo-samples.
+    pulled toward `prior` by `prior_weight` pseudo-samples.
 
     The prior is optimistic (1: perfect overlap) and light on purpose: with a pessimistic
     one an overlapped pipeline never looks better than sequential, so it is never tried
-    and its overlap never learnt. One or two measured rounds outweigh it.
+    and its overlap never learnt. One or two measured rounds outweigh it. Samples age by
+    rounds (`age`), not by samples: while no round overlaps the prior slowly regains its
+    weight, so a low estimate (perhaps from one round slowed by something else) is tried
+    again now and then rather than trusted for good.
     """
 
-    def __init__(self, prior: float = 1.0, prior_weight: float = 0.5, forget: float = 0.95) -> None:
+    def __init__(self, prior: float = 1.0, prior_weight: float = 0.5, forget: float = 0.99) -> None:
         self.prior = prior
         self.prior_weight = prior_weight
         self.forget = forget
@@ -77,9 +80,14 @@ class Overlap:
         if shorter <= 0 or not math.isfinite(phase_ns):
             return
         sample = min(1.0, max(0.0, (verify_ns + draft_ns - phase_ns) / shorter))
-        self.total = self.total * self.forget + sample
-        self.weight = self.weight * self.forget + 1.0
+        self.total += sample
+        self.weight += 1.0
         self.samples += 1
+
+    def age(self) -> None:
+        """One round has passed."""
+        self.total *= self.forget
+        self.weight *= self.forget
 
     @property
     def value(self) -> float:

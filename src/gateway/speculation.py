@@ -373,6 +373,7 @@ class SpeculationPolicy:
         that ran during the verify, whose time `verify_ns` then includes.
         """
         pre = list(ks) if pre_drafted is None else list(pre_drafted)
+        self.overlap.age()
         ahead = [n for n in ahead_drafted if n > 0]
         if ahead:
             # The verify ran beside a draft exchange: its time is the two together, which
