@@ -40,9 +40,10 @@ class GatewayConfig:
     pipeline: str = field(
         "sequential",
         "how drafting is scheduled against the verifier: sequential (draft, then verify), cohort (two cohorts of "
-        "sequences, one drafted while the other is verified) or ahead (the next block drafted while this one is "
-        "verified, assuming it is accepted)",
-        ["sequential", "cohort", "ahead"],
+        "sequences, one drafted while the other is verified), ahead (the next block drafted while this one is "
+        "verified, assuming it is accepted) or auto (the speculation policy picks one of the three each round, "
+        "with k, from measured costs)",
+        ["sequential", "cohort", "ahead", "auto"],
     )
     speculative_disable_by_batch_size: int = field(
         0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"

@@ -58,6 +58,13 @@ class GatewayMetrics:
             registry=r,
         )
         self.rounds = Counter("specd_rounds", "Draft/verify rounds run", registry=r)
+        self.pipeline_rounds = Counter(
+            "specd_pipeline_rounds",
+            "Rounds by the pipeline they ran (under --pipeline auto, the one the policy chose; "
+            "a batch mixing pipelines named per request joins them with +)",
+            ["pipeline"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter(
@@ -113,6 +120,13 @@ class GatewayMetrics:
             "Adaptive speculation: measured tokens/s of its rounds over the predicted target-only rate, moving average",
             registry=r,
         ).set_function(lambda: self._policy.observed_gain.get(1.0) if self._policy is not None else 1.0)
+
+        Gauge(
+            "specd_pipeline_overlap",
+            "Share of the shorter of a verify and a draft exchange run at once that hid behind the longer, "
+            "as measured (1 before any measurement: the policy's optimistic prior)",
+            registry=r,
+        ).set_function(lambda: self._policy.overlap.value if self._policy is not None else 1.0)
 
     def bind_policy(self, policy: Any) -> None:
         """The speculation policy whose gain estimates the gauges report."""

@@ -63,11 +63,14 @@ class RoundOutcome:
     round_id: int
     verdicts: list[Verdict]
     times: RoundTimes
-    pipeline: str = "sequential"
+    pipeline: str = "sequential"  # the one it ran (under auto, the one chosen); "a+b" for a mixed batch
     wasted_drafts: int = 0  # drafted ahead and thrown away
     spans: dict[str, Any] = field(default_factory=dict)
     # Prompt chunks prefilled in the round (chunked prefill): its times are not a verify's alone.
     prefill_tokens: int = 0
+    # Drafts asked per sequence of the exchange before the verify, and of the one during it.
+    pre_drafted: list[int] = field(default_factory=list)
+    ahead_drafted: list[int] = field(default_factory=list)
 
     @property
     def drafted(self) -> list[int]:
@@ -131,6 +134,8 @@ class RoundObserver:
                 times.verify_ns,
                 times.drafter_forward_ns,
                 outcome.emitted,
+                outcome.pre_drafted,
+                outcome.ahead_drafted,
             )
         attributes = times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)
@@ -152,6 +157,7 @@ class RoundObserver:
             if observed_gain is not None:
                 span.set_attribute("specd.observed_gain", observed_gain)
         self.metrics.observe_round(proposals, len(outcome.verdicts), times)
+        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
         self.metrics.observe_ks(outcome.drafted)
         if outcome.wasted_drafts:
             self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)

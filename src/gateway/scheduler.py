@@ -28,6 +28,7 @@ from gateway.failures import CANCELLED, GenerationError, internal, open_error, u
 from gateway.membership import DrafterMembership
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.observer import RoundObserver, RoundOutcome, RoundTimes
+from gateway.pipeline_choice import MODES
 from gateway.round import (
     Block,
     DraftItem,
@@ -66,7 +67,7 @@ class GenerationParams:
     speculation: int | str | None = None
     penalties: Penalties = field(default_factory=Penalties)
     logprobs: LogprobsRequest | None = None
-    # None: the gateway's --pipeline; else "sequential", "cohort" or "ahead".
+    # None: the gateway's --pipeline; else "sequential", "cohort", "ahead" or "auto" (chosen per round).
     pipeline: str | None = None
     # Structured output: canonical JSON Schema text the output must satisfy; "" = none.
     json_schema: str = ""
@@ -131,7 +132,7 @@ class _DraftExchange:
     elapsed_ns: int
 
 
-PIPELINES = ("sequential", "cohort", "ahead")
+PIPELINES = (*MODES, "auto")  # auto: the policy picks one of MODES each round
 
 
 class Scheduler:
@@ -187,6 +188,7 @@ class Scheduler:
         self.metrics.bind_policy(self.policy)
         self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
         self.pipeline = pipeline
+        self._auto_pipeline = "sequential"  # what `auto` resolves to this round
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.draining = False
@@ -497,20 +499,29 @@ class Scheduler:
         if seq.acceptance is None:
             seq.acceptance = self.policy.new_sequence()
         fixed = None if spec == "auto" else min(int(spec), cap)
-        return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed)
+        return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed, cohort=seq.cohort)
 
     def _choose_ks(self, seqs: list[_Sequence], batch_size: int) -> dict[str, int]:
+        """Each sequence's k this round; and, for sequences under `auto`, the round's pipeline."""
         caps = [self._cap(s) for s in seqs]
+        named = {s.params.pipeline or self.pipeline for s in seqs}
+        # The ks are chosen for the pipeline the round runs: with `auto` among the requests,
+        # the best of all (requests that named one keep theirs); a mix of named ones is
+        # costed as sequential, as before there was a choice.
+        offered = MODES if "auto" in named else tuple(named) if len(named) == 1 else ("sequential",)
         try:
-            ks = self.policy.choose([self._candidate(s, c) for s, c in zip(seqs, caps, strict=True)], batch_size)
+            candidates = [self._candidate(s, c) for s, c in zip(seqs, caps, strict=True)]
+            ks = self.policy.choose(candidates, batch_size, offered)
+            self._auto_pipeline = self.policy.last_pipeline
         except Exception:
             # The policy is an optimisation: without it, each sequence drafts what it may.
             log.exception("the speculation policy failed; drafting the full k this round")
-            ks = caps
+            ks, self._auto_pipeline = caps, "sequential"
         return {s.id: k for s, k in zip(seqs, ks, strict=True)}
 
     def _pipeline(self, seq: _Sequence) -> str:
-        return seq.params.pipeline or self.pipeline
+        named = seq.params.pipeline or self.pipeline
+        return self._auto_pipeline if named == "auto" else named
 
     def _plan(self, everyone: list[_Sequence], round_id: int) -> RoundPlan:
         """Which sequences draft before the verify, which are verified, and which draft during it;
@@ -542,18 +553,20 @@ class Scheduler:
                         plan.ahead.append(DraftItem(s, k))  # verified next round, with these drafts
                     continue
                 plan.verify.append(s)
-                plan.ks[s.id] = min(len(ready.tokens), self._cap(s)) if ready is not None else 0
+                plan.ks[s.id] = min(len(ready.tokens), self._cap(s), k) if ready is not None else 0
                 continue
             plan.verify.append(s)
             if ready is not None:
-                plan.ks[s.id] = min(len(ready.tokens), self._cap(s))
+                # A block drafted earlier is verified up to this round's k: no more than chosen.
+                plan.ks[s.id] = min(len(ready.tokens), self._cap(s), k)
             elif k > 0:
                 plan.ks[s.id] = k
                 plan.pre_draft.append(DraftItem(s, k))
             if mode == "ahead" and k > 0:
                 # Drafted while the verifier checks this block, assuming all of it is
                 # accepted: the first draft is a guess at the verifier's own token.
-                n = min(self._cap(s, after=plan.ks.get(s.id, 0) + 1), self.ahead_limit)
+                # As many as this round's k, the best guess at the next round's.
+                n = min(self._cap(s, after=plan.ks.get(s.id, 0) + 1), self.ahead_limit, k)
                 if n > 0:
                     plan.ahead.append(DraftItem(s, n + 1, assumed=()))
         return plan
@@ -635,7 +648,11 @@ class Scheduler:
         # 4. Observe, then retire.
         pipeline = "+".join(sorted({self._pipeline(s) for s in seqs}))
         prefilled = sum(n for _, n in plan.prefill) + sum(item.prefill for item in ahead_items)
-        self.observer.observe(RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans, prefilled))
+        pre_drafted = [item.num_draft_tokens for item in plan.pre_draft] if pre is not None else []
+        ahead_drafted = [item.num_draft_tokens for item in ahead_items if not item.prefill] if ahead else []
+        self.observer.observe(
+            RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans, prefilled, pre_drafted, ahead_drafted)
+        )
         await self._retire([s for s in seqs if s.done])
 
     def _drop_stale_blocks(self, seqs: list[_Sequence]) -> int:

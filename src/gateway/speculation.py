@@ -22,13 +22,20 @@ R = [drafting] (d0 + max_k * step(B_drafting)) + verify(sum (k_s + 1)) + overhea
 The rate sum_s E_s(k_s) / R is a ratio, maximised per sequence with Dinkelbach's
 iteration: for a rate lambda each sequence independently maximises
 E_s(k) - lambda * marginal verify cost * k.
+
+Under `--pipeline auto` the same search runs once per pipeline with that pipeline's
+round model (`gateway.pipeline_choice`), and the round takes the pipeline and ks with
+the highest rate; target-only (every k = 0) is a candidate in each, so auto mode
+drafts only when drafting is predicted faster than not drafting.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from gateway.pipeline_choice import Overlap, RoundModel, verified_positions
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
 
@@ -150,11 +157,6 @@ class Ewma:
         return default if self.value is None else self.value
 
 
-def verified_positions(ks: Sequence[int]) -> int:
-    """Positions the verifier computes for a round: it pads every row to the longest block."""
-    return len(ks) * (max(ks, default=0) + 1)
-
-
 @dataclass
 class CostModel:
     """Round cost in ns as measured by the gateway."""
@@ -184,6 +186,7 @@ class Candidate:
     cap: int  # most drafts it may take (0 if it does not speculate)
     rates: Sequence[float]  # its per-position acceptance estimates
     fixed: int | None = None  # a k the request asked for, not to be chosen
+    cohort: int = 0  # which of the two cohorts it is verified with (cohort pipeline)
 
 
 @dataclass(frozen=True)
@@ -191,20 +194,38 @@ class Choice:
     ks: list[int]
     predicted_rate: float  # expected tokens per second of the round with ks
     baseline_rate: float  # expected tokens per second of the same round target-only
+    pipeline: str = "sequential"  # the pipeline the rate was predicted for
 
     @property
     def predicted_gain(self) -> float:
         return self.predicted_rate / self.baseline_rate if self.baseline_rate > 0 else 1.0
 
 
-def choose_ks(candidates: Sequence[Candidate], costs: CostModel, k_max: int) -> Choice:
-    """Per-sequence k maximising expected tokens per second of one round."""
-    # Each sequence's expected tokens for every k it may draft, computed once per round.
-    tables = [expected_tokens_table(c.rates, c.fixed if c.fixed is not None else c.cap) for c in candidates]
+def _tables(candidates: Sequence[Candidate]) -> list[list[float]]:
+    """Each sequence's expected tokens for every k it may draft, computed once per round."""
+    return [expected_tokens_table(c.rates, c.fixed if c.fixed is not None else c.cap) for c in candidates]
 
-    def evaluate(ks: list[int]) -> float:
+
+def choose_ks(
+    candidates: Sequence[Candidate],
+    costs: CostModel,
+    k_max: int,
+    rate: Callable[[list[int]], float] | None = None,
+) -> Choice:
+    """Per-sequence k maximising expected tokens per second of one round.
+
+    `rate` predicts the round's tokens per second for given ks (default: the sequential
+    round). The search prices verified tokens at the verify's marginal cost, which is
+    exact for a sequential round and a heuristic for the others; every candidate it
+    finds is scored by `rate` itself.
+    """
+    tables = _tables(candidates)
+
+    def sequential(ks: list[int]) -> float:
         tokens = sum(table[k] for table, k in zip(tables, ks, strict=True))
         return tokens / max(costs.round_ns(ks), 1.0) * 1e9
+
+    evaluate = rate or sequential
 
     base = [c.fixed if c.fixed is not None else 0 for c in candidates]
     baseline_rate = evaluate([0] * len(candidates))
@@ -232,6 +253,41 @@ def choose_ks(candidates: Sequence[Candidate], costs: CostModel, k_max: int) -> 
     return Choice(best_ks, best_rate, baseline_rate)
 
 
+def choose_round(
+    candidates: Sequence[Candidate],
+    costs: CostModel,
+    k_max: int,
+    overlap: float,
+    pipelines: Sequence[str] = ("sequential",),
+    current: str = "sequential",
+    switch_margin: float = 0.0,
+) -> Choice:
+    """The pipeline among `pipelines`, and its ks, with the most expected tokens per second.
+
+    Each pipeline gets its own best ks (`choose_ks` under its round model). A round where
+    no sequence drafts is target-only whatever the pipeline, and is labelled sequential.
+    `current` (the pipeline of the last round) is kept unless another beats it by
+    `switch_margin`: switching costs a round the models do not see (a cohort's first
+    half has no block ready; a draft-ahead block may be left unused).
+    """
+    model = RoundModel(
+        costs, overlap, _tables(candidates), [c.rates for c in candidates], [c.cohort for c in candidates]
+    )
+    choices = []
+    for mode in pipelines:
+        choice = choose_ks(candidates, costs, k_max, lambda ks, mode=mode: model.rate(mode, ks))
+        if (mode == "cohort" and not model.paired(choice.ks)) or not any(choice.ks):
+            mode = "sequential"  # what the scheduler runs then
+        choices.append(Choice(choice.ks, choice.predicted_rate, choice.baseline_rate, mode))
+    best = max(choices, key=lambda c: c.predicted_rate)  # the first of equals: `pipelines` order
+    if not any(best.ks):
+        return best  # target-only is predicted fastest: no margin may keep drafts that lose to it
+    for choice in choices:
+        if choice.pipeline == current and choice.predicted_rate * (1 + switch_margin) >= best.predicted_rate:
+            return choice
+    return best
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     k_max: int = 4
@@ -239,35 +295,52 @@ class PolicyConfig:
     probe_every: int = 64  # rounds between exploratory drafts while auto mode keeps k at 0
     prior_acceptance: float = 0.7
     sequence_prior_weight: float = 4.0  # how many observations of a sequence outweigh the overall rates
+    switch_margin: float = 0.03  # predicted gain another pipeline needs over the last round's (--pipeline auto)
 
 
 class SpeculationPolicy:
-    """Chooses each round's k per sequence and learns from the round's outcome."""
+    """Chooses each round's k per sequence, and its pipeline under `--pipeline auto`; learns from the outcome."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.k_max = config.k_max
         self.overall = Acceptance(config.k_max, config.prior_acceptance, prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
+        self.overlap = Overlap()
         self._rounds_without_drafts = 0
         self.last_choice: Choice | None = None
+        # The pipeline chosen for this round among those offered (the only one offered, if one).
+        self.last_pipeline = "sequential"
         self.observed_gain = Ewma(0.05)
         self.predicted_gain = Ewma(0.05)
 
     def new_sequence(self) -> Acceptance:
         return Acceptance(self.k_max, self.overall.rates(), self.config.sequence_prior_weight)
 
-    def choose(self, candidates: Sequence[Candidate], batch_size: int) -> list[int]:
-        """k per candidate; a candidate's `fixed` k (fixed mode, or asked for by its request) is kept."""
+    def choose(
+        self, candidates: Sequence[Candidate], batch_size: int, pipelines: Sequence[str] = ("sequential",)
+    ) -> list[int]:
+        """k per candidate; a candidate's `fixed` k (fixed mode, or asked for by its request) is kept.
+
+        `pipelines`: those the round may run (several under `--pipeline auto`); the one
+        chosen is left in `last_pipeline`, and the ks are the best for it.
+        """
         cfg = self.config
         self.last_choice = None
+        previous, self.last_pipeline = self.last_pipeline, "sequential" if len(pipelines) > 1 else pipelines[0]
         if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
             return [0] * len(candidates)
-        if all(c.fixed is not None for c in candidates) or not self.costs.ready or self.k_max == 0:
+        all_fixed = all(c.fixed is not None for c in candidates)
+        if (all_fixed and len(pipelines) == 1) or not self.costs.ready or self.k_max == 0:
             # Until both services have been timed there is nothing to optimise against:
-            # draft the full k to measure the drafter.
+            # draft the full k, sequentially, to measure the drafter and the verifier alone.
             return [c.fixed if c.fixed is not None else c.cap for c in candidates]
-        choice = choose_ks(candidates, self.costs, self.k_max)
+        choice = choose_round(
+            candidates, self.costs, self.k_max, self.overlap.value, pipelines, previous, cfg.switch_margin
+        )
+        self.last_pipeline = choice.pipeline if len(pipelines) > 1 else pipelines[0]
+        if all_fixed:
+            return choice.ks  # only the pipeline was chosen: nothing adaptive to report
         ks = choice.ks
         if any(ks):
             self._rounds_without_drafts = 0
@@ -278,7 +351,7 @@ class SpeculationPolicy:
                 # workload that has become predictable gets its drafts back.
                 self._rounds_without_drafts = 0
                 ks = [c.fixed if c.fixed is not None else min(1, c.cap) for c in candidates]
-        self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate)
+        self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate, choice.pipeline)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
 
@@ -290,12 +363,29 @@ class SpeculationPolicy:
         verify_ns: int,
         drafter_forward_ns: int,
         tokens_emitted: int,
+        pre_drafted: Sequence[int] | None = None,
+        ahead_drafted: Sequence[int] = (),
     ) -> float | None:
-        """Learn costs from one round; returns observed rate / predicted target-only rate."""
-        self.costs.verify.observe(verified_positions(ks), verify_ns)
-        longest = max(ks, default=0)
+        """Learn costs from one round; returns observed rate / predicted target-only rate.
+
+        `ks`: drafts verified per sequence; `pre_drafted`: drafts asked per sequence of the
+        exchange before the verify (None: those of `ks`); `ahead_drafted`: of the exchange
+        that ran during the verify, whose time `verify_ns` then includes.
+        """
+        pre = list(ks) if pre_drafted is None else list(pre_drafted)
+        self.overlap.age()
+        ahead = [n for n in ahead_drafted if n > 0]
+        if ahead:
+            # The verify ran beside a draft exchange: its time is the two together, which
+            # measures the overlap, not the verify alone.
+            if self.costs.ready:
+                predicted_ahead = self.costs.draft_fixed.get() + max(ahead) * self.costs.step.predict(len(ahead))
+                self.overlap.observe(self.costs.verify.predict(verified_positions(ks)), predicted_ahead, verify_ns)
+        else:
+            self.costs.verify.observe(verified_positions(ks), verify_ns)
+        longest = max(pre, default=0)
         if longest > 0 and draft_ns > 0:
-            drafting = sum(1 for k in ks if k > 0)
+            drafting = sum(1 for k in pre if k > 0)
             self.costs.step.observe(drafting, drafter_forward_ns / longest)
             self.costs.draft_fixed.observe(max(0, draft_ns - drafter_forward_ns))
         self.costs.overhead.observe(max(0, round_ns - draft_ns - verify_ns))

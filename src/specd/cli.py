@@ -90,7 +90,10 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
     p.add_argument(
-        "--pipeline", choices=["sequential", "cohort", "ahead"], default="sequential", help="see specd gateway --help"
+        "--pipeline",
+        choices=["sequential", "cohort", "ahead", "auto"],
+        default="sequential",
+        help="see specd gateway --help",
     )
     p.add_argument("--drafter-threads", type=int, default=0, help="drafter's torch threads; 0: torch's default")
     p.add_argument("--verifier-threads", type=int, default=0, help="verifier's torch threads; 0: torch's default")

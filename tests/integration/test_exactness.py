@@ -73,7 +73,7 @@ def test_ngram_drafter_is_exact(model_dirs, log_dir, references):
         s.stop()
 
 
-@pytest.mark.parametrize("pipeline", ["cohort", "ahead"])
+@pytest.mark.parametrize("pipeline", ["cohort", "ahead", "auto"])
 @pytest.mark.parametrize("concurrency", [1, 16])
 def test_greedy_token_identical_in_every_pipeline(gateway_for, references, tok, pipeline, concurrency):
     """The pipelines change when drafts are made, never what is committed (the drafter here is a

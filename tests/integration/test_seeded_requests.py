@@ -61,7 +61,7 @@ def test_per_request_k_does_not_change_seeded_text(gateway_for, target_only, k):
     assert run_all(gateway_for(4, "--speculative-mode", "auto"), 8, num_speculative_tokens=k) == target_only
 
 
-@pytest.mark.parametrize("pipeline", ["cohort", "ahead"])
+@pytest.mark.parametrize("pipeline", ["cohort", "ahead", "auto"])
 def test_pipelines_do_not_change_seeded_text(gateway_for, target_only, pipeline):
     assert run_all(gateway_for(4), 8, pipeline=pipeline) == target_only
 

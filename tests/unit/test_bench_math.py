@@ -118,6 +118,7 @@ def test_modes_map_to_the_request_extension():
     assert mode_extra("auto", 4) == {"num_speculative_tokens": "auto"}
     assert mode_extra("server", 4) == {}
     assert mode_extra("ahead", 3) == {"num_speculative_tokens": 3, "pipeline": "ahead"}
+    assert mode_extra("auto-pipeline", 3) == {"num_speculative_tokens": "auto", "pipeline": "auto"}
 
 
 def test_compare_outputs_counts_differences_from_target():
@@ -135,7 +136,10 @@ def test_round_costs_split_a_round_and_its_share_outside_the_models():
         after[f"specd_round_latency_seconds_count|phase={phase}"] = 10.0
     after["specd_round_latency_seconds_sum|phase=verifier_forward"] = 0.85
     after["specd_round_latency_seconds_count|phase=verifier_forward"] = 10.0
-    costs = round_costs({}, after)
+    after["specd_pipeline_rounds_total|pipeline=ahead"] = 7.0
+    after["specd_pipeline_rounds_total|pipeline=sequential"] = 3.0
+    costs = round_costs({"specd_pipeline_rounds_total|pipeline=ahead": 2.0}, after)
+    assert (costs["rounds_ahead"], costs["rounds_sequential"]) == (5, 3)
     assert costs["round_draft_ms"] == pytest.approx(100.0)
     assert costs["round_outside_models"] == pytest.approx(1 - 180 / 200)
     assert costs["rounds"] == 10

@@ -24,7 +24,7 @@ def test_plan_prefill_is_first_come_first_served_within_the_budget() -> None:
     assert plan_prefill([], 8) == {}
 
 
-@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead", "auto"])
 @pytest.mark.parametrize("budget", [1, 7, 64])
 def test_chunked_prefill_is_token_identical_and_within_budget(pipeline: str, budget: int) -> None:
     drafter = FakeDrafter()

@@ -50,7 +50,7 @@ def generate(sched: Scheduler, prompts: list[list[int]], max_tokens: int = 24, *
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead", "auto"])
 @pytest.mark.parametrize("n", [1, 6])
 def test_every_pipeline_is_token_identical_to_target_only(pipeline: str, n: int) -> None:
     drafter = FakeDrafter()
@@ -106,7 +106,7 @@ def test_cohorts_alternate_and_overlap() -> None:
     assert sizes and max(sizes) <= 3
 
 
-@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead", "auto"])
 def test_a_dead_drafter_costs_speed_never_tokens(pipeline: str) -> None:
     verifier = FakeVerifier()
     results = generate(scheduler(verifier, BrokenDrafter(), pipeline), PROMPTS[:3])

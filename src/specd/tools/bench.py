@@ -8,6 +8,8 @@ from the same run:
 - fixed: k drafts every round (`num_speculative_tokens: k`);
 - auto: adaptive speculation (`num_speculative_tokens: "auto"`);
 - sequential, cohort, ahead: fixed k with that drafting pipeline (`pipeline: ...`);
+- auto-pipeline: adaptive k and pipeline, chosen per round (`pipeline: auto`); the
+  rounds each pipeline ran are reported (`rounds_<pipeline>`);
 - server: no specd extension field, whatever the server does (other servers);
 - hf / hf-target: the in-process peer, Hugging Face `generate` with an assistant
   model (or prompt lookup) / alone, with the same models, k and prompts, one
@@ -47,7 +49,7 @@ from specd.tools.benchstats import (
 )
 from specd.tools.workloads import prompts_for, workload_names
 
-HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "server")
+HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "auto-pipeline", "server")
 HF_MODES = ("hf", "hf-target")
 
 
@@ -117,6 +119,8 @@ def mode_extra(mode: str, k: int) -> dict[str, Any]:
     """
     if mode in ("sequential", "cohort", "ahead"):
         return {"num_speculative_tokens": k, "pipeline": mode}
+    if mode == "auto-pipeline":
+        return {"num_speculative_tokens": "auto", "pipeline": "auto"}
     speculation = {"target": 0, "fixed": k, "auto": "auto"}
     return {"num_speculative_tokens": speculation[mode]} if mode in speculation else {}
 

@@ -131,6 +131,11 @@ def round_costs(before: Mapping[str, float], after: Mapping[str, float]) -> dict
     out["rounds"] = delta(before, after, "specd_rounds_total")
     out["mean_k"] = histogram_mean(before, after, "specd_spec_decode_chosen_k")
     out["mean_batch"] = histogram_mean(before, after, "specd_round_batch_size")
+    # Which pipeline the rounds ran: under --pipeline auto, what the policy chose.
+    prefix = "specd_pipeline_rounds_total|pipeline="
+    for key in after:
+        if key.startswith(prefix):
+            out[f"rounds_{key[len(prefix) :]}"] = delta(before, after, key)
     return out
 
 

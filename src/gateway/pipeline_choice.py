@@ -1,0 +1,167 @@
+"""What a round costs in each pipeline, for `--pipeline auto` (no gRPC, no torch here).
+
+The adaptive policy (`gateway.speculation`) compares, each round, the expected tokens
+per second of the batch under sequential, cohort and draft-ahead scheduling, each with
+its own best k per sequence. This module holds the per-pipeline round models; every
+cost in them is one the gateway measures as it runs:
+
+- V(n): the verify exchange for n verified positions (rows padded to the longest block);
+- D(B, s): a draft exchange of s steps for B sequences, d0 + s·step(B);
+- o: the round's overhead outside both exchanges;
+- e: the share of the shorter of two concurrent exchanges that hides behind the longer
+  (`Overlap`): 1 on two devices that do not interfere, 0 when they share compute and
+  running both at once takes as long as running one after the other.
+
+Two exchanges x and y run concurrently take max(x, y) + (1-e)·min(x, y). Per pipeline:
+
+- sequential: o + D(B, max k) + V(Σ(k+1) padded);
+- draft-ahead: o + (1-P)·D(misses) + both(V, D(B, max k + 1)), with P = Π_s h_s the chance
+  that every sequence's ahead block stands, h_s = P(its k drafts accepted) · P(its drafter's
+  next token equals the verifier's), the latter taken as the acceptance at position k+1;
+  a sequence whose block missed drafts before the verify;
+- cohort: two phases, each verifying one cohort (and the sequences that do not draft)
+  while the other cohort drafts: o + both(V(cohort A), D(cohort B)), then the swap; the
+  sequences that do not draft are verified (one token each) in both phases.
+
+All k = 0 is target-only in every pipeline, the same cost; a pipeline that cannot apply
+(cohort without drafting sequences in both cohorts, draft-ahead without drafts) is
+costed as what the scheduler then runs: sequential.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.speculation import CostModel
+
+MODES = ("sequential", "cohort", "ahead")
+
+
+def verified_positions(ks: Sequence[int]) -> int:
+    """Positions the verifier computes for a round: it pads every row to the longest block."""
+    return len(ks) * (max(ks, default=0) + 1)
+
+
+def concurrent(a: float, b: float, overlap: float) -> float:
+    """Time for two exchanges run at once, when `overlap` of the shorter hides behind the longer."""
+    return max(a, b) + (1.0 - overlap) * min(a, b)
+
+
+class Overlap:
+    """The overlap e achieved between a verify and a draft exchange run at once, as measured.
+
+    Each overlapped round gives one sample: (V + A - phase) / min(V, A), with V and A the
+    verify and draft exchanges predicted from rounds where each ran alone, and `phase` the
+    time the two took together; clipped to [0, 1]. The estimate is the samples' mean,
+    pulled toward `prior` by `prior_weight` pseudo-samples.
+
+    The prior is optimistic (1: perfect overlap) and light on purpose: with a pessimistic
+    one an overlapped pipeline never looks better than sequential, so it is never tried
+    and its overlap never learnt. One or two measured rounds outweigh it. Samples age by
+    rounds (`age`), not by samples: while no round overlaps the prior slowly regains its
+    weight, so a low estimate (perhaps from one round slowed by something else) is tried
+    again now and then rather than trusted for good.
+    """
+
+    def __init__(self, prior: float = 1.0, prior_weight: float = 0.5, forget: float = 0.99) -> None:
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.forget = forget
+        self.total = 0.0
+        self.weight = 0.0
+        self.samples = 0
+
+    def observe(self, verify_ns: float, draft_ns: float, phase_ns: float) -> None:
+        shorter = min(verify_ns, draft_ns)
+        if shorter <= 0 or not math.isfinite(phase_ns):
+            return
+        sample = min(1.0, max(0.0, (verify_ns + draft_ns - phase_ns) / shorter))
+        self.total += sample
+        self.weight += 1.0
+        self.samples += 1
+
+    def age(self) -> None:
+        """One round has passed."""
+        self.total *= self.forget
+        self.weight *= self.forget
+
+    @property
+    def value(self) -> float:
+        return (self.total + self.prior_weight * self.prior) / (self.weight + self.prior_weight)
+
+
+@dataclass(frozen=True)
+class RoundModel:
+    """Expected tokens and time of one round (one cycle of two phases for cohort) per pipeline.
+
+    `tables[i][k]` is sequence i's expected tokens when it drafts k; `rates[i]` its
+    per-position acceptance; `cohorts[i]` the cohort it belongs to (0 or 1).
+    """
+
+    costs: CostModel
+    overlap: float
+    tables: Sequence[Sequence[float]]
+    rates: Sequence[Sequence[float]]
+    cohorts: Sequence[int]
+
+    def rate(self, mode: str, ks: Sequence[int]) -> float:
+        """Expected output tokens per second of the batch with these ks under `mode`."""
+        tokens, ns = self.cycle(mode, ks)
+        return tokens / max(ns, 1.0) * 1e9
+
+    def cycle(self, mode: str, ks: Sequence[int]) -> tuple[float, float]:
+        if mode == "cohort" and self.paired(ks):
+            return self._cohort(ks)
+        if mode == "ahead" and any(ks):
+            return self._ahead(ks)
+        return self._tokens(range(len(ks)), ks), self.costs.round_ns(ks)
+
+    def paired(self, ks: Sequence[int]) -> bool:
+        """Whether both cohorts have a drafting sequence (the scheduler's condition for taking turns)."""
+        return len({c for c, k in zip(self.cohorts, ks, strict=True) if k > 0}) == 2
+
+    def _tokens(self, indices: Sequence[int] | range, ks: Sequence[int]) -> float:
+        return sum(self.tables[i][ks[i]] for i in indices)
+
+    def _draft_ns(self, sequences: float, steps: int) -> float:
+        if steps <= 0 or sequences <= 0:
+            return 0.0
+        return self.costs.draft_fixed.get() + steps * self.costs.step.predict(sequences)
+
+    def _verify_ns(self, ks: Sequence[int]) -> float:
+        return self.costs.verify.predict(verified_positions(ks)) if ks else 0.0
+
+    def _ahead(self, ks: Sequence[int]) -> tuple[float, float]:
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        stands = [self._reach(i, ks[i]) * self._guess(i, ks[i]) for i in drafting]
+        all_stand = math.prod(stands)
+        # A missed block is drafted again before the verify; the exchange is as long as the longest.
+        misses = sum(1.0 - h for h in stands)
+        pre = self._draft_ns(misses / (1.0 - all_stand), max(ks)) if all_stand < 1.0 else 0.0
+        ahead = self._draft_ns(len(drafting), max(ks) + 1)  # the guess at the verifier's token, then k
+        ns = self.costs.overhead.get() + (1.0 - all_stand) * pre + concurrent(self._verify_ns(ks), ahead, self.overlap)
+        return self._tokens(range(len(ks)), ks), ns
+
+    def _cohort(self, ks: Sequence[int]) -> tuple[float, float]:
+        tokens, ns = 0.0, 0.0
+        for turn in (0, 1):
+            verified = [i for i, k in enumerate(ks) if k == 0 or self.cohorts[i] == turn]
+            drafting = [i for i, k in enumerate(ks) if k > 0 and self.cohorts[i] != turn]
+            draft = self._draft_ns(len(drafting), max(ks[i] for i in drafting))
+            verify = self._verify_ns([ks[i] for i in verified])
+            ns += self.costs.overhead.get() + concurrent(verify, draft, self.overlap)
+            tokens += self._tokens(verified, ks)
+        return tokens, ns
+
+    def _reach(self, i: int, k: int) -> float:
+        """P(all k drafts of sequence i accepted)."""
+        return math.prod(self.rates[i][:k])
+
+    def _guess(self, i: int, k: int) -> float:
+        """P(the drafter's token after k accepted drafts equals the verifier's), as acceptance there."""
+        rates = self.rates[i]
+        return rates[min(k, len(rates) - 1)] if rates else 0.0

@@ -1,0 +1,94 @@
+"""`--pipeline auto` in the scheduler, with in-process fake backends: exact output, visible choices."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fake_backends import EOS, FakeDrafter, FakeVerifier, reference
+from test_scheduler import GREEDY, PROMPTS, CharTokenizer, collect
+
+from gateway.observer import RoundOutcome
+from gateway.scheduler import GenerationParams, Scheduler
+
+
+def auto_scheduler(verifier: Any, drafter: Any, speculative_mode: str = "auto") -> Scheduler:
+    return Scheduler(
+        CharTokenizer(), verifier, drafter, 4, 16, [EOS], speculative_mode=speculative_mode, pipeline="auto"
+    )
+
+
+def run(sched: Scheduler, requests: list[tuple[list[int], str | None]], max_tokens: int) -> list[list[int]]:
+    """Generate greedily; each request is (prompt, the pipeline it names or None)."""
+
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            seqs = [sched.submit(p, GenerationParams(max_tokens, GREEDY, pipeline=mode)) for p, mode in requests]
+            return await asyncio.gather(*(collect(sched, s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    return [ids for ids, _ in asyncio.run(main())]
+
+
+def record_outcomes(sched: Scheduler) -> list[RoundOutcome]:
+    outcomes: list[RoundOutcome] = []
+    real = sched.observer.observe
+    sched.observer.observe = lambda o: outcomes.append(o) or real(o)  # type: ignore[method-assign]
+    return outcomes
+
+
+def rounds_by_pipeline(sched: Scheduler) -> dict[str, float]:
+    family = next(m for m in sched.metrics.registry.collect() if m.name == "specd_pipeline_rounds")
+    return {s.labels["pipeline"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("speculative_mode", ["auto", "fixed"])
+@pytest.mark.parametrize("n", [1, 6])
+def test_auto_pipeline_is_token_identical_to_target_only(speculative_mode: str, n: int) -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = auto_scheduler(verifier, drafter, speculative_mode)
+    outputs = run(sched, [(p, None) for p in PROMPTS[:n]], 30)
+    assert outputs == [reference(p, 30) for p in PROMPTS[:n]]
+    assert verifier.stale_blocks == 0  # only blocks drafted after exactly the committed tokens
+    assert verifier.committed == {} and drafter.committed == {}
+    assert set(rounds_by_pipeline(sched)) <= {"sequential", "cohort", "ahead"}
+
+
+# With several sequences draft-ahead pays only while nearly every block stands: one miss
+# puts a draft exchange before the verify. (Cohorts cannot win with these fakes: an
+# exchange costs the same whatever the batch, so two half-batch phases cost what one
+# sequential round of the whole batch does.)
+@pytest.mark.parametrize(("n", "wrong"), [(1, lambda n: n % 9 == 8), (4, lambda n: False)])
+def test_a_drafter_as_slow_as_the_verifier_gets_overlapped(n: int, wrong: Any) -> None:
+    """The fakes' exchanges are sleeps, so they overlap perfectly: once both services are
+    timed and acceptance is learnt, auto must leave sequential for draft-ahead, and stay exact."""
+    # Sleeps long enough that a loaded test machine's scheduling noise is small beside them.
+    drafter = FakeDrafter(wrong=wrong, delay_s=0.02)
+    verifier = FakeVerifier(delay_s=0.02, drafter=drafter)
+    sched = auto_scheduler(verifier, drafter)
+    outcomes = record_outcomes(sched)
+    outputs = run(sched, [(p, None) for p in PROMPTS[:n]], 120)
+    assert outputs == [reference(p, 120) for p in PROMPTS[:n]]
+    assert verifier.stale_blocks == 0
+    counts = rounds_by_pipeline(sched)
+    assert counts.get("ahead", 0) + counts.get("cohort", 0) > counts.get("sequential", 0)
+    assert outcomes[0].pipeline == "sequential"  # before anything is timed
+    assert sched.policy.overlap.samples > 0  # the overlap it relies on was measured
+
+
+def test_requests_that_name_a_pipeline_keep_it_under_auto() -> None:
+    drafter = FakeDrafter(wrong=lambda n: n % 9 == 8, delay_s=0.02)
+    verifier = FakeVerifier(delay_s=0.02, drafter=drafter)
+    sched = auto_scheduler(verifier, drafter)
+    outcomes = record_outcomes(sched)
+    requests: list[tuple[list[int], str | None]] = [(PROMPTS[0], None), (PROMPTS[1], "sequential")]
+    outputs = run(sched, requests, 60)
+    assert outputs == [reference(p, 60) for p, _ in requests]
+    # Every round both ran in shows the named one beside what auto chose.
+    both = [o.pipeline for o in outcomes if len(o.verdicts) == 2]
+    assert both and all("sequential" in p.split("+") for p in both)
+    assert any(p == "ahead+sequential" for p in both)

@@ -1,0 +1,248 @@
+"""`--pipeline auto`: the per-pipeline round models and the choice among them, on synthetic costs.
+
+The `check_*` functions state what the choice must do as costs change; each runs as a
+test, and again under planted wrong formulas, where at least one of them must fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from gateway import pipeline_choice
+from gateway.pipeline_choice import MODES, Overlap, RoundModel, concurrent
+from gateway.speculation import (
+    Candidate,
+    Choice,
+    CostModel,
+    PolicyConfig,
+    SpeculationPolicy,
+    choose_round,
+    expected_tokens_table,
+)
+
+MS = 1e6
+
+
+def costs(
+    verify_fixed_ms: float, verify_per_token_ms: float, step_ms: float, step_per_seq_ms: float = 0.0
+) -> CostModel:
+    """A cost model fitted from exact synthetic measurements (as in test_speculation)."""
+    model = CostModel()
+    for tokens in (1, 2, 4, 8, 16, 40, 64):
+        model.verify.observe(tokens, (verify_fixed_ms + verify_per_token_ms * tokens) * MS)
+    for batch in (1, 2, 4, 8, 16):
+        model.step.observe(batch, (step_ms + step_per_seq_ms * batch) * MS)
+    model.draft_fixed.observe(0.5 * MS)
+    model.overhead.observe(0.5 * MS)
+    return model
+
+
+def batch(n: int, rate: float, cap: int = 4) -> list[Candidate]:
+    """n sequences with the same acceptance, in alternating cohorts (as the scheduler assigns them)."""
+    return [Candidate(cap=cap, rates=[rate] * 4, cohort=i % 2) for i in range(n)]
+
+
+def choose(
+    model: CostModel, candidates: Sequence[Candidate], overlap: float = 1.0, current: str = "sequential"
+) -> Choice:
+    return choose_round(candidates, model, 4, overlap, MODES, current, switch_margin=0.03)
+
+
+def round_model(model: CostModel, candidates: Sequence[Candidate], overlap: float = 1.0) -> RoundModel:
+    tables = [expected_tokens_table(c.rates, c.cap) for c in candidates]
+    return RoundModel(model, overlap, tables, [c.rates for c in candidates], [c.cohort for c in candidates])
+
+
+# GPU-like verify: its fixed cost dominates; a drafter whose 4 steps cost as much as one verify.
+def expensive_drafter() -> CostModel:
+    return costs(verify_fixed_ms=20, verify_per_token_ms=0.1, step_ms=5)
+
+
+def check_expensive_drafter_with_good_acceptance_overlaps() -> None:
+    one = choose(expensive_drafter(), batch(1, 0.95))
+    assert one.pipeline == "ahead" and one.ks[0] > 0
+    four = choose(expensive_drafter(), batch(4, 0.95))
+    assert four.pipeline in ("ahead", "cohort") and all(four.ks)
+
+
+def check_shared_compute_runs_sequential() -> None:
+    # Nothing hides behind anything (overlap 0): overlapping only adds thrown-away drafts.
+    for n in (1, 4):
+        choice = choose(expensive_drafter(), batch(n, 0.95), overlap=0.0, current="ahead")
+        assert choice.pipeline == "sequential" and all(choice.ks)
+
+
+def check_large_batch_prefers_cohort_to_ahead() -> None:
+    # With 16 sequences some block almost always misses, and a miss drafts before the verify:
+    # draft-ahead then pays the draft and the overlap both; cohorts overlap for sure.
+    model = costs(verify_fixed_ms=8, verify_per_token_ms=0.2, step_ms=5)
+    candidates = batch(16, 0.8)
+    m = round_model(model, candidates)
+    ks = [4] * 16
+    assert m.rate("ahead", ks) < m.rate("sequential", ks) < m.rate("cohort", ks)
+    assert choose(model, candidates).pipeline == "cohort"
+
+
+def check_negligible_draft_cost_keeps_sequential() -> None:
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=0.1, step_ms=0.01)
+    choice = choose(model, batch(1, 0.9))
+    assert choice.pipeline == "sequential" and choice.ks == [4]
+    m = round_model(model, batch(1, 0.9))
+    assert m.rate("ahead", [4]) < 1.03 * m.rate("sequential", [4])  # nothing worth a switch
+
+
+CHECKS: list[Callable[[], None]] = [
+    check_expensive_drafter_with_good_acceptance_overlaps,
+    check_shared_compute_runs_sequential,
+    check_large_batch_prefers_cohort_to_ahead,
+    check_negligible_draft_cost_keeps_sequential,
+]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_choice_follows_the_costs(check: Callable[[], None]) -> None:
+    check()
+
+
+def _ahead_is_free(self: RoundModel, ks: Sequence[int]) -> tuple[float, float]:
+    """Wrong: the drafts made during the verify and the redrafts after a miss cost nothing."""
+    return sum(self.tables[i][k] for i, k in enumerate(ks)), self.costs.overhead.get() + self._verify_ns(ks)
+
+
+def _ahead_never_misses(self: RoundModel, ks: Sequence[int]) -> tuple[float, float]:
+    """Wrong: every ahead block assumed to stand, so no draft is ever on the critical path."""
+    drafting = sum(1 for k in ks if k > 0)
+    ahead = self._draft_ns(drafting, max(ks) + 1)
+    ns = self.costs.overhead.get() + concurrent(self._verify_ns(ks), ahead, self.overlap)
+    return sum(self.tables[i][k] for i, k in enumerate(ks)), ns
+
+
+def _overlap_assumed_perfect(a: float, b: float, overlap: float) -> float:
+    """Wrong: the measured overlap ignored, two exchanges at once always take the longer's time."""
+    return max(a, b)
+
+
+MUTATIONS = [
+    (RoundModel, "_ahead", _ahead_is_free),
+    (RoundModel, "_ahead", _ahead_never_misses),
+    (pipeline_choice, "concurrent", _overlap_assumed_perfect),
+]
+
+
+@pytest.mark.parametrize("target, name, wrong", MUTATIONS, ids=lambda m: getattr(m, "__name__", ""))
+def test_a_planted_wrong_formula_fails_a_check(
+    monkeypatch: pytest.MonkeyPatch, target: object, name: str, wrong: Callable[..., object]
+) -> None:
+    monkeypatch.setattr(target, name, wrong)
+    failed = []
+    for check in CHECKS:
+        try:
+            check()
+        except AssertionError:
+            failed.append(check.__name__)
+    assert failed, f"no check notices {wrong.__name__}"
+
+
+def test_round_models_agree_on_target_only_and_on_their_formulas() -> None:
+    model = expensive_drafter()
+    candidates = batch(2, 0.9)
+    m = round_model(model, candidates, overlap=0.5)
+    target_only = m.rate("sequential", [0, 0])
+    assert m.rate("ahead", [0, 0]) == target_only == m.rate("cohort", [0, 0])
+    v = model.verify.predict(2 * 5)
+    d = 0.5 * MS + 4 * model.step.predict(2)
+    assert m.cycle("sequential", [4, 4])[1] == pytest.approx(0.5 * MS + d + v)
+    # Draft-ahead: 5 draft steps beside the verify, and a redraft when either block misses.
+    stands = 0.9**5
+    redraft = 0.5 * MS + 4 * model.step.predict(2 * (1 - stands) / (1 - stands**2))
+    ahead = 0.5 * MS + (1 - stands**2) * redraft + concurrent(v, 0.5 * MS + 5 * model.step.predict(2), 0.5)
+    assert m.cycle("ahead", [4, 4])[1] == pytest.approx(ahead)
+    # Cohort: two phases, each one sequence verified beside the other's 4 draft steps.
+    half = 0.5 * MS + concurrent(model.verify.predict(5), 0.5 * MS + 4 * model.step.predict(1), 0.5)
+    tokens, ns = m.cycle("cohort", [4, 4])
+    assert ns == pytest.approx(2 * half)
+    assert tokens == pytest.approx(2 * expected_tokens_table([0.9] * 4, 4)[4])
+
+
+def test_cohort_needs_drafting_sequences_in_both_cohorts() -> None:
+    model = expensive_drafter()
+    alone = [Candidate(cap=4, rates=[0.95] * 4, cohort=0), Candidate(cap=4, rates=[0.95] * 4, cohort=0)]
+    m = round_model(model, alone)
+    assert not m.paired([4, 4])
+    assert m.rate("cohort", [4, 4]) == m.rate("sequential", [4, 4])
+    assert choose(model, alone).pipeline != "cohort"
+    one_drafts = batch(2, 0.95)
+    assert not round_model(model, one_drafts).paired([4, 0])
+
+
+@pytest.mark.parametrize("overlap", [0.0, 1.0])
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_poor_acceptance_runs_target_only_in_any_pipeline(overlap: float, n: int) -> None:
+    for current in MODES:
+        choice = choose(expensive_drafter(), batch(n, 0.02), overlap, current)
+        assert choice.ks == [0] * n and choice.pipeline == "sequential"
+        assert choice.predicted_rate == pytest.approx(choice.baseline_rate)
+        for mode in MODES:  # a request that names its pipeline keeps it, and still gets k = 0
+            only = choose_round(batch(n, 0.02), expensive_drafter(), 4, overlap, (mode,), mode)
+            assert only.ks == [0] * n
+
+
+def test_the_margin_never_keeps_drafts_that_lose_to_target_only() -> None:
+    # Acceptance where drafting barely loses: the last round's ahead must not be kept for the margin.
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=0.1, step_ms=8)
+    choice = choose(model, batch(1, 0.3), overlap=1.0, current="ahead")
+    m = round_model(model, batch(1, 0.3))
+    if any(choice.ks):
+        assert choice.predicted_rate >= m.rate("sequential", [0])
+    else:
+        assert choice.pipeline == "sequential"
+
+
+def test_overlap_is_learnt_from_rounds_and_starts_optimistic() -> None:
+    fresh = Overlap()
+    assert fresh.value == 1.0
+    shared = Overlap()
+    for _ in range(3):
+        shared.observe(20 * MS, 20 * MS, 40 * MS)  # the two took as long as one after the other
+    assert shared.value < 0.15
+    apart = Overlap()
+    for _ in range(3):
+        apart.observe(20 * MS, 15 * MS, 20 * MS)
+    assert apart.value == pytest.approx(1.0)
+    half = Overlap(prior_weight=0.0)
+    half.observe(20 * MS, 10 * MS, 25 * MS)
+    assert half.value == pytest.approx(0.5)
+
+
+def test_policy_runs_sequential_until_both_services_are_timed() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    assert policy.choose(batch(4, 0.95), 4, MODES) == [4] * 4
+    assert policy.last_pipeline == "sequential"
+
+
+def test_policy_learns_the_overlap_without_polluting_the_verify_cost() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = expensive_drafter()
+    assert policy.choose(batch(1, 0.95), 1, MODES) and policy.last_pipeline == "ahead"
+    verify_samples = policy.costs.verify.samples
+    predicted_verify = policy.costs.verify.predict(5)
+    # Shared compute: the verify and the 5-step draft beside it took as long as both in turn.
+    ahead_ns = 0.5 * MS + 5 * policy.costs.step.predict(1)
+    for _ in range(4):
+        policy.observe_round([4], int(60 * MS), 0, int(predicted_verify + ahead_ns), 0, 5, [], [5])
+    assert policy.costs.verify.samples == verify_samples  # the phase is not a verify alone
+    assert policy.overlap.value < 0.15
+    policy.choose(batch(1, 0.95), 1, MODES)
+    assert policy.last_pipeline == "sequential"
+
+
+def test_policy_keeps_a_single_offered_pipeline() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = expensive_drafter()
+    policy.choose(batch(1, 0.95), 1, ("cohort",))
+    assert policy.last_pipeline == "cohort"  # the request named it; the policy chose k only
+    fixed = [Candidate(cap=4, rates=[0.95] * 4, fixed=3)]
+    assert policy.choose(fixed, 1, MODES) == [3]
+    assert policy.last_pipeline == "ahead" and policy.last_choice is None
