@@ -76,6 +76,41 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+# Part of the conversion cache's key: bump it when a conversion's output changes.
+CONVERSION_VERSION = 2
+GGUF_SPECIAL_TOKENS = {
+    "bos": "bos_token_id",
+    "eos": "eos_token_id",
+    "unk": "unknown_token_id",
+    "pad": "padding_token_id",
+}
+
+
+def gguf_special_token_ids(gguf: Path) -> dict[str, int]:
+    """The special token ids the GGUF file itself declares (tokenizer.ggml.*_token_id)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    ids = {}
+    for role, key in GGUF_SPECIAL_TOKENS.items():
+        f = fields.get(f"tokenizer.ggml.{key}")
+        if f is not None and f.data:
+            ids[role] = int(f.parts[f.data[0]][0])
+    return ids
+
+
+def _set_special_tokens(tokenizer: Any, model: Any, ids: dict[str, int]) -> None:
+    """Take the special tokens from the GGUF's metadata, not from transformers' conversion of it:
+    some transformers releases map them differently (eos to <|im_start|>, no pad for SmolLM2),
+    and the tokenizer fingerprint, which every drafter must match, includes them."""
+    for role, token_id in ids.items():
+        setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+        if role != "unk":
+            setattr(model.config, f"{role}_token_id", token_id)
+            if model.generation_config is not None:
+                setattr(model.generation_config, f"{role}_token_id", token_id)
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize a GGUF checkpoint once into a safetensors directory (fast reloads)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,6 +120,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    _set_special_tokens(tokenizer, model, gguf_special_token_ids(gguf))
     # The dequantized model still carries its GGUF quantizer, which refuses to save.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -125,7 +161,7 @@ def materialize(spec: str) -> Path:
             "(save the model with save_pretrained and pass its directory)"
         )
     stat = gguf.stat()
-    dest = cache_dir() / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    dest = cache_dir() / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CONVERSION_VERSION}"
     if (dest / "config.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
