@@ -27,6 +27,14 @@ def on_test_device(model: LlamaForCausalLM) -> LlamaForCausalLM:
     return model if device.type == "cpu" else copy.deepcopy(model).to(device)
 
 
+def backed_kv_bytes(table, positions: int) -> int:
+    """What a SequenceTable's kv_bytes() reports with `positions` written: on the CPU the written
+    positions alone are backed by memory; a CUDA cache is allocated whole up front."""
+    if test_device().type == "cpu":
+        return positions * table.kv_bytes_per_token()
+    return table.kv_reserved_bytes()
+
+
 def tokenizer():
     return AutoTokenizer.from_pretrained(str(materialize(EMBEDDED)), local_files_only=True)
 

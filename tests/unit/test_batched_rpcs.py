@@ -10,6 +10,7 @@ import asyncio
 
 import grpc
 import pytest
+from tinymodels import backed_kv_bytes
 
 from drafter_service.engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
@@ -166,7 +167,7 @@ async def _servicer_open_too_big(engine) -> None:
             ]
             assert set(engine.table.seqs) == {engine_id("", "a"), engine_id("", "b")}
             assert engine.table.kv_reserved_bytes() == reserved, "refusing must not grow the cache"
-            assert engine.table.kv_bytes() == 2 * (len(PROMPT) - 1) * engine.table.kv_bytes_per_token()
+            assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, 2 * (len(PROMPT) - 1))
     finally:
         await server.stop(None)
         runner.shutdown()

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tinymodels import backed_kv_bytes
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.errors import EngineError, ErrorKind
@@ -473,9 +474,9 @@ def test_the_kv_cache_is_reserved_once_at_the_flags_bound(engines, kind):
     per_token = engine.table.kv_bytes_per_token()
     assert engine.table.kv_reserved_bytes() == MAX_SEQUENCES * MAX_CONTEXT * per_token
     assert sum(t.numel() * t.element_size() for t in tensors) == engine.table.kv_reserved_bytes()
-    assert engine.table.kv_bytes() == (len(PROMPT) - 1) * per_token  # the prefill's positions
+    assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, len(PROMPT) - 1)  # the prefill's positions
     engine.close(["a"])
-    assert engine.table.kv_bytes() == 0  # a closed sequence's memory goes back
+    assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, 0)  # a closed sequence's memory goes back
 
 
 def test_a_sequence_at_the_context_window_beside_long_draft_blocks_neither_grows_nor_moves_the_cache(
@@ -510,7 +511,6 @@ def test_a_sequence_at_the_context_window_beside_long_draft_blocks_neither_grows
 def test_an_open_that_cannot_fit_is_refused_before_any_state_changes(engines, kind):
     engine = engines[kind]
     open_ok(engine, SequenceSpec("a", PROMPT, GREEDY))
-    used = engine.table.kv_bytes()
     errors, _ = engine.open(
         [
             SequenceSpec("too-long", list(range(1, MAX_CONTEXT + 1)), GREEDY),  # no room to generate anything
@@ -522,4 +522,4 @@ def test_an_open_that_cannot_fit_is_refused_before_any_state_changes(engines, ki
     assert [kind_of(e) for e in errors] == [ErrorKind.INVALID_ARGUMENT, None, None, ErrorKind.RESOURCE_EXHAUSTED]
     assert sorted(engine.table.seqs) == ["a", "b", "c"]
     if kind != "ngram":
-        assert engine.table.kv_bytes() == used * 3
+        assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, 3 * (len(PROMPT) - 1))

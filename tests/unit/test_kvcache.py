@@ -27,7 +27,7 @@ def full_logits(model, tokens: list[int], start: int = 0) -> torch.Tensor:
 
 
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.cpu(), want.cpu(), atol=ATOL, rtol=1e-4, msg=lambda m: f"{what}: {m}")
 
 
 def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
