@@ -16,21 +16,21 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from specd.models import EMBEDDED, materialize
 
 
-def test_device() -> torch.device:
+def device_under_test() -> torch.device:
     """Where engine tests run their models: SPECD_TEST_DEVICE (e.g. cuda), default the CPU."""
     return torch.device(os.environ.get("SPECD_TEST_DEVICE", "cpu"))
 
 
 def on_test_device(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """The model on the test device; a copy off the CPU, so session-wide CPU models stay put."""
-    device = test_device()
+    device = device_under_test()
     return model if device.type == "cpu" else copy.deepcopy(model).to(device)
 
 
 def backed_kv_bytes(table, positions: int) -> int:
     """What a SequenceTable's kv_bytes() reports with `positions` written: on the CPU the written
     positions alone are backed by memory; a CUDA cache is allocated whole up front."""
-    if test_device().type == "cpu":
+    if device_under_test().type == "cpu":
         return positions * table.kv_bytes_per_token()
     return table.kv_reserved_bytes()
 

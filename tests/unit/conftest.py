@@ -11,7 +11,7 @@ from specd.fingerprint import TokenizerFingerprint
 from specd.kvcache import BatchedCausalLM
 from verifier_service.engine import VerifierEngine
 
-DEVICE = tinymodels.test_device()
+DEVICE = tinymodels.device_under_test()
 
 
 @pytest.fixture(scope="module", autouse=True)

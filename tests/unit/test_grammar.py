@@ -14,7 +14,7 @@ import random
 import jsonschema
 import pytest
 import torch
-from tinymodels import on_test_device, test_device
+from tinymodels import device_under_test, on_test_device
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.grammar import JSON_OBJECT_SCHEMA, GrammarCompiler, apply_mask, canonical, schema_problem
@@ -60,12 +60,12 @@ def grammars(tok, tiny_target) -> GrammarCompiler:
 
 
 def make_verifier(model, fingerprint, grammars) -> VerifierEngine:
-    lm = BatchedCausalLM(on_test_device(model), test_device(), torch.float32)
+    lm = BatchedCausalLM(on_test_device(model), device_under_test(), torch.float32)
     return VerifierEngine(lm, fingerprint, 8, 512, 8, grammars)
 
 
 def make_drafter(model, fingerprint, grammars) -> ModelDrafter:
-    lm = BatchedCausalLM(on_test_device(model), test_device(), torch.float32)
+    lm = BatchedCausalLM(on_test_device(model), device_under_test(), torch.float32)
     return ModelDrafter(lm, fingerprint, 8, 512, 8, 16, grammars)
 
 
