@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.choices import Choices
 from gateway.failures import GenerationError
 from gateway.scheduler import PIPELINES, GenerationParams
 from specd.grammar import JSON_OBJECT_SCHEMA, canonical, schema_problem
@@ -158,6 +159,23 @@ def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = Fa
     if problem := schema_problem(text):
         raise InvalidParameter("response_format", f"response_format: the JSON schema is not supported: {problem}")
     return text
+
+
+def choices(raw: RequestedParams, max_n: int, stream: bool = False) -> Choices:
+    """How many choices the request returns (n) and generates (best_of); raises InvalidParameter."""
+    for name in ("n", "best_of"):
+        value = getattr(raw, name)
+        check(name, value)
+        if value is not None and value > max_n:
+            raise InvalidParameter(name, f"{name} must be at most {max_n} (the gateway's --max-n), got {value}")
+    n = 1 if raw.n is None else raw.n
+    if raw.best_of is not None:
+        if raw.best_of < n:
+            raise InvalidParameter("best_of", f"best_of must be at least n ({n}), got {raw.best_of}")
+        if stream and raw.best_of > 1:
+            # The choices returned are known only once every candidate has finished.
+            raise InvalidParameter("best_of", "best_of greater than 1 cannot be streamed")
+    return Choices(n, raw.best_of)
 
 
 def logit_bias(bias: Mapping[int, float] | Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:
