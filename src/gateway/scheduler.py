@@ -70,6 +70,8 @@ class GenerationParams:
     pipeline: str | None = None
     # Structured output: canonical JSON Schema text the output must satisfy; "" = none.
     json_schema: str = ""
+    # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
+    grammar: str = ""
 
 
 @dataclass
@@ -481,6 +483,7 @@ class Scheduler:
             num_generated=len(seq.output),
             logprobs=logprobs_request_pb(seq.params.logprobs),
             json_schema=seq.params.json_schema,
+            grammar=seq.params.grammar,
             prefill_tokens=prefill_tokens,
         )
 
