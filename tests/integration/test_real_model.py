@@ -98,19 +98,19 @@ def test_specd_up_serves_the_embedded_model_exactly(up, target):
 def test_logprobs_are_the_targets_own_log_softmax(client, target):
     """(a) Every returned logprob, and the top alternatives, within 1e-4 of an HF float32 forward."""
     tokenizer, model = target
-    for question in ("Name three colours.", "Why is the sky blue?"):
+    for question in ("Name three colours.",):
         messages = [{"role": "user", "content": question}]
         ids = chat_ids(tokenizer, messages)
         reply = client.chat.completions.create(
             model=NAME,
             messages=messages,
-            max_tokens=12,
+            max_tokens=10,
             temperature=0,
             logprobs=True,
             top_logprobs=3,
             extra_body={"ignore_eos": True},
         )
-        greedy = penalized_greedy(model, ids, 12)
+        greedy = penalized_greedy(model, ids, 10)
         reference = raw_logprobs(model, [*ids, *greedy])
         content = reply.choices[0].logprobs.content
         assert [c.token for c in content] == [tokenizer.decode([t]) for t in greedy]
@@ -129,30 +129,38 @@ PENALTIES: list[dict[str, Any]] = [
     {"repetition_penalty": 1.6},
     {"logit_bias": {"30": 8.0, "28": 6.0}},  # token ids 30 and 28: "." and "," in this vocabulary
 ]
+PENALTY_PROMPT = "List the days of the week: Monday, Tuesday,"
+PENALTY_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def unpenalised(target) -> list[int]:
+    tokenizer, model = target
+    return penalized_greedy(model, tokenizer.encode(PENALTY_PROMPT), PENALTY_TOKENS)
 
 
 @pytest.mark.parametrize("penalties", PENALTIES, ids=["presence-frequency", "repetition", "logit_bias"])
-def test_penalised_and_biased_greedy_equals_the_target_alone(client, target, penalties):
+def test_penalised_and_biased_greedy_equals_the_target_alone(client, target, unpenalised, penalties):
     """(b) The same formulas applied to the target alone give the same tokens."""
     tokenizer, model = target
-    prompt = "List the days of the week: Monday, Tuesday,"
+    prompt = PENALTY_PROMPT
     ids = tokenizer.encode(prompt)
     want = penalized_greedy(
         model,
         ids,
-        16,
+        PENALTY_TOKENS,
         presence=penalties.get("presence_penalty", 0.0),
         frequency=penalties.get("frequency_penalty", 0.0),
         repetition=penalties.get("repetition_penalty", 1.0),
         bias={int(k): v for k, v in penalties.get("logit_bias", {}).items()},
     )
-    assert want != penalized_greedy(model, ids, 16), "the parameters changed nothing: a weak test"
+    assert want != unpenalised, "the parameters changed nothing: a weak test"
     extra: dict[str, Any] = {"ignore_eos": True}
     if "repetition_penalty" in penalties:
         extra["repetition_penalty"] = penalties["repetition_penalty"]
     sdk = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
     reply = client.completions.create(
-        model=NAME, prompt=prompt, max_tokens=16, temperature=0, logprobs=0, extra_body=extra, **sdk
+        model=NAME, prompt=prompt, max_tokens=PENALTY_TOKENS, temperature=0, logprobs=0, extra_body=extra, **sdk
     )
     assert reply.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in want]
 
@@ -194,7 +202,7 @@ def test_json_schema_outputs_validate_with_speculation_on(client):
         reply = client.chat.completions.create(
             model=NAME,
             messages=[{"role": "user", "content": question + " Answer in JSON."}],
-            max_tokens=64,
+            max_tokens=48,
             temperature=0,
             response_format={
                 "type": "json_schema",
@@ -228,7 +236,7 @@ def test_seeded_sampling_is_the_same_whatever_k_and_concurrency(client):
             "ignore_eos": True,
             **({"top_k": request["top_k"]} if "top_k" in request else {}),
         }
-        return client.completions.create(model=NAME, max_tokens=16, extra_body=extra, **body).choices[0].text
+        return client.completions.create(model=NAME, max_tokens=8, extra_body=extra, **body).choices[0].text
 
     def run(k: int | str, clients: int) -> list[str]:
         requests = SEEDED * (2 if clients > 1 else 1)  # 8 at once: each request twice
@@ -239,11 +247,11 @@ def test_seeded_sampling_is_the_same_whatever_k_and_concurrency(client):
 
     target_only = run(0, 1)
     assert len(set(target_only)) == len(SEEDED)
-    for k, clients in [(4, 1), ("auto", 1), (0, 8), (4, 8), ("auto", 8)]:
+    for k, clients in [(4, 1), ("auto", 1), ("auto", 8)]:
         assert run(k, clients) == target_only, (k, clients)
     # Several choices: choice 0 keeps the seed, choice 1 is the reply to its derived seed.
     request = SEEDED[0]
-    reply = client.completions.create(model=NAME, max_tokens=16, n=2, extra_body={"ignore_eos": True}, **request)
+    reply = client.completions.create(model=NAME, max_tokens=8, n=2, extra_body={"ignore_eos": True}, **request)
     assert [c.index for c in reply.choices] == [0, 1]
     assert reply.choices[0].text == target_only[0]
     other = {**request, "seed": choice_seed(request["seed"], 1)}
