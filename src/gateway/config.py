@@ -59,6 +59,7 @@ class GatewayConfig:
         5.0, "deadline for each drafter call and round; past it the gateway continues target-only"
     )
     request_timeout_s: float = field(600.0, "a request not finished by then fails (HTTP 504); 0 disables")
+    max_n: int = field(8, "most choices one request may ask for (n) or generate (best_of); each is its own sequence")
     max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
     http_max_body_bytes: int = field(
         8 * 1024 * 1024, "largest HTTP request body; a larger one gets 413 before it is read (or as soon as it is)"
@@ -122,6 +123,8 @@ class GatewayConfig:
             raise ValueError("drafter_timeout_s and backend_timeout_s must be > 0")
         if self.http_max_body_bytes < 1 or self.http_read_timeout_s <= 0 or self.http_max_connections < 0:
             raise ValueError("http_max_body_bytes >= 1, http_read_timeout_s > 0 and http_max_connections >= 0")
+        if self.max_n < 1:
+            raise ValueError("max_n must be >= 1")
         if self.max_waiting < 0 or self.request_timeout_s < 0 or self.rate_limit < 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_waiting, request_timeout_s, rate_limit and shutdown_grace_s must be >= 0")
 

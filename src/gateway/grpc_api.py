@@ -126,6 +126,8 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         prompt_logprobs=params.prompt_logprobs,
         pipeline=params.pipeline or None,
         response_format=response_format(params.json_schema),
+        guided_regex=params.guided_regex or None,
+        guided_choice=list(params.guided_choice) or None,
     )
 
 

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.choices import Choices, Outcome, best, choice_params, merged
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
-from gateway.validation import InvalidParameter, encode_prompt
+from gateway.validation import InvalidParameter, choices, encode_prompt
 from specd.logprobs import TokenLogprob
 
 
@@ -35,9 +36,17 @@ class OpenAIApi:
     """Routes and handlers; `health` reports backend readiness."""
 
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Any, model_name: str, health: Any, limiter: RateLimiter | None = None
+        self,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        model_name: str,
+        health: Any,
+        limiter: RateLimiter | None = None,
+        max_n: int = 8,
     ) -> None:
         self.scheduler = scheduler
+        # The most choices (n, best_of) one request may ask for: each is a sequence of its own.
+        self.max_n = max_n
         self.limiter = limiter or RateLimiter(0)
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -114,20 +123,23 @@ class OpenAIApi:
             )
         return None
 
-    def _submit(self, prompt: list[int], params: GenerationParams, request: Request) -> _Sequence | JSONResponse:
+    def _submit(
+        self, prompt: list[int], group: list[GenerationParams], request: Request
+    ) -> list[_Sequence] | JSONResponse:
         # A client's own W3C trace context makes the request span a child of its span.
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
         try:
-            return self.scheduler.submit(prompt, params, carrier)
+            return self.scheduler.submit_group(prompt, group, carrier)
         except GenerationError as exc:
             return error_response(exc.status, exc.message, exc.code)
 
-    def _params(self, body: _Request) -> GenerationParams:
-        """The body's generation parameters; raises InvalidParameter for anything refused."""
+    def _params(self, body: _Request) -> tuple[GenerationParams, Choices]:
+        """The body's generation parameters and choices; raises InvalidParameter for anything refused."""
         refused = body.refused()
         if refused is not None:
             raise refused
-        return body.generation_params(len(self.tokenizer))
+        params = body.generation_params(len(self.tokenizer))
+        return params, choices(body.requested(), self.max_n, bool(body.stream))
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         if (problem := body.prompt_problem()) is not None:
@@ -147,59 +159,68 @@ class OpenAIApi:
             return bad
         try:
             prompt = self._completion_prompt(body)
-            params = self._params(body)
+            params, wanted = self._params(body)
         except InvalidParameter as exc:
             return invalid(exc)
-        seq = self._submit(prompt, params, request)
-        if isinstance(seq, JSONResponse):
-            return seq
+        seqs = self._submit(prompt, choice_params(params, wanted), request)
+        if isinstance(seqs, JSONResponse):
+            return seqs
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         echo = ""
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
-        offset = 0  # characters of the choice's text so far, for logprobs' text_offset
+        # Characters of each choice's text so far, for logprobs' text_offset.
+        offsets = [0] * len(seqs)
 
-        def chunk(text: str, finish: str | None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-            nonlocal offset
+        def chunk(index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
             logprobs = None
             if params.logprobs is not None:
-                logprobs = completion_logprobs(lps or [], self.texts, offset)
-            offset += len(text)
+                logprobs = completion_logprobs(lps or [], self.texts, offsets[index])
+            offsets[index] += len(text)
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return {
                 "id": ident,
                 "object": "text_completion",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [choice],
             }
 
-        def echoed() -> dict[str, Any]:
+        def echoed(index: int) -> dict[str, Any]:
             """The prompt as the choice's first text, with its logprobs when asked for."""
-            nonlocal offset
-            out = chunk(echo, None)
+            out = chunk(index, echo, None)
             if params.logprobs is not None and params.logprobs.prompt:
+                # Choice 0 asked the verifier for them; the prompt is every choice's.
                 out["choices"][0]["logprobs"] = completion_logprobs(
-                    seq.prompt_logprobs, self.texts, 0, unscored_first=prompt[0]
+                    seqs[0].prompt_logprobs, self.texts, 0, unscored_first=prompt[0]
                 )
             return out
 
         if body.stream:
-            return self._sse(seq, request, chunk, echoed if echo else None, body.include_usage, ident)
-        result = await self._collect(seq, request)
-        if isinstance(result, JSONResponse):
-            return result
-        text, finished, lps = result
-        if echo:
-            head = echoed()["choices"][0]
-            body_out = chunk(text, finished.reason, lps)
-            choice = body_out["choices"][0]
-            choice["text"] = head["text"] + text
-            if choice["logprobs"] is not None:
-                choice["logprobs"] = {k: head["logprobs"][k] + v for k, v in choice["logprobs"].items()}
-        else:
-            body_out = chunk(text, finished.reason, lps)
-        body_out["usage"] = usage(finished)
-        return JSONResponse(body_out)
+            return self._sse(seqs, request, chunk, echoed if echo else None, body.include_usage)
+        outcomes = await self._collect(seqs, request)
+        if isinstance(outcomes, JSONResponse):
+            return outcomes
+        out: list[dict[str, Any]] = []
+        for index, outcome in enumerate(best(outcomes, wanted)):
+            offsets[index] = 0
+            head = echoed(index)["choices"][0] if echo else None
+            choice = chunk(index, outcome.text, outcome.finished.reason, outcome.logprobs)["choices"][0]
+            if head is not None:
+                choice["text"] = head["text"] + outcome.text
+                if choice["logprobs"] is not None:
+                    choice["logprobs"] = {k: head["logprobs"][k] + v for k, v in choice["logprobs"].items()}
+            out.append(choice)
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": out,
+                "usage": usage(outcomes),
+            }
+        )
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         if (bad := self._check_model(body.model)) is not None:
@@ -207,7 +228,7 @@ class OpenAIApi:
         try:
             if (problem := body.messages_problem()) is not None:
                 raise problem
-            params = self._params(body)
+            params, wanted = self._params(body)
         except InvalidParameter as exc:
             return invalid(exc)
         messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
@@ -220,9 +241,9 @@ class OpenAIApi:
             prompt = encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False)
         except InvalidParameter as exc:
             return invalid(exc)
-        seq = self._submit(prompt, params, request)
-        if isinstance(seq, JSONResponse):
-            return seq
+        seqs = self._submit(prompt, choice_params(params, wanted), request)
+        if isinstance(seqs, JSONResponse):
+            return seqs
         ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
@@ -231,7 +252,7 @@ class OpenAIApi:
             return {"content": chat_content(lps or [], self.texts), "refusal": None}
 
         def chunk(
-            text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None, first: bool = False
+            index: int, text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None, first: bool = False
         ) -> dict[str, Any]:
             delta: dict[str, Any] = {}
             if first:
@@ -243,19 +264,23 @@ class OpenAIApi:
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}],
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}],
             }
 
         if body.stream:
 
-            def stream_chunk(text: str, finish: str | None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
-                return chunk(text if text or finish is None else None, finish, lps)
+            def stream_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None
+            ) -> dict[str, Any]:
+                return chunk(index, text if text or finish is None else None, finish, lps)
 
-            return self._sse(seq, request, stream_chunk, lambda: chunk("", None, first=True), body.include_usage, ident)
-        result = await self._collect(seq, request)
-        if isinstance(result, JSONResponse):
-            return result
-        text, finished, lps = result
+            def role(index: int) -> dict[str, Any]:
+                return chunk(index, "", None, first=True)
+
+            return self._sse(seqs, request, stream_chunk, role, body.include_usage)
+        outcomes = await self._collect(seqs, request)
+        if isinstance(outcomes, JSONResponse):
+            return outcomes
         return JSONResponse(
             {
                 "id": ident,
@@ -264,32 +289,35 @@ class OpenAIApi:
                 "model": self.model_name,
                 "choices": [
                     {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs(lps),
-                        "finish_reason": finished.reason,
+                        "index": index,
+                        "message": {"role": "assistant", "content": outcome.text},
+                        "logprobs": logprobs(outcome.logprobs),
+                        "finish_reason": outcome.finished.reason,
                     }
+                    for index, outcome in enumerate(best(outcomes, wanted))
                 ],
-                "usage": usage(finished),
+                "usage": usage(outcomes),
             }
         )
 
     # -- plumbing --------------------------------------------------------
-    async def _collect(
-        self, seq: _Sequence, request: Request
-    ) -> tuple[str, Finished, list[TokenLogprob]] | JSONResponse:
-        """Gather a whole completion, cancelling it if the client disconnects."""
-        parts: list[str] = []
-        lps: list[TokenLogprob] = []
-        events = self.scheduler.events(seq)
+    async def _collect(self, seqs: list[_Sequence], request: Request) -> list[Outcome] | JSONResponse:
+        """Gather every sequence's whole output, cancelling them all if the client disconnects
+        or one of them fails."""
+        parts: list[list[str]] = [[] for _ in seqs]
+        lps: list[list[TokenLogprob]] = [[] for _ in seqs]
+        done: dict[int, Finished] = {}
+        events = merged(self.scheduler, seqs)
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
-            async for event in events:
+            async for i, event in events:
                 if isinstance(event, Delta):
-                    parts.append(event.text)
-                    lps.extend(event.logprobs)
+                    parts[i].append(event.text)
+                    lps[i].extend(event.logprobs)
                 elif isinstance(event, Finished):
-                    return "".join(parts), event, lps
+                    done[i] = event
+                    if len(done) == len(seqs):
+                        return [Outcome("".join(parts[j]), done[j], lps[j]) for j in range(len(seqs))]
                 elif isinstance(event, Failed):
                     return error_response(event.error.status, event.error.message, event.error.code)
                 if watcher.done():
@@ -301,41 +329,44 @@ class OpenAIApi:
 
     def _sse(
         self,
-        seq: _Sequence,
+        seqs: list[_Sequence],
         request: Request,
         chunk: Callable[..., dict[str, Any]],
-        first_chunk: Callable[[], dict[str, Any]] | None,
+        first_chunk: Callable[[int], dict[str, Any]] | None,
         include_usage: bool,
-        ident: str,
     ) -> StreamingResponse:
+        """Every choice's chunks as they come, interleaved, each tagged with its index."""
+
         async def body() -> AsyncIterator[bytes]:
-            events = self.scheduler.events(seq)
-            pending_first = first_chunk
+            events = merged(self.scheduler, seqs)
+            pending_first = [first_chunk is not None] * len(seqs)
+            done: dict[int, Finished] = {}
             try:
-                async for event in events:
-                    if pending_first is not None:
-                        # Sent with the first event: by then the verifier has opened the
-                        # sequence, and an echo's prompt logprobs are in.
-                        yield sse(pending_first())
-                        pending_first = None
+                async for i, event in events:
+                    if pending_first[i] and first_chunk is not None:
+                        # Sent with the choice's first event: by then the verifier has opened
+                        # the sequence, and an echo's prompt logprobs are in.
+                        yield sse(first_chunk(i))
+                        pending_first[i] = False
                     if isinstance(event, Delta):
                         # Tokens whose text is held back (a partial character, a possible
                         # stop string) still bring their logprobs.
                         if event.text or event.logprobs:
-                            yield sse(chunk(event.text, None, event.logprobs))
+                            yield sse(chunk(i, event.text, None, event.logprobs))
                     elif isinstance(event, Finished):
-                        yield sse(chunk("", event.reason))
-                        if include_usage:
-                            last = chunk("", None)
+                        done[i] = event
+                        yield sse(chunk(i, "", event.reason))
+                        if include_usage and len(done) == len(seqs):
+                            last = chunk(0, "", None)
                             last["choices"] = []
-                            last["usage"] = usage(event)
+                            last["usage"] = usage([done[j] for j in range(len(seqs))])
                             yield sse(last)
                     elif isinstance(event, Failed):
                         err = event.error
                         yield sse({"error": {"message": err.message, "type": err.kind.openai_type, "code": err.code}})
                 yield b"data: [DONE]\n\n"
             finally:
-                # Runs when the client disconnects too: the sequence is freed on both services.
+                # Runs when the client disconnects too: every choice's sequence is freed on both services.
                 await events.aclose()
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -354,9 +385,10 @@ def sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def usage(finished: Finished) -> dict[str, int]:
-    return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-    }
+def usage(finished: Sequence[Finished | Outcome]) -> dict[str, int]:
+    """The request's usage: the prompt once, and every generated token of every choice (as OpenAI
+    counts n and best_of: the candidates best_of dropped included)."""
+    ends = [f.finished if isinstance(f, Outcome) else f for f in finished]
+    prompt = ends[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in ends)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

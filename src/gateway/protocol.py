@@ -80,6 +80,10 @@ class _Request(BaseModel):
     # specd extension: how drafting is scheduled against the verifier for this request
     # (validated with the other parameters); absent follows the gateway's --pipeline.
     pipeline: str | None = None
+    # vLLM's structured-output extensions (checked by gateway.validation): the output is a
+    # full match of this regular expression, or exactly one of these strings.
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     # Accepted and ignored (IGNORED says why).
     user: str | None = None
     safety_identifier: str | None = None
@@ -114,6 +118,8 @@ class _Request(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             n=self.n,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
         )
 
     def generation_params(self, vocab_size: int) -> GenerationParams:

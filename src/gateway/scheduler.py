@@ -71,6 +71,8 @@ class GenerationParams:
     pipeline: str | None = None
     # Structured output: canonical JSON Schema text the output must satisfy; "" = none.
     json_schema: str = ""
+    # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
+    grammar: str = ""
 
 
 @dataclass
@@ -238,7 +240,27 @@ class Scheduler:
         self, prompt: list[int], params: GenerationParams, trace_parent: Mapping[str, str] | None = None
     ) -> _Sequence:
         """Validate and enqueue; raises GenerationError for requests that cannot fit."""
-        self._check_admission()
+        return self.submit_group(prompt, [params], trace_parent)[0]
+
+    def submit_group(
+        self, prompt: list[int], group: Sequence[GenerationParams], trace_parent: Mapping[str, str] | None = None
+    ) -> list[_Sequence]:
+        """Enqueue one sequence per params of `group` (a request's choices), all of them or none.
+
+        Everything that could refuse one of them is checked before any is queued, so a request
+        never half-runs. Each is its own sequence on the services (the KV cache has no prefix
+        sharing: each prefills the prompt itself).
+        """
+        self._check_admission(len(group))
+        max_tokens = [self._max_tokens(prompt, params) for params in group]
+        seqs = [self._sequence(prompt, params, n, trace_parent) for params, n in zip(group, max_tokens, strict=True)]
+        self.waiting.extend(seqs)
+        self.metrics.waiting.set(len(self.waiting))
+        self._wakeup.set()
+        return seqs
+
+    def _max_tokens(self, prompt: list[int], params: GenerationParams) -> int:
+        """The sequence's output bound; raises GenerationError for what cannot fit or run."""
         if not prompt:
             raise GenerationError(400, "the prompt is empty")
         if len(prompt) >= self.max_context:
@@ -263,6 +285,11 @@ class Scheduler:
             raise GenerationError(
                 400, f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}"
             )
+        return max_tokens
+
+    def _sequence(
+        self, prompt: list[int], params: GenerationParams, max_tokens: int, trace_parent: Mapping[str, str] | None
+    ) -> _Sequence:
         seq = _Sequence(
             id=uuid.uuid4().hex,
             prompt=list(prompt),
@@ -280,9 +307,6 @@ class Scheduler:
                 attributes={"specd.prompt_tokens": len(prompt), "specd.max_tokens": max_tokens},
                 kind=SpanKind.SERVER,
             )
-        self.waiting.append(seq)
-        self.metrics.waiting.set(len(self.waiting))
-        self._wakeup.set()
         return seq
 
     def cancel(self, seq: _Sequence) -> None:
@@ -303,13 +327,19 @@ class Scheduler:
         finally:
             self.cancel(seq)
 
-    def _check_admission(self) -> None:
+    def _check_admission(self, count: int = 1) -> None:
         """Refuse at once what would only wait: a full queue, or a gateway shutting down."""
         if self.draining:
             raise GenerationError(503, "the gateway is shutting down", "service_unavailable")
-        if self.max_waiting and len(self.waiting) >= self.max_waiting:
+        if self.max_waiting and count > self.max_waiting:
             raise GenerationError(
-                429, f"the gateway is overloaded: {len(self.waiting)} requests are already waiting", "overloaded"
+                400,
+                f"this request needs {count} sequences; the gateway queues at most {self.max_waiting} (--max-waiting)",
+            )
+        if self.max_waiting and len(self.waiting) + count > self.max_waiting:
+            also = f"; this request's {count} choices would not fit" if count > 1 else ""
+            raise GenerationError(
+                429, f"the gateway is overloaded: {len(self.waiting)} requests are already waiting{also}", "overloaded"
             )
 
     async def _next_event(self, seq: _Sequence) -> Event:
@@ -455,6 +485,7 @@ class Scheduler:
             num_generated=len(seq.output),
             logprobs=logprobs_request_pb(seq.params.logprobs),
             json_schema=seq.params.json_schema,
+            grammar=seq.params.grammar,
             prefill_tokens=prefill_tokens,
         )
 

@@ -112,7 +112,7 @@ async def run(config: GatewayConfig) -> None:
                 status["drafter_error"] = link.last_error
         return status
 
-    api = OpenAIApi(scheduler, tokenizer, model_name, health_status, RateLimiter(config.rate_limit))
+    api = OpenAIApi(scheduler, tokenizer, model_name, health_status, RateLimiter(config.rate_limit), config.max_n)
     grpc_server = None
     if config.grpc_port:
         # Innermost last: the key is checked before anything else looks at the request.

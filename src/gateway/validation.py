@@ -12,9 +12,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.choices import Choices
 from gateway.failures import GenerationError
 from gateway.scheduler import PIPELINES, GenerationParams
-from specd.grammar import JSON_OBJECT_SCHEMA, canonical, schema_problem
+from specd.grammar import (
+    JSON_OBJECT_SCHEMA,
+    canonical,
+    choice_grammar,
+    grammar_problem,
+    regex_grammar,
+    schema_problem,
+)
 from specd.logits import Penalties
 from specd.logprobs import LogprobsRequest
 from specd.ranges import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_SEQUENCES, RANGES
@@ -59,6 +67,10 @@ class RequestedParams:
     pipeline: str | None = None
     # OpenAI's response_format, as sent: {"type": "text" | "json_object" | "json_schema", ...}.
     response_format: Mapping[str, Any] | None = None
+    # vLLM's structured-output extensions: a regular expression the whole output matches, or
+    # the strings the output must be one of. At most one constraint per request.
+    guided_regex: str | None = None
+    guided_choice: Sequence[str] | None = None
 
 
 def check(name: str, value: object, range_name: str | None = None) -> None:
@@ -114,8 +126,51 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
         ),
         logprobs=logprobs_request(raw),
         pipeline=raw.pipeline,
-        json_schema=json_schema(raw.response_format, raw.ignore_eos),
+        **structured_output(raw),
     )
+
+
+def structured_output(raw: RequestedParams) -> dict[str, str]:
+    """The request's one output constraint, as GenerationParams' json_schema or grammar."""
+    given = [
+        name
+        for name, value in (
+            ("response_format", None if json_schema(raw.response_format) == "" else raw.response_format),
+            ("guided_regex", raw.guided_regex),
+            ("guided_choice", raw.guided_choice),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise InvalidParameter(
+            given[-1], f"{' and '.join(given)} are mutually exclusive: a request takes one structured-output constraint"
+        )
+    if raw.guided_regex is not None:
+        return {"grammar": guided_grammar("guided_regex", raw.guided_regex, raw.ignore_eos)}
+    if raw.guided_choice is not None:
+        return {"grammar": guided_grammar("guided_choice", raw.guided_choice, raw.ignore_eos)}
+    return {"json_schema": json_schema(raw.response_format, raw.ignore_eos)}
+
+
+def guided_grammar(param: str, value: str | Sequence[str], ignore_eos: bool) -> str:
+    """The llguidance grammar of a guided_regex or a guided_choice; raises InvalidParameter."""
+    if param == "guided_regex":
+        if not isinstance(value, str) or not value:
+            raise InvalidParameter(param, "guided_regex must be a non-empty regular expression")
+        try:
+            grammar = regex_grammar(value)
+        except (ValueError, TypeError) as exc:
+            raise InvalidParameter(param, f"guided_regex is not a regular expression: {exc}") from None
+    else:
+        if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidParameter(param, "guided_choice must be a non-empty list of strings")
+        grammar = choice_grammar(list(value))
+    if ignore_eos:
+        # The output ends where the grammar is complete; past it, no token is allowed.
+        raise InvalidParameter("ignore_eos", f"ignore_eos cannot be combined with {param}")
+    if problem := grammar_problem(grammar):
+        raise InvalidParameter(param, f"{param} is not supported by the grammar engine: {problem}")
+    return grammar
 
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -158,6 +213,23 @@ def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = Fa
     if problem := schema_problem(text):
         raise InvalidParameter("response_format", f"response_format: the JSON schema is not supported: {problem}")
     return text
+
+
+def choices(raw: RequestedParams, max_n: int, stream: bool = False) -> Choices:
+    """How many choices the request returns (n) and generates (best_of); raises InvalidParameter."""
+    for name in ("n", "best_of"):
+        value = getattr(raw, name)
+        check(name, value)
+        if value is not None and value > max_n:
+            raise InvalidParameter(name, f"{name} must be at most {max_n} (the gateway's --max-n), got {value}")
+    n = 1 if raw.n is None else raw.n
+    if raw.best_of is not None:
+        if raw.best_of < n:
+            raise InvalidParameter("best_of", f"best_of must be at least n ({n}), got {raw.best_of}")
+        if stream and raw.best_of > 1:
+            # The choices returned are known only once every candidate has finished.
+            raise InvalidParameter("best_of", "best_of greater than 1 cannot be streamed")
+    return Choices(n, raw.best_of)
 
 
 def logit_bias(bias: Mapping[int, float] | Mapping[str, float] | None, vocab_size: int) -> dict[int, float]:

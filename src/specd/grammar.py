@@ -1,8 +1,10 @@
-"""Structured output: a JSON Schema compiled by llguidance into a token mask at every position.
+"""Structured output: a JSON Schema or a grammar compiled by llguidance into a token mask at every position.
 
 A sequence's constraint travels as JSON Schema text (`SequenceSpec.json_schema`; OpenAI's
-`json_object` is `{"type": "object"}`); each service compiles it against its own tokenizer
-with the same options, so the drafter's and the verifier's masks agree. The constraint
+`json_object` is `{"type": "object"}`) or as an llguidance grammar (`SequenceSpec.grammar`:
+vLLM's guided_regex and guided_choice, built by `regex_grammar` and `choice_grammar`); each
+service compiles it against its own tokenizer with the same options, so the drafter's and
+the verifier's masks agree. The constraint
 covers the generated tokens only, never the prompt. End-of-sequence is allowed exactly
 when the grammar accepts what was generated, and is then the only token left once nothing
 can follow (a closed top-level object).
@@ -56,6 +58,26 @@ def _grammar(schema_text: str) -> str:
         raise GrammarError(f"not a JSON schema: {exc}") from None
 
 
+def regex_grammar(pattern: str) -> str:
+    """The grammar whose output is a full match of `pattern` (llguidance builds it: it knows
+    how its Lark dialect quotes a regex)."""
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The Lark grammar whose output is exactly one of `choices`: an alternation of string
+    literals, quoted as JSON strings (which llguidance's Lark dialect reads)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def grammar_problem(grammar: str) -> str | None:
+    """Why llguidance cannot compile `grammar`, or None."""
+    try:
+        return llguidance.LLMatcher.validate_grammar(grammar) or None
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+
+
 def schema_problem(schema_text: str) -> str | None:
     """Why llguidance cannot compile `schema_text`, or None (no tokenizer needed: the gateway's check)."""
     try:
@@ -73,16 +95,20 @@ class GrammarCompiler:
         self.eos = int(tokenizer.eos_token_id)
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos)
 
-    def matcher(self, schema_text: str) -> GrammarMatcher:
-        m = llguidance.LLMatcher(self._tokenizer, _grammar(schema_text), log_level=0)
+    def matcher(self, schema_text: str = "", grammar: str = "") -> GrammarMatcher:
+        """The matcher of a JSON Schema or of an llguidance grammar (exactly one of them)."""
+        if bool(schema_text) == bool(grammar):
+            raise GrammarError("give exactly one of a JSON schema and a grammar")
+        what = "JSON schema" if schema_text else "grammar"
+        m = llguidance.LLMatcher(self._tokenizer, _grammar(schema_text) if schema_text else grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"cannot compile the JSON schema: {m.get_error()}")
+            raise GrammarError(f"cannot compile the {what}: {m.get_error()}")
         return GrammarMatcher(m, self.vocab_size, self.eos)
 
 
 def grammar_compiler(tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:
     """The service's grammar engine, or None (with a warning) if its tokenizer does not fit the
-    model's vocabulary: the service still serves, and refuses json_schema sequences."""
+    model's vocabulary: the service still serves, and refuses constrained sequences."""
     try:
         return GrammarCompiler(tokenizer, vocab_size)
     except Exception as exc:
@@ -131,7 +157,7 @@ class GrammarMatcher:
                 pass  # after EOS: never output
             elif t == self.eos:
                 if not self._m.is_accepting():
-                    raise GrammarError("end-of-sequence is not allowed before the JSON is complete")
+                    raise GrammarError("end-of-sequence is not allowed before the output is complete")
                 self._ended_at = len(self.tokens)
             elif not self._m.consume_token(t):
                 raise GrammarError(f"token {t} is not allowed here: {self._m.get_error()}")

@@ -31,7 +31,7 @@ _UNIFORM_BITS = 24
 TOKEN_STREAM = 0
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -40,9 +40,9 @@ def _splitmix64(x: int) -> int:
 
 def noise_key(seed: int, position: int, stream: int = TOKEN_STREAM) -> int:
     """The 32-bit key of one (seed, position, stream); any int seed (taken mod 2**64)."""
-    h = _splitmix64(seed & _MASK64)
-    h = _splitmix64(h ^ (position & _MASK64))
-    h = _splitmix64(h ^ (stream & _MASK64))
+    h = splitmix64(seed & _MASK64)
+    h = splitmix64(h ^ (position & _MASK64))
+    h = splitmix64(h ^ (stream & _MASK64))
     return h >> 32
 
 

@@ -61,8 +61,9 @@ RANGES: dict[str, Range] = {
     "top_logprobs": Range(0, 20, integer=True),
     # Completions' logprobs: the number of alternatives, as in OpenAI's legacy API.
     "completion_logprobs": Range(0, 5, integer=True),
-    "n": Range(1, 1, integer=True, note=" (one choice per request)"),
-    "best_of": Range(1, 1, integer=True, note=" (one choice per request)"),
+    # Bounded above by the gateway's --max-n (gateway.validation.choices).
+    "n": Range(1, INT32_MAX, integer=True),
+    "best_of": Range(1, INT32_MAX, integer=True),
 }
 MAX_STOP_SEQUENCES = 4
 # OpenAI caps logit_bias at 300 entries; more is refused rather than silently cut.

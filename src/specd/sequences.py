@@ -156,20 +156,22 @@ class SequenceTable:
 
     def _grammar(self, spec: SequenceSpec) -> GrammarMatcher | None:
         """The sequence's grammar state, having consumed what it already generated; None if unconstrained."""
-        if not spec.json_schema:
+        if not spec.json_schema and not spec.grammar:
             return None
         if self.grammars is None:
             if self.lm is None:
                 # The n-gram drafter has no tokenizer: it proposes unconstrained, and the
                 # verifier, which always constrains, rejects what the grammar refuses.
                 return None
-            raise invalid("this service has no grammar engine for its tokenizer: it cannot apply a json_schema")
+            raise invalid(
+                "this service has no grammar engine for its tokenizer: it cannot apply a json_schema or grammar"
+            )
         try:
-            grammar = self.grammars.matcher(spec.json_schema)
+            grammar = self.grammars.matcher(spec.json_schema, spec.grammar)
             if spec.num_generated:
                 grammar.push(spec.prompt[len(spec.prompt) - spec.num_generated :])
         except GrammarError as exc:
-            raise invalid(f"json_schema: {exc}") from None
+            raise invalid(f"{'json_schema' if spec.json_schema else 'grammar'}: {exc}") from None
         return grammar
 
     def pending(self, state: SequenceState) -> int:

@@ -146,6 +146,7 @@ def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
         LogprobsRequest(logprobs.top_logprobs, logprobs.prompt) if logprobs is not None else None,
         msg.json_schema,
         msg.prefill_tokens if msg.HasField("prefill_tokens") else None,
+        msg.grammar,
     )
 
 

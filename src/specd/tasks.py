@@ -23,6 +23,8 @@ class SequenceSpec:
     json_schema: str = ""
     # None: prefill the whole prompt at open; n: at most n tokens now, the rest by prefill tasks.
     prefill_tokens: int | None = None
+    # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
+    grammar: str = ""
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ BAD_BODIES = [
     ({"prompt": "x"}, "model"),
     ({"model": MODEL, "prompt": "word " * 600}, "context window"),
     ({"model": MODEL, "prompt": [99999999]}, "prompt"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 99}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, "best_of"),
 ]
 
 

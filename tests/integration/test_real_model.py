@@ -1,25 +1,41 @@
-"""The embedded SmolLM2-135M through `specd up`: speculative output equals the target alone."""
+"""The embedded SmolLM2-135M through `specd up` (float32 verifier, int8 drafter, k = 4): speculative
+output equals the target alone, and issue #13's parameters are exact on the real model, checked
+with the `openai` SDK against the target run in this process (HF forwards in float32)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
+import openai
 import pytest
 import stack as st
 import torch
+from target_reference import penalized_greedy, raw_logprobs
 
+from gateway.choices import choice_seed
 from specd import models
 
 pytestmark = pytest.mark.slow
 
+NAME = "SmolLM2-135M-Instruct"
+TOLERANCE = 1e-4
 
-def test_specd_up_serves_the_embedded_model_exactly(tmp_path):
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory) -> Iterator[str]:
+    """`specd up` with its defaults but for the ports; yields the API's base URL. It must exit 0 on SIGINT."""
     ports = {name: st.free_port() for name in ("http", "grpc", "drafter", "verifier")}
-    log = tmp_path / "up.log"
+    log: Path = tmp_path_factory.mktemp("up") / "up.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [
@@ -34,33 +50,209 @@ def test_specd_up_serves_the_embedded_model_exactly(tmp_path):
             stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        url = f"http://{st.HOST}:{ports['http']}"
         deadline = time.monotonic() + 300
         while "specd is up" not in log.read_text(errors="replace"):
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
-        models_reply = httpx.get(url + "/v1/models").json()
-        name = models_reply["data"][0]["id"]
-        assert name == "SmolLM2-135M-Instruct"
-        messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-        reply = httpx.post(
-            url + "/v1/chat/completions",
-            json={"model": name, "messages": messages, "max_tokens": 40, "temperature": 0},
-            timeout=300,
-        ).json()
-        text = reply["choices"][0]["message"]["content"]
-
-        tokenizer = models.load_tokenizer("embedded")
-        target = models.load_model("embedded", torch.device("cpu"), torch.float32)
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        out = target.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
-        expected = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
-        assert text == expected
-        assert "Paris" in text
-        assert reply["usage"]["completion_tokens"] == len(out[0]) - len(ids)
+        yield f"http://{st.HOST}:{ports['http']}"
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(60)
     assert code == 0, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def target() -> tuple[Any, Any]:
+    """The embedded model's tokenizer and float32 weights, as the verifier serves them."""
+    return models.load_tokenizer("embedded"), models.load_model("embedded", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def client(up) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_specd_up_serves_the_embedded_model_exactly(up, target):
+    tokenizer, model = target
+    assert httpx.get(up + "/v1/models").json()["data"][0]["id"] == NAME
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    reply = httpx.post(
+        up + "/v1/chat/completions",
+        json={"model": NAME, "messages": messages, "max_tokens": 40, "temperature": 0},
+        timeout=300,
+    ).json()
+    text = reply["choices"][0]["message"]["content"]
+    ids = chat_ids(tokenizer, messages)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+    assert text == tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert "Paris" in text
+    assert reply["usage"]["completion_tokens"] == len(out[0]) - len(ids)
+
+
+def test_logprobs_are_the_targets_own_log_softmax(client, target):
+    """(a) Every returned logprob, and the top alternatives, within 1e-4 of an HF float32 forward."""
+    tokenizer, model = target
+    for question in ("Name three colours.",):
+        messages = [{"role": "user", "content": question}]
+        ids = chat_ids(tokenizer, messages)
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            extra_body={"ignore_eos": True},
+        )
+        greedy = penalized_greedy(model, ids, 10)
+        reference = raw_logprobs(model, [*ids, *greedy])
+        content = reply.choices[0].logprobs.content
+        assert [c.token for c in content] == [tokenizer.decode([t]) for t in greedy]
+        for j, (token, entry) in enumerate(zip(greedy, content, strict=True)):
+            row = reference[len(ids) - 1 + j]
+            assert abs(entry.logprob - float(row[token])) < TOLERANCE, (question, j)
+            top = row.topk(3)
+            assert [a.token for a in entry.top_logprobs] == [tokenizer.decode([int(i)]) for i in top.indices]
+            assert all(
+                abs(a.logprob - float(v)) < TOLERANCE for a, v in zip(entry.top_logprobs, top.values, strict=True)
+            )
+
+
+PENALTIES: list[dict[str, Any]] = [
+    {"presence_penalty": 1.5, "frequency_penalty": 1.0},
+    {"repetition_penalty": 1.6},
+    {"logit_bias": {"30": 8.0, "28": 6.0}},  # token ids 30 and 28: "." and "," in this vocabulary
+]
+PENALTY_PROMPT = "List the days of the week: Monday, Tuesday,"
+PENALTY_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def unpenalised(target) -> list[int]:
+    tokenizer, model = target
+    return penalized_greedy(model, tokenizer.encode(PENALTY_PROMPT), PENALTY_TOKENS)
+
+
+@pytest.mark.parametrize("penalties", PENALTIES, ids=["presence-frequency", "repetition", "logit_bias"])
+def test_penalised_and_biased_greedy_equals_the_target_alone(client, target, unpenalised, penalties):
+    """(b) The same formulas applied to the target alone give the same tokens."""
+    tokenizer, model = target
+    prompt = PENALTY_PROMPT
+    ids = tokenizer.encode(prompt)
+    want = penalized_greedy(
+        model,
+        ids,
+        PENALTY_TOKENS,
+        presence=penalties.get("presence_penalty", 0.0),
+        frequency=penalties.get("frequency_penalty", 0.0),
+        repetition=penalties.get("repetition_penalty", 1.0),
+        bias={int(k): v for k, v in penalties.get("logit_bias", {}).items()},
+    )
+    assert want != unpenalised, "the parameters changed nothing: a weak test"
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if "repetition_penalty" in penalties:
+        extra["repetition_penalty"] = penalties["repetition_penalty"]
+    sdk = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+    reply = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=PENALTY_TOKENS, temperature=0, logprobs=0, extra_body=extra, **sdk
+    )
+    assert reply.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in want]
+
+
+def _object(**properties: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
+WORD = {"type": "string", "maxLength": 16}
+JSON_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("What is the capital of France?", _object(city=WORD)),
+    ("Name a fruit and its colour.", _object(fruit=WORD, colour=WORD)),
+    ("How many legs does a spider have?", _object(legs={"type": "integer", "minimum": 0, "maximum": 100})),
+    ("Is water wet?", _object(answer={"type": "boolean"})),
+    ("Pick a primary colour.", _object(colour={"enum": ["red", "yellow", "blue"]})),
+    ("Describe a cat.", _object(name=WORD, age={"type": "integer", "minimum": 0, "maximum": 30})),
+    ("Give two even numbers.", {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}),
+    ("Is the sun a star? Answer yes or no.", {"enum": ["yes", "no"]}),
+    ("What year did World War II end?", _object(year={"type": "integer", "minimum": 1900, "maximum": 2000})),
+    ("Name a planet.", _object(planet=WORD)),
+    ("What is 2 + 2?", _object(result={"type": "integer", "minimum": 0, "maximum": 10})),
+    ("Name an animal that can fly.", _object(animal=WORD, flies={"type": "boolean"})),
+    ("Temperature of boiling water in Celsius?", _object(celsius={"type": "number", "minimum": 0, "maximum": 200})),
+    ("Name a day of the week.", _object(day={"enum": ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]})),
+    ("Three colours, please.", {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}),
+    ("A user with an id.", _object(user=_object(id={"type": "integer", "minimum": 1, "maximum": 999}, name=WORD))),
+    ("How are you feeling?", _object(mood={"enum": ["good", "bad", "okay"]}, why=WORD)),
+    ("What language is spoken in Spain?", _object(language=WORD)),
+    ("Is 7 a prime number?", _object(prime={"type": "boolean"}, number={"const": 7})),
+    ("Name a musical instrument.", {"type": "string", "maxLength": 12}),
+]
+
+
+def test_json_schema_outputs_validate_with_speculation_on(client):
+    """(c) 20 of 20 json_schema replies parse and validate, speculating (k = 4, adaptive)."""
+
+    def ask(case: tuple[str, dict[str, Any]]) -> tuple[str | None, str | None]:
+        question, schema = case
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": question + " Answer in JSON."}],
+            max_tokens=48,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema, "strict": True},
+            },
+        )
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, JSON_CASES))
+    for (question, schema), (text, finish) in zip(JSON_CASES, replies, strict=True):
+        assert finish == "stop", (question, text)
+        jsonschema.validate(json.loads(text or ""), schema)
+
+
+SEEDED: list[dict[str, Any]] = [
+    {"prompt": "Once upon a time", "seed": 1, "temperature": 0.8},
+    {"prompt": "The best way to learn", "seed": 2, "temperature": 1.0, "top_p": 0.9},
+    {"prompt": "My favourite food is", "seed": 3, "temperature": 0.7, "top_k": 40},
+    {"prompt": "In the year 3000,", "seed": 2**63 + 5, "temperature": 1.1},
+]
+
+
+def test_seeded_sampling_is_the_same_whatever_k_and_concurrency(client):
+    """(d) Seeded outputs are identical for num_speculative_tokens 0, 4 and "auto", from 1 or 8 clients."""
+
+    def sample(request: dict[str, Any], k: int | str) -> str:
+        body = {k2: v for k2, v in request.items() if k2 != "top_k"}
+        extra = {
+            "num_speculative_tokens": k,
+            "ignore_eos": True,
+            **({"top_k": request["top_k"]} if "top_k" in request else {}),
+        }
+        return client.completions.create(model=NAME, max_tokens=8, extra_body=extra, **body).choices[0].text
+
+    def run(k: int | str, clients: int) -> list[str]:
+        requests = SEEDED * (2 if clients > 1 else 1)  # 8 at once: each request twice
+        with ThreadPoolExecutor(clients) as pool:
+            texts = list(pool.map(lambda r: sample(r, k), requests))
+        assert texts[len(SEEDED) :] == texts[: len(SEEDED)] or clients == 1
+        return texts[: len(SEEDED)]
+
+    target_only = run(0, 1)
+    assert len(set(target_only)) == len(SEEDED)
+    for k, clients in [(4, 1), ("auto", 1), ("auto", 8)]:
+        assert run(k, clients) == target_only, (k, clients)
+    # Several choices: choice 0 keeps the seed, choice 1 is the reply to its derived seed.
+    request = SEEDED[0]
+    reply = client.completions.create(model=NAME, max_tokens=8, n=2, extra_body={"ignore_eos": True}, **request)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert reply.choices[0].text == target_only[0]
+    other = {**request, "seed": choice_seed(request["seed"], 1)}
+    assert reply.choices[1].text == sample(other, 0)

@@ -9,6 +9,7 @@ the one sampled from), and the drafter, masked by the same grammar, must be most
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -271,3 +272,88 @@ def test_grpc_json_schema(close_stack):
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=60)
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# vLLM's guided_regex and guided_choice: bounded patterns, so a random model's output ends.
+GUIDED: list[tuple[str, dict[str, Any]]] = [
+    ("A date:", {"guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"}),
+    ("A code:", {"guided_regex": r"[A-Z]{2,3}-[0-9]{1,4}"}),
+    ("Yes or no?", {"guided_regex": r"(yes|no)[.!]"}),
+    ("Pick a colour.", {"guided_choice": ["red", "green", "blue"]}),
+    ("Quote:", {"guided_choice": ['say "hi"', "a\\b", "x/y", "naïve"]}),
+    ("Size?", {"guided_choice": ["S", "M", "L", "XL", "XXL"]}),
+]
+
+
+def guided_ok(text: str, fields: dict[str, Any]) -> bool:
+    if "guided_regex" in fields:
+        return re.fullmatch(fields["guided_regex"], text) is not None
+    return text in fields["guided_choice"]
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_guided_regex_and_choice_hold_with_speculation_on_and_off(close_stack, sampling, endpoint):
+    def run(k: int) -> list[str]:
+        out = []
+        for prompt, fields in GUIDED:
+            body: dict[str, Any] = {"model": MODEL, "max_tokens": 48, "num_speculative_tokens": k}
+            body |= (
+                {"prompt": prompt} if endpoint == "completions" else {"messages": [{"role": "user", "content": prompt}]}
+            )
+            r = httpx.post(
+                f"{close_stack.base_url}/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                json={**body, **fields, **SAMPLINGS[sampling]},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            text = choice["text"] if endpoint == "completions" else choice["message"]["content"]
+            assert choice["finish_reason"] == "stop" and guided_ok(text, fields), (fields, text)
+            out.append(text)
+        return out
+
+    off, on = run(0), run(4)
+    if sampling != "sampled":
+        assert on == off  # greedy and seeded: what target-only guided decoding emits
+
+
+def test_guided_choice_with_several_sampled_choices(close_stack):
+    fields = GUIDED[5][1]
+    body = {"model": MODEL, "prompt": "Size?", "max_tokens": 8, "temperature": 1.5, "n": 8, **fields}
+    r = httpx.post(close_stack.base_url + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert all(t in fields["guided_choice"] for t in texts) and len(set(texts)) > 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"guided_regex": "(?=a)b"}, "guided_regex"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_choice": "red"}, "guided_choice"),
+        ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
+    ],
+)
+def test_bad_guided_fields_are_400_naming_the_parameter(close_stack, fields, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **fields}
+    r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_grpc_guided_regex_and_choice(close_stack):
+    with grpc.insecure_channel(f"127.0.0.1:{close_stack.gateway.grpc_port}") as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for prompt, fields in GUIDED[1:5]:
+            params = gateway_pb2.GenerationParams(max_tokens=48, temperature=0.8, seed=5, **fields)
+            reply = stub.Generate(gateway_pb2.GenerateRequest(prompt=prompt, params=params), timeout=300)
+            assert reply.finish_reason == gateway_pb2.FINISH_REASON_STOP and guided_ok(reply.text, fields)
+        bad = gateway_pb2.GenerationParams(max_tokens=4, guided_regex="a+", guided_choice=["a"])
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Generate(gateway_pb2.GenerateRequest(prompt="x", params=bad), timeout=60)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "guided_choice" in caught.value.details()

@@ -30,6 +30,12 @@ class RefusingScheduler:
         self.submitted.append(params)
         return types.SimpleNamespace(prompt_logprobs=[])
 
+    def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
+        return [self.submit(prompt, params, carrier) for params in group]
+
+    def cancel(self, seq: Any) -> None:
+        pass
+
     async def events(self, seq: Any):
         yield Finished("length", 1, 0)
 
