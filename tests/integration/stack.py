@@ -77,13 +77,13 @@ def base_url(gateway: Service) -> str:
     return f"http://{HOST}:{gateway.port}"
 
 
-def spawn(name: str, args: list[str], log_dir: Path, port: int) -> Service:
+def spawn(name: str, args: list[str], log_dir: Path, port: int, command: list[str] | None = None) -> Service:
+    """`specd NAME ARGS`, or `COMMAND ARGS` (a script that runs NAME its own way)."""
     log = log_dir / f"{name}-{port}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    argv = [*(command or [sys.executable, "-m", "specd.cli", name]), *args]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specd.cli", name, *args], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     return Service(name, proc, port, log)
 
 
@@ -114,8 +114,15 @@ def start_backend(kind: str, args: list[str], log_dir: Path) -> Service:
     return service
 
 
-def start_gateway(verifier: Service | str, drafter: Service | str | None, args: list[str], log_dir: Path) -> Service:
-    """A gateway over these backends; a string is passed as is (several replicas: "a:1,b:2")."""
+def start_gateway(
+    verifier: Service | str,
+    drafter: Service | str | None,
+    args: list[str],
+    log_dir: Path,
+    command: list[str] | None = None,
+) -> Service:
+    """A gateway over these backends; a string is passed as is (several replicas: "a:1,b:2").
+    `command` runs the gateway through another script (see `spawn`)."""
     # Tests of the round mechanics (and of drafter faults) need k drafts every round;
     # in auto mode a drafter that is rarely right, as the tiny draft model is, stops being asked.
     if "--speculative-mode" not in args:
@@ -133,6 +140,7 @@ def start_gateway(verifier: Service | str, drafter: Service | str | None, args: 
         ],
         log_dir,
         http_port,
+        command,
     )  # fmt: skip
     gateway.grpc_port = grpc_port
     deadline = time.monotonic() + 120
