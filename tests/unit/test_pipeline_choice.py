@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pytest
+from synthetic_costs import MS, costs
 
 from gateway import pipeline_choice
 from gateway.pipeline_choice import MODES, Overlap, RoundModel, concurrent
@@ -21,22 +22,6 @@ from gateway.speculation import (
     choose_round,
     expected_tokens_table,
 )
-
-MS = 1e6
-
-
-def costs(
-    verify_fixed_ms: float, verify_per_token_ms: float, step_ms: float, step_per_seq_ms: float = 0.0
-) -> CostModel:
-    """A cost model fitted from exact synthetic measurements (as in test_speculation)."""
-    model = CostModel()
-    for tokens in (1, 2, 4, 8, 16, 40, 64):
-        model.verify.observe(tokens, (verify_fixed_ms + verify_per_token_ms * tokens) * MS)
-    for batch in (1, 2, 4, 8, 16):
-        model.step.observe(batch, (step_ms + step_per_seq_ms * batch) * MS)
-    model.draft_fixed.observe(0.5 * MS)
-    model.overhead.observe(0.5 * MS)
-    return model
 
 
 def batch(n: int, rate: float, cap: int = 4) -> list[Candidate]:

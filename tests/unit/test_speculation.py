@@ -6,11 +6,11 @@ import itertools
 import random
 
 import pytest
+from synthetic_costs import MS, costs
 
 from gateway.speculation import (
     Acceptance,
     Candidate,
-    CostModel,
     LinearCost,
     PolicyConfig,
     SpeculationPolicy,
@@ -18,22 +18,6 @@ from gateway.speculation import (
     expected_tokens,
     leviathan_speedup,
 )
-
-MS = 1e6
-
-
-def costs(
-    verify_fixed_ms: float, verify_per_token_ms: float, step_ms: float, step_per_seq_ms: float = 0.0
-) -> CostModel:
-    """A cost model fitted from exact synthetic measurements."""
-    model = CostModel()
-    for tokens in (1, 2, 4, 8, 16, 40, 64):
-        model.verify.observe(tokens, (verify_fixed_ms + verify_per_token_ms * tokens) * MS)
-    for batch in (1, 2, 4, 8, 16):
-        model.step.observe(batch, (step_ms + step_per_seq_ms * batch) * MS)
-    model.draft_fixed.observe(0.5 * MS)
-    model.overhead.observe(0.5 * MS)
-    return model
 
 
 def test_expected_tokens_matches_the_geometric_series() -> None:
