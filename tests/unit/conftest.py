@@ -8,6 +8,7 @@ import torch
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.fingerprint import TokenizerFingerprint
+from specd.grammar import GrammarCompiler
 from specd.kvcache import BatchedCausalLM
 from verifier_service.engine import VerifierEngine
 
@@ -72,3 +73,9 @@ def make_ngram(vocab_size) -> Callable[..., NgramDrafter]:
         return NgramDrafter(vocab_size, max_sequences, max_context, max_draft_tokens, min_n, max_n)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def grammars(tok, tiny_target) -> GrammarCompiler:
+    """Grammar compilation for the tiny models' vocabulary (structured-output tests)."""
+    return GrammarCompiler(tok, int(tiny_target.config.vocab_size))

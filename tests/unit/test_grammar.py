@@ -17,7 +17,7 @@ import torch
 from tinymodels import device_under_test, on_test_device
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.grammar import JSON_OBJECT_SCHEMA, GrammarCompiler, apply_mask, canonical, schema_problem
+from specd.grammar import JSON_OBJECT_SCHEMA, apply_mask, canonical, schema_problem
 from specd.kvcache import BatchedCausalLM
 from specd.sampling import SamplingParams, gumbel_argmax, position_keys, probabilities
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
@@ -52,11 +52,6 @@ PARAMS = [
     SamplingParams(temperature=1.2, top_k=40, seed=2**64 - 1),
     SamplingParams(temperature=0.7, top_p=0.9, seed=3),
 ]
-
-
-@pytest.fixture(scope="module")
-def grammars(tok, tiny_target) -> GrammarCompiler:
-    return GrammarCompiler(tok, int(tiny_target.config.vocab_size))
 
 
 def make_verifier(model, fingerprint, grammars) -> VerifierEngine:

@@ -9,28 +9,17 @@ import re
 
 import pytest
 import torch
-from test_grammar import MAX_NEW, generate, make_drafter, make_verifier, text_of
+from test_grammar import MAX_NEW, PARAMS, generate, make_drafter, make_verifier, text_of
 
 from drafter_service.engine import NgramDrafter
 from gateway.validation import InvalidParameter, RequestedParams, generation_params
-from specd.grammar import GrammarCompiler, GrammarError, apply_mask, choice_grammar, regex_grammar
+from specd.grammar import GrammarError, apply_mask, choice_grammar, regex_grammar
 from specd.sampling import SamplingParams, gumbel_argmax, position_keys, probabilities
 from specd.tasks import SequenceSpec
 
 REGEXES = [r"[a-c]{2,5}", r"\d{3}-\d{2}", r"(yes|no)!", r"[A-Z][a-z]{1,4} [0-9]{1,2}"]
 CHOICES = [["red", "green", "blue"], ['a"b', "é ü", "x/y\n", "{}"], ["yes", "no", "maybe so"], ["1", "12", "123"]]
 PROMPTS = ["Hello", "Pick one:", "<|im_start|>user\nA color?<|im_end|>\n", "1, 2, 3"]
-PARAMS = [
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=0.9, seed=7),
-    SamplingParams(temperature=1.2, top_k=40, seed=2**64 - 1),
-    SamplingParams(temperature=0.7, top_p=0.9, seed=3),
-]
-
-
-@pytest.fixture(scope="module")
-def grammars(tok, tiny_target) -> GrammarCompiler:
-    return GrammarCompiler(tok, int(tiny_target.config.vocab_size))
 
 
 def cases(tok, kind: str) -> tuple[list[SequenceSpec], dict[str, object]]:
