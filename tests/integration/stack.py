@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -199,3 +201,46 @@ def start_stack(
             s.stop()
         raise
     return Stack(verifier, drafter, gateway, services)
+
+
+MODEL = "target"  # the name the test gateways serve
+
+
+async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, started: asyncio.Event | None) -> str:
+    """One streamed greedy completion; sets `started` once its first text arrived."""
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    parts: list[str] = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            assert "error" not in payload, payload
+            parts.append(payload["choices"][0]["text"])
+            if started is not None and parts[-1]:
+                started.set()
+    return "".join(parts)
+
+
+def complete_texts(url: str, prompts: list[str], max_tokens: int, timeout_s: float = 300) -> list[str]:
+    """Concurrent greedy completions of `max_tokens` tokens each (ignoring EOS); their texts."""
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> str:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    return asyncio.run(run())

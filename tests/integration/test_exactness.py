@@ -9,7 +9,7 @@ import httpx
 import pytest
 from references import PROMPTS as ALL_PROMPTS
 from references import greedy_references
-from stack import base_url
+from stack import base_url, complete_texts
 
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -90,17 +90,6 @@ def test_greedy_token_identical_with_chunked_prefill(gateway_for, references, to
     """Prompts prefilled a few tokens a round on both services, beside running sequences: the same tokens."""
     gateway = gateway_for(4, "--prefill-chunk-tokens", chunk, "--pipeline", pipeline)
     prompts = (PROMPTS * 2)[:12]
-
-    async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-
-    async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=base_url(gateway), timeout=300) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
-
-    for prompt, text in zip(prompts, asyncio.run(run()), strict=True):
+    for prompt, text in zip(prompts, complete_texts(base_url(gateway), prompts, MAX_TOKENS), strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     assert list(grpc_generate(gateway, PROMPTS[0]).token_ids) == references[PROMPTS[0]]

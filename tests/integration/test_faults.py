@@ -101,30 +101,6 @@ def stop_cleanly(service: st.Service) -> None:
     assert code == 0, f"{service.name} exited with {code} on SIGTERM:\n{service.output()[-3000:]}"
 
 
-async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, started: asyncio.Event | None) -> str:
-    """One streamed greedy completion; sets `started` once its first text arrived."""
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    parts: list[str] = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = httpx.Response(200, content=line[6:]).json()
-            assert "error" not in payload, payload
-            parts.append(payload["choices"][0]["text"])
-            if started is not None and parts[-1]:
-                started.set()
-    return "".join(parts)
-
-
 @pytest.fixture
 def own_stack(request, model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
     """Verifier, drafter and gateway of this test alone (it kills some of them); a test may
@@ -166,7 +142,8 @@ def test_drafter_killed_mid_stream_costs_no_request(own_stack, model_dirs, log_d
         async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
             started = [asyncio.Event() for _ in prompts]
             tasks = [
-                asyncio.create_task(stream_text(client, p, LONGEST, e)) for p, e in zip(prompts, started, strict=True)
+                asyncio.create_task(st.stream_text(client, p, LONGEST, e))
+                for p, e in zip(prompts, started, strict=True)
             ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             drafter.proc.kill()  # SIGKILL: no goodbye on any stream
@@ -202,7 +179,7 @@ def test_drafter_killed_mid_stream_costs_no_request(own_stack, model_dirs, log_d
 
 async def _gather_streams(gateway: st.Service, prompts: list[str], max_tokens: int) -> list[str]:
     async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
-        return await asyncio.gather(*(stream_text(client, p, max_tokens, None) for p in prompts))
+        return await asyncio.gather(*(st.stream_text(client, p, max_tokens, None) for p in prompts))
 
 
 @pytest.mark.parametrize("own_stack", PIPELINES, indirect=True)
@@ -214,7 +191,8 @@ def test_drafter_frozen_past_its_deadline(own_stack, tok, references):
         async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
             started = [asyncio.Event() for _ in prompts]
             tasks = [
-                asyncio.create_task(stream_text(client, p, LONGEST, e)) for p, e in zip(prompts, started, strict=True)
+                asyncio.create_task(st.stream_text(client, p, LONGEST, e))
+                for p, e in zip(prompts, started, strict=True)
             ]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             drafter.proc.send_signal(signal.SIGSTOP)
@@ -333,7 +311,7 @@ def test_gateway_sigterm_finishes_in_flight_requests_and_exits_0(backends, model
             async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
                 started = [asyncio.Event() for _ in PROMPTS[:4]]
                 tasks = [
-                    asyncio.create_task(stream_text(client, p, LONGEST, e))
+                    asyncio.create_task(st.stream_text(client, p, LONGEST, e))
                     for p, e in zip(PROMPTS[:4], started, strict=True)
                 ]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)

@@ -3,7 +3,6 @@ output stays the target's own, and a verifier that stops only moves new requests
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,22 +83,8 @@ def scrape(url: str) -> dict[str, float]:
     }
 
 
-def complete_texts(gateway: st.Service, prompts: list[str]) -> list[str]:
-    async def one(client: httpx.AsyncClient, prompt: str) -> str:
-        body = {"model": "target", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        r = await client.post("/v1/completions", json=body)
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["text"]
-
-    async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=st.base_url(gateway), timeout=120) as client:
-            return await asyncio.gather(*(one(client, p) for p in prompts))
-
-    return asyncio.run(run())
-
-
 def test_sequences_spread_over_every_replica_and_stay_exact(replicas, references, tok):
-    texts = complete_texts(replicas.gateway, PROMPTS)
+    texts = st.complete_texts(st.base_url(replicas.gateway), PROMPTS, MAX_TOKENS)
     for prompt, text in zip(PROMPTS, texts, strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     gateway = scrape(st.base_url(replicas.gateway) + "/metrics")
@@ -121,7 +106,7 @@ def test_a_stopped_verifier_replica_takes_no_new_requests(replicas, references, 
     stopped.stop()
     # Requests right after the failure: an open on the dead replica moves to the other one.
     prompts = PROMPTS[:4]
-    texts = complete_texts(replicas.gateway, prompts)
+    texts = st.complete_texts(st.base_url(replicas.gateway), prompts, MAX_TOKENS)
     for prompt, text in zip(prompts, texts, strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     deadline = time.monotonic() + 10
@@ -133,7 +118,7 @@ def test_a_stopped_verifier_replica_takes_no_new_requests(replicas, references, 
         time.sleep(0.2)
     assert health.status_code == 200 and states == {stopped.address: False, other.address: True}
     before = scrape(st.base_url(replicas.gateway) + "/metrics")
-    texts = complete_texts(replicas.gateway, PROMPTS[4:8])
+    texts = st.complete_texts(st.base_url(replicas.gateway), PROMPTS[4:8], MAX_TOKENS)
     for prompt, text in zip(PROMPTS[4:8], texts, strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     after = scrape(st.base_url(replicas.gateway) + "/metrics")

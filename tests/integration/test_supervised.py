@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -182,34 +181,13 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2) 
         time.sleep(interval_s)
 
 
-async def stream_text(client: httpx.AsyncClient, prompt: str, max_tokens: int, started: asyncio.Event | None) -> str:
-    body = {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    parts: list[str] = []
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = json.loads(line[6:])
-            assert "error" not in payload, payload
-            parts.append(payload["choices"][0]["text"])
-            if started is not None and parts[-1]:
-                started.set()
-    return "".join(parts)
-
-
 async def streams_with_a_kill(up: Up, prompts: list[str], victim: str) -> list[str | BaseException]:
     """Stream every prompt; once each has its first text, SIGKILL the victim child; every outcome."""
     async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
         started = [asyncio.Event() for _ in prompts]
-        tasks = [asyncio.create_task(stream_text(client, p, LONGEST, e)) for p, e in zip(prompts, started, strict=True)]
+        tasks = [
+            asyncio.create_task(st.stream_text(client, p, LONGEST, e)) for p, e in zip(prompts, started, strict=True)
+        ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 90)
         up.kill(victim)
         return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 150)
@@ -230,7 +208,7 @@ def test_drafter_killed_under_specd_up_costs_no_request_and_speculation_resumes(
 
     async def again() -> list[str]:
         async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
-            return await asyncio.gather(*(stream_text(client, p, LONGEST, None) for p in PROMPTS[:4]))
+            return await asyncio.gather(*(st.stream_text(client, p, LONGEST, None) for p in PROMPTS[:4]))
 
     texts = asyncio.run(again())
     assert texts == [expected_text(tok, references, p, LONGEST) for p in PROMPTS[:4]]
