@@ -29,6 +29,7 @@ from gateway.membership import DrafterMembership
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.observer import RoundObserver, RoundOutcome, RoundTimes
 from gateway.pipeline_choice import MODES
+from gateway.prefill_budget import DrafterPrefillBudget
 from gateway.round import (
     Block,
     DraftItem,
@@ -199,6 +200,7 @@ class Scheduler:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._verifier_prefill_spent = 0
         self._drafter_prefill_spent = 0
+        self.drafter_prefill = DrafterPrefillBudget(prefill_chunk_tokens)
         self.drafter_link = (
             DrafterLink(drafter, self.metrics.registry, self._wakeup.set) if drafter is not None else None
         )
@@ -414,7 +416,7 @@ class Scheduler:
             batch.append(self.waiting.popleft())
         if not batch:
             return
-        chunks = self._open_chunks(batch, self.active, "prefill_pending")
+        chunks = self._open_chunks(batch, self.active, "prefill_pending", self.prefill_chunk_tokens)
         self._verifier_prefill_spent = sum(chunks.values())
         # Only the verifier opens sequences here: they join the drafter after their
         # first round (see _join_drafter), so the drafter's prefill never delays
@@ -457,7 +459,9 @@ class Scheduler:
         ones = sum(s.cohort for s in self.active)
         return int(ones < len(self.active) - ones)
 
-    def _open_chunks(self, opening: list[_Sequence], others: list[_Sequence], pending: str) -> dict[str, int]:
+    def _open_chunks(
+        self, opening: list[_Sequence], others: list[_Sequence], pending: str, round_budget: int
+    ) -> dict[str, int]:
         """What each sequence being opened prefills at its open, by id; one missing is opened whole.
 
         With chunked prefill, the sequences already prefilling (`pending` names their counter)
@@ -465,8 +469,8 @@ class Scheduler:
         """
         if self.prefill_chunk_tokens <= 0:
             return {}
-        claimed = plan_prefill([(s.id, getattr(s, pending)) for s in others], self.prefill_chunk_tokens)
-        budget = self.prefill_chunk_tokens - sum(claimed.values())
+        claimed = plan_prefill([(s.id, getattr(s, pending)) for s in others], round_budget)
+        budget = round_budget - sum(claimed.values())
         # A sequence that wants its prompt's logprobs gets them from its open: it is prefilled whole.
         chunked = [s for s in opening if not (s.params.logprobs is not None and s.params.logprobs.prompt)]
         shares = plan_prefill([(s.id, len(s.tokens) - 1) for s in chunked], budget)
@@ -498,7 +502,8 @@ class Scheduler:
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
             return  # they stay pending: they join once the drafter is back
         filling = [s for s in seqs if s.drafter.drafting and s.drafter_prefill_pending]
-        chunks = self._open_chunks(joining, filling, "drafter_prefill_pending")
+        chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
+        opened = time.perf_counter_ns()
         try:
             results = await self.drafter.open([self._spec(s, chunks.get(s.id)) for s in joining])
             if [r.sequence_id for r in results] != [s.id for s in joining]:
@@ -514,6 +519,9 @@ class Scheduler:
                 s.drafter.opened(len(s.tokens))
                 s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
                 self._drafter_prefill_spent += chunks.get(s.id, 0)
+        if len(chunks) == len(joining):
+            # Every one of them was opened with a chunk: the open's time is that prefill's.
+            self.drafter_prefill.observe_prefill(self._drafter_prefill_spent, time.perf_counter_ns() - opened)
 
     # -- plan ---------------------------------------------------------------
     def _cap(self, seq: _Sequence, after: int = 0) -> int:
@@ -562,7 +570,7 @@ class Scheduler:
             budget = self.prefill_chunk_tokens - self._verifier_prefill_spent
             chunks = plan_prefill([(s.id, s.prefill_pending) for s in everyone], budget)
             plan.prefill = [(s, chunks[s.id]) for s in everyone if s.id in chunks]
-            budget = self.prefill_chunk_tokens - self._drafter_prefill_spent
+            budget = self.drafter_prefill.tokens() - self._drafter_prefill_spent
             filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
             chunks = plan_prefill([(s.id, s.drafter_prefill_pending) for s in filling], budget)
             # Prefilled on the drafter while the verifier works, like a draft-ahead.
@@ -650,6 +658,9 @@ class Scheduler:
             reply = await self.verifier.verify(request)
         finally:
             ahead = await ahead_task if ahead_task is not None else None
+        self.drafter_prefill.observe_verify(reply.timings.total_ns)
+        if ahead is not None and ahead_items and all(item.prefill for item in ahead_items):
+            self.drafter_prefill.observe_prefill(sum(item.prefill for item in ahead_items), ahead.elapsed_ns)
         for item in ahead_items if ahead is not None else ():
             proposal = ahead.verdicts.proposals.get(item.seq.id)
             if item.prefill:
