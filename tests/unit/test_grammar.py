@@ -66,7 +66,11 @@ def make_drafter(model, fingerprint, grammars) -> ModelDrafter:
 
 def reference(model, grammars, prompt: list[int], schema: str, params: SamplingParams, eos: int) -> list[int]:
     """Target-only constrained decoding: the masked target distribution, sampled as the verifier does."""
-    matcher = grammars.matcher(schema)
+    return decode_under(model, grammars.matcher(schema), prompt, params, eos)
+
+
+def decode_under(model, matcher, prompt: list[int], params: SamplingParams, eos: int) -> list[int]:
+    """Target-only decoding with `matcher`'s mask at every position, as the verifier samples."""
     ids = list(prompt)
     with torch.no_grad():
         while len(ids) - len(prompt) < MAX_NEW:

@@ -8,13 +8,12 @@ import random
 import re
 
 import pytest
-import torch
-from test_grammar import MAX_NEW, PARAMS, generate, make_drafter, make_verifier, text_of
+from test_grammar import PARAMS, decode_under, generate, make_drafter, make_verifier, text_of
 
 from drafter_service.engine import NgramDrafter
 from gateway.validation import InvalidParameter, RequestedParams, generation_params
-from specd.grammar import GrammarError, apply_mask, choice_grammar, regex_grammar
-from specd.sampling import SamplingParams, gumbel_argmax, position_keys, probabilities
+from specd.grammar import GrammarError, choice_grammar, regex_grammar
+from specd.sampling import SamplingParams
 from specd.tasks import SequenceSpec
 
 REGEXES = [r"[a-c]{2,5}", r"\d{3}-\d{2}", r"(yes|no)!", r"[A-Z][a-z]{1,4} [0-9]{1,2}"]
@@ -48,23 +47,7 @@ def check_outputs(tok, outputs: dict[str, list[int]], checks: dict[str, object])
 
 def reference(model, grammars, spec: SequenceSpec, eos: int) -> list[int]:
     """Target-only decoding under the grammar: the masked target distribution, sampled as the verifier does."""
-    matcher = grammars.matcher(grammar=spec.grammar)
-    ids = list(spec.prompt)
-    params = spec.sampling
-    with torch.no_grad():
-        while len(ids) - len(spec.prompt) < MAX_NEW:
-            logits = apply_mask(model(torch.tensor([ids])).logits[0, -1:].float(), matcher.allowed()[None])
-            probs = probabilities(logits, [params])
-            if params.seeded:
-                assert params.seed is not None
-                token = int(gumbel_argmax(probs, position_keys(params.seed, len(ids), 1, torch.device("cpu")))[0])
-            else:
-                token = int(probs[0].argmax())
-            ids.append(token)
-            if token == eos:
-                break
-            matcher.push([token])
-    return ids[len(spec.prompt) :]
+    return decode_under(model, grammars.matcher(grammar=spec.grammar), spec.prompt, spec.sampling, eos)
 
 
 @pytest.mark.parametrize("kind", ["regex", "choice"])
