@@ -196,10 +196,9 @@ class Scheduler:
         self.request_timeout_s = request_timeout_s
         self.draining = False
         # Prompt tokens each service prefills per round (0: whole prompts at their open, which stalls
-        # every running sequence for as long as the prefill takes); what this round's opens spent of it.
+        # every running sequence for as long as the prefill takes); what this round's verifier opens spent of it.
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._verifier_prefill_spent = 0
-        self._drafter_prefill_spent = 0
         self.drafter_prefill = DrafterPrefillBudget(prefill_chunk_tokens)
         self.drafter_link = (
             DrafterLink(drafter, self.metrics.registry, self._wakeup.set) if drafter is not None else None
@@ -493,35 +492,49 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
         )
 
-    async def _join_drafter(self, seqs: list[_Sequence]) -> None:
-        """Open on the drafter the sequences that have their first token and want drafts."""
-        self._drafter_prefill_spent = 0
-        joining = [s for s in seqs if s.drafter.pending and s.output and not s.done]
+    @staticmethod
+    def _joining(seqs: list[_Sequence]) -> list[_Sequence]:
+        """Sequences to open on the drafter this round: they have their first token and want drafts."""
+        return [s for s in seqs if s.drafter.pending and s.output and not s.done]
+
+    async def _join_drafter(self, joining: list[_Sequence], seqs: list[_Sequence]) -> None:
+        """Open `joining` on the drafter, beside the verify: the drafter's prefill is off the critical path.
+
+        They draft from the next round on. Each is opened with its committed tokens as they are
+        now; the tokens the verify commits meanwhile reach the drafter with its next draft task.
+        """
         if not joining or self.drafter is None:
             return
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
             return  # they stay pending: they join once the drafter is back
         filling = [s for s in seqs if s.drafter.drafting and s.drafter_prefill_pending]
         chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
+        specs = [self._spec(s, chunks.get(s.id)) for s in joining]
         opened = time.perf_counter_ns()
         try:
-            results = await self.drafter.open([self._spec(s, chunks.get(s.id)) for s in joining])
+            results = await self.drafter.open(specs)
             if [r.sequence_id for r in results] != [s.id for s in joining]:
                 raise BackendError("the drafter answered an open out of protocol")
         except Exception as exc:
             self._drafter_failed(f"open failed: {exc}", [s.id for s in joining])
             return
-        for s, r in zip(joining, results, strict=True):
+        if self.drafter_link is not None and not self.drafter_link.up:
+            # The draft exchange beside this open failed meanwhile: what the open made is closed
+            # with the other stale ids once the drafter is back, and these join again then.
+            self.drafter_link.stale.update(s.id for s, r in zip(joining, results, strict=True) if not r.error.code)
+            return
+        spent = 0
+        for s, spec, r in zip(joining, specs, results, strict=True):
             if r.error.code:
                 log.warning("drafter refused %s: %s; it runs target-only", s.id, r.error.message)
                 s.drafter.refused()
             else:
-                s.drafter.opened(len(s.tokens))
+                s.drafter.opened(len(spec.prompt_token_ids))
                 s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
-                self._drafter_prefill_spent += chunks.get(s.id, 0)
+                spent += chunks.get(s.id, 0)
         if len(chunks) == len(joining):
             # Every one of them was opened with a chunk: the open's time is that prefill's.
-            self.drafter_prefill.observe_prefill(self._drafter_prefill_spent, time.perf_counter_ns() - opened)
+            self.drafter_prefill.observe_prefill(spent, time.perf_counter_ns() - opened)
 
     # -- plan ---------------------------------------------------------------
     def _cap(self, seq: _Sequence, after: int = 0) -> int:
@@ -570,7 +583,7 @@ class Scheduler:
             budget = self.prefill_chunk_tokens - self._verifier_prefill_spent
             chunks = plan_prefill([(s.id, s.prefill_pending) for s in everyone], budget)
             plan.prefill = [(s, chunks[s.id]) for s in everyone if s.id in chunks]
-            budget = self.drafter_prefill.tokens() - self._drafter_prefill_spent
+            budget = self.drafter_prefill.tokens()
             filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
             chunks = plan_prefill([(s.id, s.drafter_prefill_pending) for s in filling], budget)
             # Prefilled on the drafter while the verifier works, like a draft-ahead.
@@ -619,7 +632,7 @@ class Scheduler:
     async def _round(self) -> None:
         round_id = next(self._round_ids)
         seqs = list(self.active)
-        await self._join_drafter(seqs)
+        joining = self._joining(seqs)
         wasted = self._drop_stale_blocks(seqs)
         plan = self._plan(seqs, round_id)
         if not plan.verify and not plan.prefill:
@@ -654,10 +667,16 @@ class Scheduler:
         ]
         request = verify_request(round_id, plan.verify, blocks, ks, contexts, plan.prefill)
         ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
+        join_task = asyncio.create_task(self._join_drafter(joining, seqs)) if joining else None
         try:
             reply = await self.verifier.verify(request)
         finally:
-            ahead = await ahead_task if ahead_task is not None else None
+            tasks = [t for t in (ahead_task, join_task) if t is not None]
+            beside = await asyncio.gather(*tasks, return_exceptions=True)
+        for failure in beside:
+            if isinstance(failure, BaseException):
+                raise failure
+        ahead = ahead_task.result() if ahead_task is not None else None
         self.drafter_prefill.observe_verify(reply.timings.total_ns)
         if ahead is not None and ahead_items and all(item.prefill for item in ahead_items):
             self.drafter_prefill.observe_prefill(sum(item.prefill for item in ahead_items), ahead.elapsed_ns)
@@ -753,7 +772,8 @@ class Scheduler:
             log.warning("drafter refused %s: %s; continuing target-only", s.id, reason)
             s.drafter.park()
         for item in items:
-            if item.seq.id in verdicts.proposals:
+            # An open failing beside this exchange may have marked the drafter down meanwhile.
+            if item.seq.id in verdicts.proposals and item.seq.drafter.on_drafter:
                 item.seq.drafter.synced_to(len(item.seq.tokens))
         return _DraftExchange(verdicts, reply.timings, time.perf_counter_ns() - started)
 

@@ -61,6 +61,7 @@ class _FakeService:
         self.cached: dict[str, int] = {}
         self.chunks: list[tuple[str, int]] = []
         self.opens: list[list[Any]] = []
+        self.open_delay_s = 0.0  # an open's prefill takes this long, counted as busy
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         return True
@@ -81,6 +82,12 @@ class _FakeService:
 
     async def open(self, specs: list[Any]) -> list[Any]:
         self.opens.append(list(specs))
+        if self.open_delay_s:
+            self.busy += 1
+            try:
+                await asyncio.sleep(self.open_delay_s)
+            finally:
+                self.busy -= 1
         results = []
         for spec in specs:
             if spec.sequence_id in self.committed:

@@ -80,6 +80,17 @@ def test_draft_ahead_overlaps_and_uses_its_blocks() -> None:
     assert sched.metrics.wasted_draft_tokens._value.get() <= 5  # only the last block, past max_tokens
 
 
+def test_a_sequence_joins_the_drafter_beside_the_verify() -> None:
+    """The drafter's prefill of a new sequence is off the critical path, even in the sequential pipeline."""
+    verifier, drafter = FakeVerifier(delay_s=0.03), FakeDrafter()
+    drafter.open_delay_s = 0.06
+    verifier.other, drafter.other = drafter, verifier
+    results = generate(scheduler(verifier, drafter, "sequential"), PROMPTS[:3], max_tokens=30)
+    assert [ids for ids, _ in results] == [reference(p, 30) for p in PROMPTS[:3]]
+    assert verifier.max_busy_with_other  # a verify ran while the drafter was opening
+    assert drafter.opens and sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+
+
 # n % 7: some blocks are rejected part-way; n % 5 == 2 (with a 7-token prompt and k=4):
 # every block is accepted whole and every guess at the verifier's own token is wrong,
 # so each ahead block must be thrown away although the committed length matches.
