@@ -20,7 +20,7 @@ MIN_CHUNK = 8
 
 class DrafterPrefillBudget:
     def __init__(self, cap: int) -> None:
-        self.cap = cap  # --prefill-chunk-tokens
+        self.cap = cap  # --prefill-chunk-tokens; 0: no cap, only what fits behind a verify
         self.ns_per_token = Ewma(0.3)
         self.verify_ns = Ewma(0.3)
 
@@ -36,9 +36,12 @@ class DrafterPrefillBudget:
         if elapsed_ns > 0:
             self.verify_ns.observe(elapsed_ns)
 
-    def tokens(self) -> int:
-        """This round's budget of drafter prefill tokens."""
+    def fits(self) -> int:
+        """Prompt tokens the drafter can prefill in the time of one verify (FIRST_CHUNK until both are timed)."""
         if self.ns_per_token.value is None or self.verify_ns.value is None:
-            return min(self.cap, FIRST_CHUNK)
-        fits = int(self.verify_ns.value / self.ns_per_token.value)
-        return max(min(self.cap, MIN_CHUNK), min(self.cap, fits))
+            return FIRST_CHUNK
+        return max(MIN_CHUNK, int(self.verify_ns.value / self.ns_per_token.value))
+
+    def tokens(self) -> int:
+        """This round's budget of drafter prefill tokens (what fits behind a verify, within the cap if one is set)."""
+        return min(self.cap, self.fits()) if self.cap > 0 else self.fits()

@@ -74,6 +74,8 @@ class RoundPlan:
     ks: dict[str, int] = field(default_factory=dict)  # drafts each verified sequence may use
     # Sequences still prefilling on the verifier, and the prompt tokens each prefills this round.
     prefill: list[tuple[RoundSequence, int]] = field(default_factory=list)
+    # Sequences opened on the drafter beside the verify: the policy wants drafts from them.
+    join: list[RoundSequence] = field(default_factory=list)
 
 
 def plan_prefill(pending: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:

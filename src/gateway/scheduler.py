@@ -417,9 +417,9 @@ class Scheduler:
             return
         chunks = self._open_chunks(batch, self.active, "prefill_pending", self.prefill_chunk_tokens)
         self._verifier_prefill_spent = sum(chunks.values())
-        # Only the verifier opens sequences here: they join the drafter after their
-        # first round (see _join_drafter), so the drafter's prefill never delays
-        # the first token, nor competes for the CPU with the verifier's prefill.
+        # Only the verifier opens sequences here: they join the drafter after their first
+        # round, once the policy wants drafts from them (see _join_drafter), so the drafter's
+        # prefill never delays the first token, nor competes with the verifier's prefill.
         try:
             results = await self.verifier.open([self._spec(s, chunks.get(s.id)) for s in batch])
             if [r.sequence_id for r in results] != [s.id for s in batch]:
@@ -440,7 +440,7 @@ class Scheduler:
             if r.error.code:
                 self._fail(s, open_error(r.error))
                 continue
-            if wants_drafter:
+            if wants_drafter and s.params.speculation != 0:  # a target-only request never drafts
                 s.drafter.want()
             s.cohort = self._smaller_cohort()
             s.prompt_logprobs = [token_logprob_from_pb(lp) for lp in r.prompt_logprobs]
@@ -466,7 +466,7 @@ class Scheduler:
         With chunked prefill, the sequences already prefilling (`pending` names their counter)
         have the first claim on the round's budget, and those being opened share what is left.
         """
-        if self.prefill_chunk_tokens <= 0:
+        if round_budget <= 0:
             return {}
         claimed = plan_prefill([(s.id, getattr(s, pending)) for s in others], round_budget)
         budget = round_budget - sum(claimed.values())
@@ -492,16 +492,12 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
         )
 
-    @staticmethod
-    def _joining(seqs: list[_Sequence]) -> list[_Sequence]:
-        """Sequences to open on the drafter this round: they have their first token and want drafts."""
-        return [s for s in seqs if s.drafter.pending and s.output and not s.done]
-
     async def _join_drafter(self, joining: list[_Sequence], seqs: list[_Sequence]) -> None:
-        """Open `joining` on the drafter, beside the verify: the drafter's prefill is off the critical path.
+        """Open `joining` on the drafter, beside the verify, so that the verify never waits for it.
 
-        They draft from the next round on. Each is opened with its committed tokens as they are
-        now; the tokens the verify commits meanwhile reach the drafter with its next draft task.
+        Each is opened with its committed tokens as they are now, and prefills there only what
+        fits behind one verify; the rest is prefilled beside later verifies, and it drafts once
+        that is done. The tokens the verify commits meanwhile reach the drafter with its next task.
         """
         if not joining or self.drafter is None:
             return
@@ -523,7 +519,7 @@ class Scheduler:
             # with the other stale ids once the drafter is back, and these join again then.
             self.drafter_link.stale.update(s.id for s, r in zip(joining, results, strict=True) if not r.error.code)
             return
-        spent = 0
+        elapsed = time.perf_counter_ns() - opened
         for s, spec, r in zip(joining, specs, results, strict=True):
             if r.error.code:
                 log.warning("drafter refused %s: %s; it runs target-only", s.id, r.error.message)
@@ -531,15 +527,15 @@ class Scheduler:
             else:
                 s.drafter.opened(len(spec.prompt_token_ids))
                 s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
-                spent += chunks.get(s.id, 0)
-        if len(chunks) == len(joining):
-            # Every one of them was opened with a chunk: the open's time is that prefill's.
-            self.drafter_prefill.observe_prefill(spent, time.perf_counter_ns() - opened)
+        # The open's time is that of the prefill it did.
+        self.drafter_prefill.observe_prefill(sum(chunks.get(s.id, len(s.tokens) - 1) for s in joining), elapsed)
 
     # -- plan ---------------------------------------------------------------
-    def _cap(self, seq: _Sequence, after: int = 0) -> int:
-        """The most drafts the sequence can use in a block that starts `after` tokens from now."""
-        if not seq.drafter.drafting or seq.drafter_prefill_pending:
+    def _cap(self, seq: _Sequence, after: int = 0, joining: bool = False) -> int:
+        """The most drafts the sequence can use in a block that starts `after` tokens from now
+        (`joining`: once it is open on the drafter, for one waiting to join it)."""
+        ready = seq.drafter.pending if joining else seq.drafter.drafting and not seq.drafter_prefill_pending
+        if not ready:
             return 0
         remaining = seq.max_tokens - len(seq.output) - after
         return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens) - after))
@@ -553,9 +549,15 @@ class Scheduler:
         fixed = None if spec == "auto" else min(int(spec), cap)
         return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed, cohort=seq.cohort)
 
-    def _choose_ks(self, seqs: list[_Sequence], batch_size: int) -> dict[str, int]:
-        """Each sequence's k this round; and, for sequences under `auto`, the round's pipeline."""
-        caps = [self._cap(s) for s in seqs]
+    def _choose_ks(self, seqs: list[_Sequence], batch_size: int) -> tuple[dict[str, int], list[_Sequence]]:
+        """Each sequence's k this round, and those to open on the drafter; for `auto`, the round's pipeline.
+
+        A sequence waiting to join the drafter is offered to the policy as if it were open there:
+        it joins only if the policy would have it draft (so not while drafting does not pay),
+        and drafts from a later round.
+        """
+        joinable = {s.id for s in seqs if s.drafter.pending and s.output and not s.done}
+        caps = [self._cap(s, joining=s.id in joinable) for s in seqs]
         named = {s.params.pipeline or self.pipeline for s in seqs}
         # The ks are chosen for the pipeline the round runs: with `auto` among the requests,
         # the best of all (requests that named one keep theirs); a mix of named ones is
@@ -569,7 +571,8 @@ class Scheduler:
             # The policy is an optimisation: without it, each sequence drafts what it may.
             log.exception("the speculation policy failed; drafting the full k this round")
             ks, self._auto_pipeline = caps, "sequential"
-        return {s.id: k for s, k in zip(seqs, ks, strict=True)}
+        join = [s for s, k in zip(seqs, ks, strict=True) if s.id in joinable and k > 0]
+        return {s.id: 0 if s.id in joinable else k for s, k in zip(seqs, ks, strict=True)}, join
 
     def _pipeline(self, seq: _Sequence) -> str:
         named = seq.params.pipeline or self.pipeline
@@ -583,14 +586,16 @@ class Scheduler:
             budget = self.prefill_chunk_tokens - self._verifier_prefill_spent
             chunks = plan_prefill([(s.id, s.prefill_pending) for s in everyone], budget)
             plan.prefill = [(s, chunks[s.id]) for s in everyone if s.id in chunks]
-            budget = self.drafter_prefill.tokens()
-            filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
-            chunks = plan_prefill([(s.id, s.drafter_prefill_pending) for s in filling], budget)
-            # Prefilled on the drafter while the verifier works, like a draft-ahead.
-            plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
+        # The drafter always prefills in chunks, what fits behind one verify, while the verifier works.
+        filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
+        # What it has left includes the tokens committed since the drafter last heard of it,
+        # which this exchange brings: without them a prefill would stay one round behind for good.
+        left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
+        chunks = plan_prefill(left, self.drafter_prefill.tokens())
+        plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
         # A sequence still prefilling on the verifier waits for its last chunk.
         seqs = [s for s in everyone if not s.prefill_pending]
-        ks = self._choose_ks(seqs, len(seqs))
+        ks, plan.join = self._choose_ks(seqs, len(seqs))
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.
         turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0]
@@ -632,7 +637,6 @@ class Scheduler:
     async def _round(self) -> None:
         round_id = next(self._round_ids)
         seqs = list(self.active)
-        joining = self._joining(seqs)
         wasted = self._drop_stale_blocks(seqs)
         plan = self._plan(seqs, round_id)
         if not plan.verify and not plan.prefill:
@@ -667,7 +671,7 @@ class Scheduler:
         ]
         request = verify_request(round_id, plan.verify, blocks, ks, contexts, plan.prefill)
         ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
-        join_task = asyncio.create_task(self._join_drafter(joining, seqs)) if joining else None
+        join_task = asyncio.create_task(self._join_drafter(plan.join, seqs)) if plan.join else None
         try:
             reply = await self.verifier.verify(request)
         finally:

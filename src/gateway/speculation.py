@@ -349,8 +349,13 @@ class SpeculationPolicy:
             if self._rounds_without_drafts >= cfg.probe_every:
                 # Acceptance is only learnt from drafts; probe now and then so a
                 # workload that has become predictable gets its drafts back.
+                # One draft from one sequence: probing the whole batch would cost a drafter
+                # step (and a catch-up on the tokens it has not seen) for every sequence.
                 self._rounds_without_drafts = 0
-                ks = [c.fixed if c.fixed is not None else min(1, c.cap) for c in candidates]
+                ks = [c.fixed if c.fixed is not None else 0 for c in candidates]
+                probe = next((i for i, c in enumerate(candidates) if c.fixed is None and c.cap > 0), None)
+                if probe is not None:
+                    ks[probe] = 1
         self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate, choice.pipeline)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks

@@ -112,3 +112,23 @@ def test_rounds_that_prefill_do_not_teach_the_policy_verify_costs() -> None:
     generate(sched, [[3, 4, 5], LONG], max_tokens=30)
     with_prefill = [r for r in verifier.requests if any(t.prefill_tokens for t in r.tasks)]
     assert with_prefill and len(learned) == len(verifier.requests) - len(with_prefill)
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_a_long_prompt_on_a_slow_drafter_catches_up_and_drafts(chunk: int) -> None:
+    """The drafter prefills a long prompt over several rounds, beside the verifies, while the
+    sequence goes on committing tokens; it still catches up, and then drafts."""
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter, prefill_chunk_tokens=chunk)
+    sched.drafter_prefill.fits = lambda: 8  # type: ignore[method-assign]  # what fits behind a verify
+    [(ids, _)] = generate(sched, [LONG], max_tokens=64)
+    assert ids == reference(LONG, 64)
+    assert len(drafter.chunks) >= len(LONG) // 8
+    drafted = [len(t.draft_token_ids) for r in verifier.requests for t in r.tasks]
+    first = next((i for i, n in enumerate(drafted) if n), None)
+    # The verifier's own chunks first (if chunked), then the drafter's: 8 a round, of which
+    # one is the token the last round committed.
+    verifier_rounds = len(LONG) // chunk + 1 if chunk else 0
+    assert first is not None and first <= verifier_rounds + len(LONG) // 7 + 2
+    assert sum(drafted) >= 20

@@ -1,4 +1,4 @@
-"""The drafter's share of chunked prefill: what it can prefill behind one verify."""
+"""The drafter's prefill budget: what it can prefill behind one verify."""
 
 from __future__ import annotations
 
@@ -31,3 +31,12 @@ def test_a_very_slow_drafter_still_makes_progress_and_few_token_exchanges_are_no
     before = budget.tokens()
     budget.observe_prefill(2, 50 * MS)  # a short prompt's open: mostly fixed cost, not measured
     assert budget.tokens() == before
+
+
+def test_without_a_chunk_cap_the_drafter_still_prefills_only_what_fits_behind_a_verify():
+    """Whole-prompt prefill on the verifier (--prefill-chunk-tokens 0) leaves the drafter chunked by time."""
+    budget = DrafterPrefillBudget(0)
+    assert budget.tokens() == FIRST_CHUNK
+    budget.observe_verify(200 * MS)
+    budget.observe_prefill(512, 2200 * MS)
+    assert 40 <= budget.tokens() <= 50

@@ -91,6 +91,39 @@ def test_a_sequence_joins_the_drafter_beside_the_verify() -> None:
     assert drafter.opens and sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
 
 
+def test_a_target_only_request_never_opens_on_the_drafter() -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    results = generate(scheduler(verifier, drafter), PROMPTS[:3], max_tokens=12, speculation=0)
+    assert [ids for ids, _ in results] == [reference(p, 12) for p in PROMPTS[:3]]
+    assert drafter.opens == [] and drafter.requests == []
+
+
+def test_sequences_join_the_drafter_only_while_the_policy_wants_drafts() -> None:
+    """Under auto, once drafting is measured not to pay, new sequences are not opened on the drafter."""
+    # A drafter far slower than the verifier, and often wrong: drafting never pays.
+    drafter = FakeDrafter(wrong=lambda n: n % 2 == 0, delay_s=0.05)
+    verifier = FakeVerifier(drafter=drafter, delay_s=0.001)
+    sched = Scheduler(CharTokenizer(), verifier, drafter, 4, 16, [EOS], speculative_mode="auto")
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        sched.start()
+        try:
+            first = [sched.submit(p, GenerationParams(24, GREEDY)) for p in PROMPTS[:2]]
+            early = await asyncio.gather(*(collect(sched, s) for s in first))
+            opened = sum(len(o) for o in drafter.opens)
+            assert sched.policy.costs.ready and opened > 0  # the first ones joined, to time the drafter
+            later = [sched.submit(p, GenerationParams(24, GREEDY)) for p in PROMPTS[2:]]
+            late = await asyncio.gather(*(collect(sched, s) for s in later))
+            assert sum(len(o) for o in drafter.opens) == opened  # none of the later ones joined
+            return early, late
+        finally:
+            await sched.stop()
+
+    early, late = asyncio.run(main())
+    assert [ids for ids, _ in early + late] == [reference(p, 24) for p in PROMPTS]
+
+
 # n % 7: some blocks are rejected part-way; n % 5 == 2 (with a 7-token prompt and k=4):
 # every block is accepted whole and every guess at the verifier's own token is wrong,
 # so each ahead block must be thrown away although the committed length matches.

@@ -176,6 +176,15 @@ def test_policy_learns_from_rounds_and_reports_gain() -> None:
     assert gain == pytest.approx(5 / 30e6 / policy.last_choice.baseline_rate * 1e9)
 
 
+def test_a_probe_drafts_one_token_for_one_sequence_only() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4, probe_every=3))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=20)
+    batch = [Candidate(cap=0, rates=[0.05] * 4)] + [Candidate(cap=4, rates=[0.05] * 4)] * 7
+    picks = [policy.choose(batch, batch_size=8) for _ in range(3)]
+    assert picks[:2] == [[0] * 8] * 2
+    assert picks[2] == [0, 1, 0, 0, 0, 0, 0, 0]  # the first that may draft
+
+
 def test_policy_probes_after_a_long_stretch_without_drafts() -> None:
     policy = SpeculationPolicy(PolicyConfig(k_max=4, probe_every=5))
     policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=20)
