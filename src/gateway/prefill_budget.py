@@ -1,11 +1,12 @@
-"""How many prompt tokens the drafter may prefill in one round (chunked prefill).
+"""How many prompt tokens the drafter may prefill in one round, beside one verify.
 
 The drafter prefills its chunks while the verifier verifies, and the round waits for both, so
 a chunk that takes longer than the verify stalls every running stream. A drafter is often far
 slower per prompt token than the verifier (an int8 weight-only copy runs its large prefill
 matrix products much slower than float32 ones), so the verifier's token budget does not fit it:
 the drafter's budget is what it can prefill in the time a verify takes, from measurements of
-both. A sequence whose drafter prefill is not done yet runs target-only meanwhile.
+both. A sequence whose drafter prefill is not done yet runs target-only meanwhile. Without
+chunked prefill, the same measure bounds how many new sequences join the drafter in one round.
 """
 
 from __future__ import annotations

@@ -466,7 +466,7 @@ class Scheduler:
         With chunked prefill, the sequences already prefilling (`pending` names their counter)
         have the first claim on the round's budget, and those being opened share what is left.
         """
-        if round_budget <= 0:
+        if self.prefill_chunk_tokens <= 0:
             return {}
         claimed = plan_prefill([(s.id, getattr(s, pending)) for s in others], round_budget)
         budget = round_budget - sum(claimed.values())
@@ -493,11 +493,10 @@ class Scheduler:
         )
 
     async def _join_drafter(self, joining: list[_Sequence], seqs: list[_Sequence]) -> None:
-        """Open `joining` on the drafter, beside the verify, so that the verify never waits for it.
+        """Open `joining` on the drafter beside the verify, with their committed tokens as they are now.
 
-        Each is opened with its committed tokens as they are now, and prefills there only what
-        fits behind one verify; the rest is prefilled beside later verifies, and it drafts once
-        that is done. The tokens the verify commits meanwhile reach the drafter with its next task.
+        They draft from a later round (with chunked prefill, once their drafter prefill is done);
+        the tokens the verify commits meanwhile reach the drafter with their next task.
         """
         if not joining or self.drafter is None:
             return
@@ -586,16 +585,17 @@ class Scheduler:
             budget = self.prefill_chunk_tokens - self._verifier_prefill_spent
             chunks = plan_prefill([(s.id, s.prefill_pending) for s in everyone], budget)
             plan.prefill = [(s, chunks[s.id]) for s in everyone if s.id in chunks]
-        # The drafter always prefills in chunks, what fits behind one verify, while the verifier works.
-        filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
-        # What it has left includes the tokens committed since the drafter last heard of it,
-        # which this exchange brings: without them a prefill would stay one round behind for good.
-        left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
-        chunks = plan_prefill(left, self.drafter_prefill.tokens())
-        plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
+            filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
+            # What it has left includes the tokens committed since the drafter last heard of it,
+            # which this exchange brings: without them a prefill would stay one round behind for good.
+            left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
+            chunks = plan_prefill(left, self.drafter_prefill.tokens())
+            # Prefilled on the drafter while the verifier works, like a draft-ahead.
+            plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
         # A sequence still prefilling on the verifier waits for its last chunk.
         seqs = [s for s in everyone if not s.prefill_pending]
-        ks, plan.join = self._choose_ks(seqs, len(seqs))
+        ks, wanted = self._choose_ks(seqs, len(seqs))
+        plan.join = self._join_budget(wanted)
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.
         turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0]
@@ -627,6 +627,23 @@ class Scheduler:
                 if n > 0:
                     plan.ahead.append(DraftItem(s, n + 1, assumed=()))
         return plan
+
+    def _join_budget(self, wanted: list[_Sequence]) -> list[_Sequence]:
+        """Of the sequences the policy wants drafts from, those the drafter opens beside this verify.
+
+        Chunked, each open prefills only its share of the drafter's budget, so all may join.
+        Whole, as many as the drafter can prefill behind one verify, and at least one: a wave
+        of new requests then joins over a few rounds instead of stalling one round for all.
+        """
+        if self.prefill_chunk_tokens > 0:
+            return wanted
+        budget, spent, chosen = self.drafter_prefill.fits(), 0, []
+        for s in wanted:
+            if chosen and spent + len(s.tokens) > budget:
+                break
+            chosen.append(s)
+            spent += len(s.tokens)
+        return chosen
 
     def _ready(self, seq: _Sequence) -> Block | None:
         if seq.block is not None and seq.block.valid_for(seq.tokens):

@@ -114,7 +114,7 @@ def test_rounds_that_prefill_do_not_teach_the_policy_verify_costs() -> None:
     assert with_prefill and len(learned) == len(verifier.requests) - len(with_prefill)
 
 
-@pytest.mark.parametrize("chunk", [0, 16])
+@pytest.mark.parametrize("chunk", [8, 16])
 def test_a_long_prompt_on_a_slow_drafter_catches_up_and_drafts(chunk: int) -> None:
     """The drafter prefills a long prompt over several rounds, beside the verifies, while the
     sequence goes on committing tokens; it still catches up, and then drafts."""
@@ -129,6 +129,21 @@ def test_a_long_prompt_on_a_slow_drafter_catches_up_and_drafts(chunk: int) -> No
     first = next((i for i, n in enumerate(drafted) if n), None)
     # The verifier's own chunks first (if chunked), then the drafter's: 8 a round, of which
     # one is the token the last round committed.
-    verifier_rounds = len(LONG) // chunk + 1 if chunk else 0
+    verifier_rounds = len(LONG) // chunk + 1
     assert first is not None and first <= verifier_rounds + len(LONG) // 7 + 2
     assert sum(drafted) >= 20
+
+
+def test_without_chunks_a_wave_joins_the_drafter_as_fast_as_it_can_prefill_behind_a_verify() -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter)
+    sched.drafter_prefill.fits = lambda: 60  # type: ignore[method-assign]
+    prompts = [LONG[:40], LONG[40:80], LONG[:10], LONG[10:20], LONG[20:30], LONG]
+    results = generate(sched, prompts)
+    assert [ids for ids, _ in results] == [reference(p, 24) for p in prompts]
+    joined = [[len(spec.prompt_token_ids) for spec in specs] for specs in drafter.opens]
+    assert sum(len(sizes) for sizes in joined) == len(prompts)  # each once
+    for sizes in joined:
+        assert len(sizes) == 1 or sum(sizes) <= 60  # within what fits, or one alone
+    assert len(joined) >= 3
