@@ -37,6 +37,8 @@ class RoundTimes:
     drafter_forward_ns: int
     verifier_forward_ns: int
     overlap_ns: int = 0
+    # The round's wait, after the verify, for the drafter to open the sequences joining it.
+    join_ns: int = 0
 
     @property
     def overhead_ns(self) -> int:
@@ -54,6 +56,7 @@ class RoundTimes:
             "specd.drafter_forward_ms": self.drafter_forward_ns / 1e6,
             "specd.verifier_forward_ms": self.verifier_forward_ns / 1e6,
             "specd.overlap_ms": self.overlap_ns / 1e6,
+            "specd.join_ms": self.join_ns / 1e6,
             "specd.overhead_ms": self.overhead_ns / 1e6,
         }
 
@@ -127,9 +130,11 @@ class RoundObserver:
         observed_gain = None
         if not outcome.prefill_tokens:
             # A round that also prefilled would teach the policy a verify far dearer than it is.
+            # Nor does a join's wait belong to the costs of drafting and verifying: it is paid
+            # once per sequence, in rounds the policy chose for their drafts, not for their verify.
             observed_gain = self.policy.observe_round(
                 outcome.drafted,
-                times.round_ns,
+                times.round_ns - times.join_ns,
                 times.draft_ns,
                 times.verify_ns,
                 times.drafter_forward_ns,

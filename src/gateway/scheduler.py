@@ -135,6 +135,17 @@ class _DraftExchange:
     elapsed_ns: int
 
 
+async def _settle(task: asyncio.Task[Any] | None) -> BaseException | None:
+    """Wait for a task beside the verify; its exception, if it failed."""
+    if task is None:
+        return None
+    try:
+        await task
+    except BaseException as exc:
+        return exc
+    return None
+
+
 PIPELINES = (*MODES, "auto")  # auto: the policy picks one of MODES each round
 
 
@@ -692,10 +703,13 @@ class Scheduler:
         try:
             reply = await self.verifier.verify(request)
         finally:
-            tasks = [t for t in (ahead_task, join_task) if t is not None]
-            beside = await asyncio.gather(*tasks, return_exceptions=True)
-        for failure in beside:
-            if isinstance(failure, BaseException):
+            # Settled whatever the verify did, so no exchange outlives its round.
+            ahead_failure = await _settle(ahead_task)
+            verified = time.perf_counter_ns()
+            join_failure = await _settle(join_task)
+            joined = time.perf_counter_ns()
+        for failure in (ahead_failure, join_failure):
+            if failure is not None:
                 raise failure
         ahead = ahead_task.result() if ahead_task is not None else None
         self.drafter_prefill.observe_verify(reply.timings.total_ns)
@@ -712,7 +726,8 @@ class Scheduler:
         times = RoundTimes(
             round_ns=now - started,
             draft_ns=draft_done - started,
-            verify_ns=now - draft_done,
+            verify_ns=verified - draft_done,
+            join_ns=joined - verified,
             drafter_ns=pre.timings.total_ns if pre else 0,
             verifier_ns=reply.timings.total_ns,
             drafter_forward_ns=pre.timings.forward_ns if pre else 0,

@@ -269,3 +269,17 @@ def test_cohort_sequences_that_do_not_draft_are_verified_every_round() -> None:
     assert [ids for ids, _ in results] == [reference(p, 12) for p in PROMPTS[:4]]
     # Each request needs 12 verifies; sharing every round, 4 requests need about 12 rounds, not 24.
     assert len(verifier.requests) <= 14
+
+
+def test_the_wait_for_a_join_is_not_taught_to_the_policy_as_verify_or_round_cost() -> None:
+    verifier, drafter = FakeVerifier(delay_s=0.005), FakeDrafter()
+    drafter.open_delay_s = 0.2  # a join far slower than a verify
+    sched = scheduler(verifier, drafter, "sequential")
+    learned: list[Any] = []
+    real = sched.policy.observe_round
+    sched.policy.observe_round = lambda *a: learned.append(a) or real(*a)  # type: ignore[method-assign]
+    results = generate(sched, PROMPTS[:2], max_tokens=12)
+    assert [ids for ids, _ in results] == [reference(p, 12) for p in PROMPTS[:2]]
+    assert drafter.opens
+    # (ks, round_ns, draft_ns, verify_ns, ...): no round, nor its verify, learnt as the join's 0.2 s.
+    assert learned and max(a[1] for a in learned) < 0.1e9 and max(a[3] for a in learned) < 0.1e9
