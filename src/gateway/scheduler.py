@@ -559,7 +559,9 @@ class Scheduler:
         fixed = None if spec == "auto" else min(int(spec), cap)
         return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed, cohort=seq.cohort)
 
-    def _choose_ks(self, seqs: list[_Sequence], batch_size: int) -> tuple[dict[str, int], list[_Sequence]]:
+    def _choose_ks(
+        self, seqs: list[_Sequence], batch_size: int, measurable: bool = True
+    ) -> tuple[dict[str, int], list[_Sequence]]:
         """Each sequence's k this round, and those to open on the drafter; for `auto`, the round's pipeline.
 
         A sequence waiting to join the drafter is offered to the policy as if it were open there:
@@ -575,7 +577,7 @@ class Scheduler:
         offered = MODES if "auto" in named else tuple(named) if len(named) == 1 else ("sequential",)
         try:
             candidates = [self._candidate(s, c) for s, c in zip(seqs, caps, strict=True)]
-            ks = self.policy.choose(candidates, batch_size, offered)
+            ks = self.policy.choose(candidates, batch_size, offered, measurable)
             self._auto_pipeline = self.policy.last_pipeline
         except Exception:
             # The policy is an optimisation: without it, each sequence drafts what it may.
@@ -605,7 +607,9 @@ class Scheduler:
             plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
         # A sequence still prefilling on the verifier waits for its last chunk.
         seqs = [s for s in everyone if not s.prefill_pending]
-        ks, wanted = self._choose_ks(seqs, len(seqs))
+        # A round that prefills teaches the policy nothing (see the observer).
+        measurable = not plan.prefill and not any(item.prefill for item in plan.ahead)
+        ks, wanted = self._choose_ks(seqs, len(seqs), measurable)
         plan.join = self._join_budget(wanted)
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.

@@ -318,12 +318,17 @@ class SpeculationPolicy:
         return Acceptance(self.k_max, self.overall.rates(), self.config.sequence_prior_weight)
 
     def choose(
-        self, candidates: Sequence[Candidate], batch_size: int, pipelines: Sequence[str] = ("sequential",)
+        self,
+        candidates: Sequence[Candidate],
+        batch_size: int,
+        pipelines: Sequence[str] = ("sequential",),
+        measurable: bool = True,
     ) -> list[int]:
         """k per candidate; a candidate's `fixed` k (fixed mode, or asked for by its request) is kept.
 
         `pipelines`: those the round may run (several under `--pipeline auto`); the one
-        chosen is left in `last_pipeline`, and the ks are the best for it.
+        chosen is left in `last_pipeline`, and the ks are the best for it. `measurable`:
+        whether the round's costs will be learnt (a round that also prefills is not).
         """
         cfg = self.config
         self.last_choice = None
@@ -331,6 +336,9 @@ class SpeculationPolicy:
         if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
             return [0] * len(candidates)
         all_fixed = all(c.fixed is not None for c in candidates)
+        if not self.costs.ready and not measurable and not all_fixed:
+            # Drafting to time the services is pointless in a round whose times are not learnt.
+            return [c.fixed if c.fixed is not None else 0 for c in candidates]
         if (all_fixed and len(pipelines) == 1) or not self.costs.ready or self.k_max == 0:
             # Until both services have been timed there is nothing to optimise against:
             # draft the full k, sequentially, to measure the drafter and the verifier alone.

@@ -176,6 +176,13 @@ def test_policy_learns_from_rounds_and_reports_gain() -> None:
     assert gain == pytest.approx(5 / 30e6 / policy.last_choice.baseline_rate * 1e9)
 
 
+def test_an_untimed_policy_drafts_only_in_rounds_it_can_learn_from() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    batch = [Candidate(cap=4, rates=[0.9] * 4), Candidate(cap=4, rates=[0.9] * 4, fixed=2)]
+    assert policy.choose(batch, batch_size=2) == [4, 2]  # drafts to time the services
+    assert policy.choose(batch, batch_size=2, measurable=False) == [0, 2]  # a prefill round: no use
+
+
 def test_a_probe_drafts_one_token_for_one_sequence_only() -> None:
     policy = SpeculationPolicy(PolicyConfig(k_max=4, probe_every=3))
     policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=20)
