@@ -503,7 +503,7 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
         )
 
-    async def _join_drafter(self, joining: list[_Sequence], seqs: list[_Sequence]) -> None:
+    async def _join_drafter(self, joining: list[_Sequence], filling: list[_Sequence]) -> None:
         """Open `joining` on the drafter beside the verify, with their committed tokens as they are now.
 
         They draft from a later round (with chunked prefill, once their drafter prefill is done);
@@ -513,7 +513,6 @@ class Scheduler:
             return
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
             return  # they stay pending: they join once the drafter is back
-        filling = [s for s in seqs if s.drafter.drafting and s.drafter_prefill_pending]
         chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
         specs = [self._spec(s, chunks.get(s.id)) for s in joining]
         opened = time.perf_counter_ns()
@@ -541,14 +540,18 @@ class Scheduler:
         self.drafter_prefill.observe_prefill(sum(chunks.get(s.id, len(s.tokens) - 1) for s in joining), elapsed)
 
     # -- plan ---------------------------------------------------------------
-    def _cap(self, seq: _Sequence, after: int = 0, joining: bool = False) -> int:
+    def _cap(self, seq: _Sequence, after: int = 0, preparing: bool = False) -> int:
         """The most drafts the sequence can use in a block that starts `after` tokens from now
-        (`joining`: once it is open on the drafter, for one waiting to join it)."""
-        ready = seq.drafter.pending if joining else seq.drafter.drafting and not seq.drafter_prefill_pending
+        (`preparing`: once ready on the drafter, for one waiting to join it or prefilling there)."""
+        ready = (seq.drafter.pending or seq.drafter.drafting) if preparing else self._drafts_now(seq)
         if not ready:
             return 0
         remaining = seq.max_tokens - len(seq.output) - after
         return max(0, min(self.k_limit, remaining - 1, self.drafter_context - len(seq.tokens) - after))
+
+    @staticmethod
+    def _drafts_now(seq: _Sequence) -> bool:
+        return seq.drafter.drafting and not seq.drafter_prefill_pending
 
     def _candidate(self, seq: _Sequence, cap: int) -> Candidate:
         spec = seq.params.speculation
@@ -562,14 +565,19 @@ class Scheduler:
     def _choose_ks(
         self, seqs: list[_Sequence], batch_size: int, measurable: bool = True
     ) -> tuple[dict[str, int], list[_Sequence]]:
-        """Each sequence's k this round, and those to open on the drafter; for `auto`, the round's pipeline.
+        """Each sequence's k this round, and those the drafter should get ready; for `auto`, the round's pipeline.
 
-        A sequence waiting to join the drafter is offered to the policy as if it were open there:
-        it joins only if the policy would have it draft (so not while drafting does not pay),
-        and drafts from a later round.
+        A sequence waiting to join the drafter, or still prefilling there, is offered to the
+        policy as if it were ready: the drafter works on it (opens it, or prefills a chunk of it)
+        only if the policy would have it draft, so not while drafting does not pay; it drafts
+        from a later round.
         """
-        joinable = {s.id for s in seqs if s.drafter.pending and s.output and not s.done}
-        caps = [self._cap(s, joining=s.id in joinable) for s in seqs]
+        preparing = {
+            s.id
+            for s in seqs
+            if (s.drafter.pending and s.output and not s.done) or (s.drafter.drafting and s.drafter_prefill_pending)
+        }
+        caps = [self._cap(s, preparing=s.id in preparing) for s in seqs]
         named = {s.params.pipeline or self.pipeline for s in seqs}
         # The ks are chosen for the pipeline the round runs: with `auto` among the requests,
         # the best of all (requests that named one keep theirs); a mix of named ones is
@@ -583,8 +591,8 @@ class Scheduler:
             # The policy is an optimisation: without it, each sequence drafts what it may.
             log.exception("the speculation policy failed; drafting the full k this round")
             ks, self._auto_pipeline = caps, "sequential"
-        join = [s for s, k in zip(seqs, ks, strict=True) if s.id in joinable and k > 0]
-        return {s.id: 0 if s.id in joinable else k for s, k in zip(seqs, ks, strict=True)}, join
+        wanted = [s for s, k in zip(seqs, ks, strict=True) if s.id in preparing and k > 0]
+        return {s.id: 0 if s.id in preparing else k for s, k in zip(seqs, ks, strict=True)}, wanted
 
     def _pipeline(self, seq: _Sequence) -> str:
         named = seq.params.pipeline or self.pipeline
@@ -598,19 +606,19 @@ class Scheduler:
             budget = self.prefill_chunk_tokens - self._verifier_prefill_spent
             chunks = plan_prefill([(s.id, s.prefill_pending) for s in everyone], budget)
             plan.prefill = [(s, chunks[s.id]) for s in everyone if s.id in chunks]
-            filling = [s for s in everyone if s.drafter.drafting and s.drafter_prefill_pending]
+        # A sequence still prefilling on the verifier waits for its last chunk.
+        seqs = [s for s in everyone if not s.prefill_pending]
+        # A round that prefills on the verifier teaches the policy nothing (see the observer).
+        ks, wanted = self._choose_ks(seqs, len(seqs), measurable=not plan.prefill)
+        plan.join = self._join_budget([s for s in wanted if s.drafter.pending])
+        filling = [s for s in wanted if s.drafter.drafting]
+        if filling:
             # What it has left includes the tokens committed since the drafter last heard of it,
             # which this exchange brings: without them a prefill would stay one round behind for good.
             left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
             chunks = plan_prefill(left, self.drafter_prefill.tokens())
             # Prefilled on the drafter while the verifier works, like a draft-ahead.
             plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
-        # A sequence still prefilling on the verifier waits for its last chunk.
-        seqs = [s for s in everyone if not s.prefill_pending]
-        # A round that prefills teaches the policy nothing (see the observer).
-        measurable = not plan.prefill and not any(item.prefill for item in plan.ahead)
-        ks, wanted = self._choose_ks(seqs, len(seqs), measurable)
-        plan.join = self._join_budget(wanted)
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.
         turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0]
@@ -703,7 +711,8 @@ class Scheduler:
         ]
         request = verify_request(round_id, plan.verify, blocks, ks, contexts, plan.prefill)
         ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
-        join_task = asyncio.create_task(self._join_drafter(plan.join, seqs)) if plan.join else None
+        filling = [item.seq for item in plan.ahead if item.prefill]
+        join_task = asyncio.create_task(self._join_drafter(plan.join, filling)) if plan.join else None
         try:
             reply = await self.verifier.verify(request)
         finally:

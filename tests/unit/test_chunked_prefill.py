@@ -147,3 +147,28 @@ def test_without_chunks_a_wave_joins_the_drafter_as_fast_as_it_can_prefill_behin
     for sizes in joined:
         assert len(sizes) == 1 or sum(sizes) <= 60  # within what fits, or one alone
     assert len(joined) >= 3
+
+
+@pytest.mark.parametrize("drafts_pay", [True, False])
+def test_the_drafter_prefills_only_sequences_the_policy_wants_drafts_from(drafts_pay: bool) -> None:
+    drafter = FakeDrafter()
+    sched = scheduler(FakeVerifier(drafter=drafter), drafter, prefill_chunk_tokens=16)
+    seqs = [sched.submit(p, GenerationParams(20, GREEDY)) for p in (LONG, LONG[:50], [1, 2, 3])]
+    sched.waiting.clear()
+    filling, joining, _ = seqs
+    for s in seqs:
+        s.output, s.tokens = [7], [*s.prompt, 7]
+        s.drafter.want()
+    filling.drafter.opened(len(filling.tokens) - 1)  # opened a round ago, most of it left to prefill
+    filling.drafter_prefill_pending = 80
+    choose = sched.policy.choose
+    sched.policy.choose = lambda cands, *a: [c.cap if drafts_pay else 0 for c in cands]  # type: ignore[method-assign]
+    plan = sched._plan(list(seqs), 1)
+    sched.policy.choose = choose  # type: ignore[method-assign]
+    prefilled = [item.seq.id for item in plan.ahead if item.prefill]
+    joined = [s.id for s in plan.join]
+    assert not plan.pre_draft and not any(plan.ks.values())  # none of them drafts this round
+    if drafts_pay:
+        assert prefilled == [filling.id] and set(joined) == {joining.id, seqs[2].id}
+    else:
+        assert prefilled == [] and joined == []
