@@ -16,7 +16,9 @@ from specd.grammar import GrammarError, choice_grammar, regex_grammar
 from specd.sampling import SamplingParams
 from specd.tasks import SequenceSpec
 
-REGEXES = [r"[a-c]{2,5}", r"\d{3}-\d{2}", r"(yes|no)!", r"[A-Z][a-z]{1,4} [0-9]{1,2}"]
+# Digits as [0-9], not \d: \d means every Unicode digit, and the grammar engine's Unicode tables
+# are newer than Python's, so a random model finds digits (U+1CCF9) that `re` here does not know.
+REGEXES = [r"[a-c]{2,5}", r"[0-9]{3}-[0-9]{2}", r"(yes|no)!", r"[A-Z][a-z]{1,4} [0-9]{1,2}"]
 CHOICES = [["red", "green", "blue"], ['a"b', "é ü", "x/y\n", "{}"], ["yes", "no", "maybe so"], ["1", "12", "123"]]
 PROMPTS = ["Hello", "Pick one:", "<|im_start|>user\nA color?<|im_end|>\n", "1, 2, 3"]
 
