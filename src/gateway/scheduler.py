@@ -503,11 +503,12 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
         )
 
-    async def _join_drafter(self, joining: list[_Sequence], filling: list[_Sequence]) -> None:
+    async def _join_drafter(self, joining: list[_Sequence], filling: list[_Sequence], alone: bool) -> None:
         """Open `joining` on the drafter beside the verify, with their committed tokens as they are now.
 
         They draft from a later round (with chunked prefill, once their drafter prefill is done);
-        the tokens the verify commits meanwhile reach the drafter with their next task.
+        the tokens the verify commits meanwhile reach the drafter with their next task. `alone`:
+        the drafter has no other exchange this round, so the open's time is its prefill's.
         """
         if not joining or self.drafter is None:
             return
@@ -536,8 +537,10 @@ class Scheduler:
             else:
                 s.drafter.opened(len(spec.prompt_token_ids))
                 s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
-        # The open's time is that of the prefill it did.
-        self.drafter_prefill.observe_prefill(sum(chunks.get(s.id, len(s.tokens) - 1) for s in joining), elapsed)
+        if alone:
+            whole = {spec.sequence_id: len(spec.prompt_token_ids) - 1 for spec in specs}
+            prefilled = sum(chunks.get(sid, n) for sid, n in whole.items())
+            self.drafter_prefill.observe_prefill(prefilled, elapsed)
 
     # -- plan ---------------------------------------------------------------
     def _cap(self, seq: _Sequence, after: int = 0, preparing: bool = False) -> int:
@@ -712,7 +715,9 @@ class Scheduler:
         request = verify_request(round_id, plan.verify, blocks, ks, contexts, plan.prefill)
         ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
         filling = [item.seq for item in plan.ahead if item.prefill]
-        join_task = asyncio.create_task(self._join_drafter(plan.join, filling)) if plan.join else None
+        join_task = (
+            asyncio.create_task(self._join_drafter(plan.join, filling, alone=not ahead_items)) if plan.join else None
+        )
         try:
             reply = await self.verifier.verify(request)
         finally:
