@@ -74,6 +74,8 @@ class RoundOutcome:
     # Drafts asked per sequence of the exchange before the verify, and of the one during it.
     pre_drafted: list[int] = field(default_factory=list)
     ahead_drafted: list[int] = field(default_factory=list)
+    # Prompt tokens the drafter opened beside the verify (sequences joining it).
+    joined_tokens: int = 0
 
     @property
     def drafted(self) -> list[int]:
@@ -141,6 +143,8 @@ class RoundObserver:
                 outcome.emitted,
                 outcome.pre_drafted,
                 outcome.ahead_drafted,
+                outcome.joined_tokens,
+                times.join_ns,
             )
         attributes = times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)

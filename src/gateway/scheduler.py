@@ -503,17 +503,18 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
         )
 
-    async def _join_drafter(self, joining: list[_Sequence], filling: list[_Sequence], alone: bool) -> None:
-        """Open `joining` on the drafter beside the verify, with their committed tokens as they are now.
+    async def _join_drafter(self, joining: list[_Sequence], filling: list[_Sequence], alone: bool) -> int:
+        """Open `joining` on the drafter beside the verify, with their committed tokens as they are now;
+        returns how many prompt tokens the drafter was sent to open them (0 if none was).
 
         They draft from a later round (with chunked prefill, once their drafter prefill is done);
         the tokens the verify commits meanwhile reach the drafter with their next task. `alone`:
         the drafter has no other exchange this round, so the open's time is its prefill's.
         """
         if not joining or self.drafter is None:
-            return
+            return 0
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
-            return  # they stay pending: they join once the drafter is back
+            return 0  # they stay pending: they join once the drafter is back
         chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
         specs = [self._spec(s, chunks.get(s.id)) for s in joining]
         opened = time.perf_counter_ns()
@@ -523,12 +524,12 @@ class Scheduler:
                 raise BackendError("the drafter answered an open out of protocol")
         except Exception as exc:
             self._drafter_failed(f"open failed: {exc}", [s.id for s in joining])
-            return
+            return 0
         if self.drafter_link is not None and not self.drafter_link.up:
             # The draft exchange beside this open failed meanwhile: what the open made is closed
             # with the other stale ids once the drafter is back, and these join again then.
             self.drafter_link.stale.update(s.id for s, r in zip(joining, results, strict=True) if not r.error.code)
-            return
+            return 0
         elapsed = time.perf_counter_ns() - opened
         for s, spec, r in zip(joining, specs, results, strict=True):
             if r.error.code:
@@ -537,10 +538,11 @@ class Scheduler:
             else:
                 s.drafter.opened(len(spec.prompt_token_ids))
                 s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
+        whole = {spec.sequence_id: len(spec.prompt_token_ids) - 1 for spec in specs}
+        prefilled = sum(chunks.get(sid, n) for sid, n in whole.items())
         if alone:
-            whole = {spec.sequence_id: len(spec.prompt_token_ids) - 1 for spec in specs}
-            prefilled = sum(chunks.get(sid, n) for sid, n in whole.items())
             self.drafter_prefill.observe_prefill(prefilled, elapsed)
+        return prefilled
 
     # -- plan ---------------------------------------------------------------
     def _cap(self, seq: _Sequence, after: int = 0, preparing: bool = False) -> int:
@@ -594,8 +596,20 @@ class Scheduler:
             # The policy is an optimisation: without it, each sequence drafts what it may.
             log.exception("the speculation policy failed; drafting the full k this round")
             ks, self._auto_pipeline = caps, "sequential"
-        wanted = [s for s, k in zip(seqs, ks, strict=True) if s.id in preparing and k > 0]
+            candidates = [Candidate(cap=c, rates=(), fixed=c) for c in caps]
+        wanted = [
+            s
+            for s, k, c in zip(seqs, ks, candidates, strict=True)
+            if s.id in preparing and k > 0 and (c.fixed is not None or self._join_pays(s))
+        ]
         return {s.id: 0 if s.id in preparing else k for s, k in zip(seqs, ks, strict=True)}, wanted
+
+    def _join_pays(self, seq: _Sequence) -> bool:
+        """For a sequence the policy chose to draft: whether its drafts will repay opening it on the
+        drafter. One already open (still prefilling there) has paid."""
+        if not seq.drafter.pending:
+            return True
+        return self.policy.join_pays(len(seq.output), seq.max_tokens - len(seq.output), len(seq.tokens))
 
     def _pipeline(self, seq: _Sequence) -> str:
         named = seq.params.pipeline or self.pipeline
@@ -730,6 +744,7 @@ class Scheduler:
             if failure is not None:
                 raise failure
         ahead = ahead_task.result() if ahead_task is not None else None
+        joined_tokens = join_task.result() if join_task is not None else 0
         self.drafter_prefill.observe_verify(reply.timings.total_ns)
         if ahead is not None and ahead_items and all(item.prefill for item in ahead_items):
             self.drafter_prefill.observe_prefill(sum(item.prefill for item in ahead_items), ahead.elapsed_ns)
@@ -766,7 +781,9 @@ class Scheduler:
         pre_drafted = [item.num_draft_tokens for item in plan.pre_draft] if pre is not None else []
         ahead_drafted = [item.num_draft_tokens for item in ahead_items if not item.prefill] if ahead else []
         self.observer.observe(
-            RoundOutcome(round_id, verdicts, times, pipeline, wasted, spans, prefilled, pre_drafted, ahead_drafted)
+            RoundOutcome(
+                round_id, verdicts, times, pipeline, wasted, spans, prefilled, pre_drafted, ahead_drafted, joined_tokens
+            )
         )
         await self._retire([s for s in seqs if s.done])
 
@@ -893,6 +910,7 @@ class Scheduler:
         ttft_s = (seq.first_token_ns - seq.submitted_ns) / 1e9
         tpot_s = (now - seq.first_token_ns) / 1e9 / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
         self.metrics.requests.labels(finished_reason=reason).inc()
+        self.policy.observe_finished(len(seq.output))
         self.metrics.e2e.observe((now - seq.submitted_ns) / 1e9)
         if len(seq.output) > 1:
             self.metrics.tpot.observe(tpot_s)

@@ -313,6 +313,12 @@ class SpeculationPolicy:
         self.last_pipeline = "sequential"
         self.observed_gain = Ewma(0.05)
         self.predicted_gain = Ewma(0.05)
+        # What opening a sequence on the drafter costs the round it runs in, per prompt token
+        # it prefills there: the wait for the open, plus what it slows the verify beside it
+        # (on cores the two services share, much more than the open's own time).
+        self.join_ns_per_token = Ewma(0.2)
+        # How many tokens finished sequences emitted: what a joining sequence can expect to draft for.
+        self.output_tokens = Ewma(0.1)
 
     def new_sequence(self) -> Acceptance:
         return Acceptance(self.k_max, self.overall.rates(), self.config.sequence_prior_weight)
@@ -368,6 +374,40 @@ class SpeculationPolicy:
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
 
+    def join_pays(self, generated: int, left: int, prompt_tokens: int) -> bool:
+        """Whether opening a sequence on the drafter, so that it drafts as this round's choice
+        wants, is predicted to save more time than the open costs.
+
+        A join is paid once, in the round it runs in; the drafting it allows saves (1 - 1/gain)
+        of every later round the sequence takes part in, and the sequences drafting share that
+        saving. `generated`: tokens the sequence emitted so far; `left`: the most it may still
+        emit; `prompt_tokens`: what the drafter must prefill. Joins not yet timed are allowed:
+        the first one measures the cost.
+        """
+        choice = self.last_choice
+        if choice is None or choice.baseline_rate <= 0:
+            return True  # no adaptive choice this round (untimed or fixed): the drafts need the join
+        gain = choice.predicted_gain
+        if gain <= 1.0:
+            return False
+        per_token = self.join_ns_per_token.value
+        if per_token is None:
+            return True
+        typical = self.output_tokens.value
+        remaining = left if typical is None else min(left, max(1.0, typical - generated))
+        drafting = max(1, sum(1 for k in choice.ks if k > 0))
+        round_ns = len(choice.ks) / choice.baseline_rate * 1e9  # one token per sequence, target-only
+        saved = remaining * round_ns * (1.0 - 1.0 / gain) / drafting
+        return saved > per_token * prompt_tokens
+
+    def observe_join(self, prompt_tokens: int, cost_ns: float) -> None:
+        """A round that opened sequences of `prompt_tokens` in all on the drafter, and what that cost it."""
+        if prompt_tokens > 0 and cost_ns >= 0:
+            self.join_ns_per_token.observe(cost_ns / prompt_tokens)
+
+    def observe_finished(self, output_tokens: int) -> None:
+        self.output_tokens.observe(float(output_tokens))
+
     def observe_round(
         self,
         ks: Sequence[int],
@@ -378,17 +418,27 @@ class SpeculationPolicy:
         tokens_emitted: int,
         pre_drafted: Sequence[int] | None = None,
         ahead_drafted: Sequence[int] = (),
+        joined_tokens: int = 0,
+        join_ns: int = 0,
     ) -> float | None:
         """Learn costs from one round; returns observed rate / predicted target-only rate.
 
         `ks`: drafts verified per sequence; `pre_drafted`: drafts asked per sequence of the
         exchange before the verify (None: those of `ks`); `ahead_drafted`: of the exchange
-        that ran during the verify, whose time `verify_ns` then includes.
+        that ran during the verify, whose time `verify_ns` then includes. `joined_tokens`:
+        prompt tokens the drafter opened beside the verify, and `join_ns` the round's wait
+        for that after the verify (not part of `round_ns`): the join's cost is learnt, and
+        the verify's time, which the open may have slowed, teaches nothing else.
         """
         pre = list(ks) if pre_drafted is None else list(pre_drafted)
         self.overlap.age()
         ahead = [n for n in ahead_drafted if n > 0]
-        if ahead:
+        if joined_tokens:
+            slowed = 0.0
+            if self.costs.ready and not ahead:
+                slowed = max(0.0, verify_ns - self.costs.verify.predict(verified_positions(ks)))
+            self.observe_join(joined_tokens, join_ns + slowed)
+        elif ahead:
             # The verify ran beside a draft exchange: its time is the two together, which
             # measures the overlap, not the verify alone.
             if self.costs.ready:

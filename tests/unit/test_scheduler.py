@@ -124,6 +124,34 @@ def test_sequences_join_the_drafter_only_while_the_policy_wants_drafts() -> None
     assert [ids for ids, _ in early + late] == [reference(p, 24) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("open_delay_s", [0.0, 0.6])
+def test_a_sequence_joins_the_drafter_only_if_its_drafts_repay_the_join(open_delay_s: float) -> None:
+    """Drafting pays (a right, cheap drafter), so under auto every sequence is wanted on the drafter;
+    once a join is measured to cost more than a sequence's drafts can save, later ones stay off it."""
+    drafter = FakeDrafter(wrong=lambda n: False, delay_s=0.001)
+    verifier = FakeVerifier(drafter=drafter, delay_s=0.01)
+    drafter.open_delay_s = open_delay_s
+    sched = Scheduler(CharTokenizer(), verifier, drafter, 4, 16, [EOS], speculative_mode="auto")
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        sched.start()
+        try:
+            first = [sched.submit(p, GenerationParams(24, GREEDY)) for p in PROMPTS[:2]]
+            early = await asyncio.gather(*(collect(sched, s) for s in first))
+            opened = sum(len(o) for o in drafter.opens)
+            assert opened > 0 and sched.policy.join_ns_per_token.value is not None
+            later = [sched.submit(p, GenerationParams(24, GREEDY)) for p in PROMPTS[2:]]
+            late = await asyncio.gather(*(collect(sched, s) for s in later))
+            joined_later = sum(len(o) for o in drafter.opens) - opened
+            assert (joined_later == 0) if open_delay_s else (joined_later == len(later))
+            return early, late
+        finally:
+            await sched.stop()
+
+    early, late = asyncio.run(main())
+    assert [ids for ids, _ in early + late] == [reference(p, 24) for p in PROMPTS]
+
+
 # n % 7: some blocks are rejected part-way; n % 5 == 2 (with a 7-token prompt and k=4):
 # every block is accepted whole and every guess at the verifier's own token is wrong,
 # so each ahead block must be thrown away although the committed length matches.

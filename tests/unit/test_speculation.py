@@ -198,3 +198,40 @@ def test_policy_probes_after_a_long_stretch_without_drafts() -> None:
     bad = [Candidate(cap=4, rates=[0.05] * 4)]
     picks = [policy.choose(bad, batch_size=1)[0] for _ in range(10)]
     assert picks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+
+
+def test_a_join_must_repay_its_cost_within_the_sequence_s_expected_output() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    # Verify 20 ms + 1 ms per position, draft steps 4 ms: drafting 4 at acceptance 0.9 pays about 2.8x.
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=4)
+    one = [Candidate(cap=4, rates=[0.9] * 4)]
+    assert policy.choose(one, batch_size=1) == [4]
+    choice = policy.last_choice
+    assert choice is not None and choice.predicted_gain > 2.0
+    assert policy.join_pays(generated=1, left=100, prompt_tokens=50)  # untimed joins are tried
+    # Target-only rounds take 21.5 ms, so 100 tokens left save about 100 * 21.5 * (1 - 1/gain) ms.
+    saved_ms = 100 * 21.5 * (1 - 1 / choice.predicted_gain)
+    policy.observe_join(50, (saved_ms * 1.1) * MS)  # a join dearer than that, per its 50 tokens
+    assert not policy.join_pays(generated=1, left=100, prompt_tokens=50)
+    assert policy.join_pays(generated=1, left=100, prompt_tokens=40)  # a shorter prompt costs less
+    # Sequences are expected to emit what finished ones did: 30 tokens, so few remain to repay it.
+    policy.join_ns_per_token.value = saved_ms * 0.5 * MS / 50
+    assert policy.join_pays(generated=1, left=100, prompt_tokens=50)
+    for _ in range(50):
+        policy.observe_finished(30)
+    assert not policy.join_pays(generated=1, left=100, prompt_tokens=50)
+    # Nothing repays a join while drafting is not predicted to pay at all.
+    policy.join_ns_per_token.value = 0.0
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=20)
+    assert policy.choose(one, batch_size=1) == [0]
+    assert not policy.join_pays(generated=1, left=100, prompt_tokens=1)
+
+
+def test_a_round_with_a_join_teaches_the_join_s_cost_and_not_the_verify_s() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=4)
+    before = policy.costs.verify.predict(1)
+    # The open took 30 ms after the verify and slowed the verify beside it from 21 ms to 61 ms.
+    policy.observe_round([0], int(62 * MS), 0, int(61 * MS), 0, 1, joined_tokens=10, join_ns=int(30 * MS))
+    assert policy.costs.verify.predict(1) == pytest.approx(before)
+    assert policy.join_ns_per_token.get() == pytest.approx((30 + 40) * MS / 10, rel=0.01)
