@@ -24,6 +24,11 @@ class DrafterConfig(ModelServiceConfig):
         "weight quantization: int8 weight-only (CPU), none, or auto (int8 on CPU, none for a distilled drafter)",
         ["auto", "int8", "none"],
     )
+    int8_wide_rows: int = field(
+        -1,
+        "int8 drafter: from how many rows (prompt tokens or batched sequences) a forward uses bfloat16 copies "
+        "of the weights instead of the int8 kernel; -1 measures which is faster at start-up, 0 never",
+    )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
     ngram_max: int = field(4, "longest suffix n-gram the n-gram drafter matches")
@@ -34,6 +39,10 @@ class DrafterConfig(ModelServiceConfig):
             raise ValueError("max_support must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("1 <= ngram_min <= ngram_max is required")
+        if self.int8_wide_rows < -1:
+            raise ValueError("int8_wide_rows must be -1 (measure), 0 (never) or a number of rows")
+        if self.int8_wide_rows != -1 and (self.drafter != "model" or self.quantization != "int8"):
+            raise ValueError("int8_wide_rows applies to an int8 model drafter only (--quantize int8)")
 
     @property
     def quantization(self) -> str:

@@ -11,11 +11,11 @@ from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd import draftlm, models
 from specd.grammar import grammar_compiler
-from specd.kvcache import BatchedCausalLM
+from specd.kvcache import BatchedCausalLM, Row
 from specd.leases import Leases
 from specd.placement import pin
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.quant import quantize_int8
+from specd.quant import calibrate_wide_rows, quantize_int8, set_wide_rows
 from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
 from specd.tracing import Tracing
 
@@ -46,10 +46,12 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     quantization = config.quantization
     if config.quantize == "auto" and draftlm.is_distilled(models.materialize(config.model)):
         quantization = "none"  # a distilled drafter is already small; int8 would cost agreement
+        if config.int8_wide_rows != -1:
+            raise ValueError("int8_wide_rows applies to an int8 drafter; this distilled drafter is not quantized")
     if quantization == "int8":
         if loaded.device.type != "cpu":
             raise ValueError("--quantize int8 uses a CPU kernel; use --quantize none on GPUs")
-        quantize_int8(loaded.model)
+        quantize_int8(loaded.model, keep_wide=config.int8_wide_rows != 0)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = ModelDrafter(
@@ -61,6 +63,10 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         config.max_support,
         grammar_compiler(loaded.tokenizer, lm.vocab_size),
     )
+    if quantization == "int8" and config.int8_wide_rows == -1:
+        calibrate_wide_rows(loaded.model, lambda rows: _prefill_once(lm, rows))
+    elif quantization == "int8":
+        set_wide_rows(loaded.model, config.int8_wide_rows)
     lm.warm_up(2)
     info = common_pb2.ModelInfo(
         model_id=config.model,
@@ -73,6 +79,12 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         max_draft_tokens=config.max_draft_tokens,
     )
     return engine, info
+
+
+def _prefill_once(lm: BatchedCausalLM, rows: int) -> None:
+    """One forward over `rows` tokens in slot 0, released after (start-up only: no sequence is open)."""
+    lm.forward([Row(0, 0, [0] * rows, rows - 1)])
+    lm.cache.release(0)
 
 
 def register(
