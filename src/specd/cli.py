@@ -8,6 +8,11 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specd.placement import CpuPlacement
 
 LOOPBACK = "127.0.0.1"
 USAGE = """specd <command> [options]
@@ -92,8 +97,18 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pipeline",
         choices=["sequential", "cohort", "ahead", "auto"],
-        default="sequential",
-        help="see specd gateway --help",
+        default=None,
+        help="see specd gateway --help; default: auto where the services have cores of their own "
+        "(--placement split), else sequential",
+    )
+    p.add_argument(
+        "--placement",
+        choices=["auto", "shared", "split"],
+        default="auto",
+        help="CPU services: shared: both on all cores; split: the verifier on the first half of the cores, the "
+        "drafter on the rest, one thread per core; auto: split if the target's step on half the cores is at "
+        "most 1.25x its time on all of them (measured once per machine and cached), else shared. Explicit "
+        "--*-cpus/--*-threads, a GPU, or no model drafter: as given",
     )
     p.add_argument("--drafter-threads", type=int, default=0, help="drafter's torch threads; 0: torch's default")
     p.add_argument("--verifier-threads", type=int, default=0, help="verifier's torch threads; 0: torch's default")
@@ -154,6 +169,37 @@ def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize:
     return choice, draft_model or target, quantize
 
 
+def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
+    """Where `specd up` runs the drafter and the verifier on the CPU (see --placement)."""
+    from specd.models import cache_dir
+    from specd.placement import CpuPlacement, choose_cpu_placement, measured_steps, split_placement
+
+    explicit = args.drafter_cpus or args.verifier_cpus or args.drafter_threads or args.verifier_threads
+    on_cpu = args.drafter_device == "cpu" and args.verifier_device == "cpu"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if args.placement == "split":
+        if explicit or not on_cpu:
+            raise ValueError("--placement split chooses CPUs and threads itself, for services on the CPU")
+        return split_placement(cpus, "asked for")
+    if args.placement == "shared" or explicit:
+        return CpuPlacement(False, reason="as given" if explicit else "")
+    if not on_cpu or drafter in ("none", "ngram") or len(cpus) < 2:
+        return CpuPlacement(False, reason="no CPU model drafter to overlap with, or one CPU")
+    step_all, step_half, cached = measured_steps(args.target_model, args.verifier_dtype, cpus, cache_dir())
+    placement = choose_cpu_placement(step_all, step_half, cpus)
+    return replace(placement, reason=placement.reason + (" (measured earlier on this machine)" if cached else ""))
+
+
+def apply_placement(args: argparse.Namespace, placement: CpuPlacement) -> None:
+    """Give the services the placement's cores and threads; with cores of their own, the pipeline
+    that overlaps them (auto) unless one was named."""
+    if placement.split:
+        args.verifier_cpus, args.drafter_cpus = placement.verifier_cpus, placement.drafter_cpus
+        args.verifier_threads, args.drafter_threads = placement.verifier_threads, placement.drafter_threads
+    if args.pipeline is None:
+        args.pipeline = "auto" if placement.split else "sequential"
+
+
 def up(argv: Sequence[str]) -> None:
     import grpc  # keep `specd --help` light
 
@@ -170,6 +216,18 @@ def up(argv: Sequence[str]) -> None:
     backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
     drafter_dtype = args.drafter_dtype or ("float32" if drafter == "distilled" else "bfloat16")
+    try:
+        placement = resolve_placement(args, drafter)
+    except ValueError as exc:
+        parser.error(str(exc))
+    apply_placement(args, placement)
+    where = f" (verifier on CPUs {placement.verifier_cpus}, drafter on {placement.drafter_cpus})"
+    why = f": {placement.reason}" if placement.reason else ""
+    print(
+        f"specd up: placement {'split' + where if placement.split else 'shared'}, pipeline {args.pipeline}{why}",
+        file=sys.stderr,
+        flush=True,
+    )
     backend_server_name = args.tls_server_name or args.host
     tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
     # The backends never leave loopback here, and still ask for the gateway's token:

@@ -114,6 +114,8 @@ def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
         "-k", "4",
         # Drafts every round: the drafter-fault test judges speculation by the draft counter.
         "--speculative-mode", "fixed",
+        # Faults, not placement, are tested here: no start-up measurement, the sequential pipeline.
+        "--placement", "shared",
         "--max-context", "256",
         # Short, so a stall costs little; not so short that a busy machine trips it.
         "--drafter-timeout-s", "2",
