@@ -116,6 +116,11 @@ class _Sequence:
     done: bool = False
     drafted: int = 0
     accepted: int = 0
+    # Joined the drafter because auto mode wanted its drafts; then, its rounds on the drafter and
+    # those in which it drafted (what the policy learns its joins are worth from).
+    joined_for_auto: bool = False
+    rounds_on_drafter: int = 0
+    rounds_drafting: int = 0
     submitted_ns: int = field(default_factory=time.perf_counter_ns)
     first_token_ns: int = 0
     last_emit_ns: int = 0
@@ -602,6 +607,9 @@ class Scheduler:
             for s, k, c in zip(seqs, ks, candidates, strict=True)
             if s.id in preparing and k > 0 and (c.fixed is not None or self._join_pays(s))
         ]
+        for s, c in zip(seqs, candidates, strict=True):
+            if c.fixed is None and any(w is s for w in wanted):
+                s.joined_for_auto = True
         return {s.id: 0 if s.id in preparing else k for s, k in zip(seqs, ks, strict=True)}, wanted
 
     def _join_pays(self, seq: _Sequence) -> bool:
@@ -644,6 +652,9 @@ class Scheduler:
             k = ks[s.id]
             mode = self._pipeline(s)
             ready = self._ready(s)
+            if self._cap(s) > 0:  # on the drafter, with room left to draft: did the policy use it?
+                s.rounds_on_drafter += 1
+                s.rounds_drafting += k > 0
             if mode == "cohort" and paired and k > 0:
                 if s.cohort != round_id % 2:
                     if k > 0 and ready is None:
@@ -911,6 +922,8 @@ class Scheduler:
         tpot_s = (now - seq.first_token_ns) / 1e9 / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
         self.metrics.requests.labels(finished_reason=reason).inc()
         self.policy.observe_finished(len(seq.output))
+        if seq.joined_for_auto:
+            self.policy.observe_follow_through(seq.rounds_on_drafter, seq.rounds_drafting)
         self.metrics.e2e.observe((now - seq.submitted_ns) / 1e9)
         if len(seq.output) > 1:
             self.metrics.tpot.observe(tpot_s)

@@ -319,6 +319,9 @@ class SpeculationPolicy:
         self.join_ns_per_token = Ewma(0.2)
         # How many tokens finished sequences emitted: what a joining sequence can expect to draft for.
         self.output_tokens = Ewma(0.1)
+        # Of the rounds a sequence spent on the drafter after joining for auto drafts, the share in
+        # which it drafted: a policy whose joins are not followed by drafts learns to stop joining.
+        self.join_follow_through = Ewma(0.2)
 
     def new_sequence(self) -> Acceptance:
         return Acceptance(self.k_max, self.overall.rates(), self.config.sequence_prior_weight)
@@ -397,7 +400,7 @@ class SpeculationPolicy:
         remaining = left if typical is None else min(left, max(1.0, typical - generated))
         drafting = max(1, sum(1 for k in choice.ks if k > 0))
         round_ns = len(choice.ks) / choice.baseline_rate * 1e9  # one token per sequence, target-only
-        saved = remaining * round_ns * (1.0 - 1.0 / gain) / drafting
+        saved = remaining * round_ns * (1.0 - 1.0 / gain) / drafting * self.join_follow_through.get(1.0)
         return saved > per_token * prompt_tokens
 
     def observe_join(self, prompt_tokens: int, cost_ns: float) -> None:
@@ -407,6 +410,11 @@ class SpeculationPolicy:
 
     def observe_finished(self, output_tokens: int) -> None:
         self.output_tokens.observe(float(output_tokens))
+
+    def observe_follow_through(self, rounds_on_drafter: int, rounds_drafting: int) -> None:
+        """A finished sequence that joined the drafter for auto drafts: in how many of its rounds there it drafted."""
+        if rounds_on_drafter > 0:
+            self.join_follow_through.observe(rounds_drafting / rounds_on_drafter)
 
     def observe_round(
         self,

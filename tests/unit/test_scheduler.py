@@ -144,6 +144,8 @@ def test_a_sequence_joins_the_drafter_only_if_its_drafts_repay_the_join(open_del
             late = await asyncio.gather(*(collect(sched, s) for s in later))
             joined_later = sum(len(o) for o in drafter.opens) - opened
             assert (joined_later == 0) if open_delay_s else (joined_later == len(later))
+            # The joined sequences drafted in every round they spent on the drafter (a right drafter).
+            assert sched.policy.join_follow_through.get() == pytest.approx(1.0)
             return early, late
         finally:
             await sched.stop()

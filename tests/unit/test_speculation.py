@@ -235,3 +235,19 @@ def test_a_round_with_a_join_teaches_the_join_s_cost_and_not_the_verify_s() -> N
     policy.observe_round([0], int(62 * MS), 0, int(61 * MS), 0, 1, joined_tokens=10, join_ns=int(30 * MS))
     assert policy.costs.verify.predict(1) == pytest.approx(before)
     assert policy.join_ns_per_token.get() == pytest.approx((30 + 40) * MS / 10, rel=0.01)
+
+
+def test_joins_that_are_not_followed_by_drafts_stop() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=4)
+    assert policy.choose([Candidate(cap=4, rates=[0.9] * 4)], batch_size=1) == [4]
+    choice = policy.last_choice
+    assert choice is not None
+    saved_ms = 100 * 21.5 * (1 - 1 / choice.predicted_gain)
+    policy.join_ns_per_token.value = saved_ms * 0.5 * MS / 50  # half of what a join that drafts saves
+    assert policy.join_pays(generated=1, left=100, prompt_tokens=50)
+    for _ in range(30):
+        policy.observe_follow_through(rounds_on_drafter=20, rounds_drafting=2)  # joined, then hardly drafted
+    assert not policy.join_pays(generated=1, left=100, prompt_tokens=50)
+    policy.observe_follow_through(rounds_on_drafter=0, rounds_drafting=0)  # never got there: nothing learnt
+    assert policy.join_follow_through.get() == pytest.approx(0.1)
