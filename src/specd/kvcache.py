@@ -143,6 +143,17 @@ class SlotKVCache(Cache):
                 f"positions {start}..{start + count - 1} are outside the cache's {self.max_positions} positions"
             )
 
+    def copy_prefix(self, source: int, dest: int, count: int) -> None:
+        """Give slot `dest` the keys and values of slot `source`'s first `count` positions (a shared prompt)."""
+        self.check_row(source, 0, count)
+        self.check_row(dest, 0, count)
+        with torch.inference_mode():  # the tensors were made by forwards in inference mode
+            for store in (self.keys, self.values):
+                for t in store:
+                    if t is not None:
+                        t[dest, :, :count] = t[source, :, :count]
+        self._high[dest] = max(self._high[dest], count)
+
     # -- per-forward addressing ----------------------------------------
     def prepare(self, slots: Sequence[int], lengths: Sequence[int], counts: Sequence[int]) -> None:
         """Rows (sorted by slot) at `lengths` with `counts` new tokens each; padding is never written."""

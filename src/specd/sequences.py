@@ -190,6 +190,7 @@ class SequenceTable:
         """Cache the next n prompt tokens of each sequence (n = all but the last, at a whole-prompt open)."""
         assert self.lm is not None
         start = time.perf_counter_ns()
+        work, copies = self._share_prefills(work)
         todo = sorted(((s, n) for s, n in work if n > 0), key=lambda w: w[1])
         while todo:
             # Similar lengths together keep padding small; chunk to bound memory.
@@ -210,10 +211,33 @@ class SequenceTable:
                     # Row j scores the token after it: committed[at + 1 + j].
                     scored = token_logprobs(logits, s.committed[at + 1 : at + n + 1], s.logprobs.top)
                     s.prompt_logprobs = [*(s.prompt_logprobs or []), *scored]
+        for leader, follower in copies:
+            self.lm.cache.copy_prefix(leader.slot, follower.slot, len(leader.cached))
+            follower.cached = follower.committed[: len(leader.cached)]
         for s, _ in work:
             if self._scores_prompt(s) and s.prompt_logprobs is None:
                 s.prompt_logprobs = []  # a one-token prompt: nothing to score
         return time.perf_counter_ns() - start
+
+    def _share_prefills(
+        self, work: Sequence[tuple[SequenceState, int]]
+    ) -> tuple[list[tuple[SequenceState, int]], list[tuple[SequenceState, SequenceState]]]:
+        """Sequences opened together with the same prompt (the n choices of one request) share one
+        prefill: only the first is fed; the others get its cache by copy. Returns the work left to
+        feed and the (fed, copied to) pairs. Those that score their prompt are fed each."""
+        feed: list[tuple[SequenceState, int]] = []
+        copies: list[tuple[SequenceState, SequenceState]] = []
+        leaders: dict[tuple[int, tuple[int, ...]], SequenceState] = {}
+        for s, n in work:
+            key = (len(s.cached), tuple(s.committed[: len(s.cached) + n]))
+            if n <= 0 or s.cached or self._scores_prompt(s):
+                feed.append((s, n))
+            elif key in leaders:
+                copies.append((leaders[key], s))
+            else:
+                leaders[key] = s
+                feed.append((s, n))
+        return feed, copies
 
     def _scores_prompt(self, s: SequenceState) -> bool:
         return self.scores_prompts and s.logprobs is not None and s.logprobs.prompt
