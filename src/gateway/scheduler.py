@@ -602,14 +602,11 @@ class Scheduler:
             log.exception("the speculation policy failed; drafting the full k this round")
             ks, self._auto_pipeline = caps, "sequential"
             candidates = [Candidate(cap=c, rates=(), fixed=c) for c in caps]
-        wanted = [
-            s
-            for s, k, c in zip(seqs, ks, candidates, strict=True)
-            if s.id in preparing and k > 0 and (c.fixed is not None or self._join_pays(s))
-        ]
-        for s, c in zip(seqs, candidates, strict=True):
-            if c.fixed is None and any(w is s for w in wanted):
-                s.joined_for_auto = True
+        wanted = []
+        for s, k, c in zip(seqs, ks, candidates, strict=True):
+            if s.id in preparing and k > 0 and (c.fixed is not None or self._join_pays(s)):
+                wanted.append(s)
+                s.joined_for_auto |= c.fixed is None
         return {s.id: 0 if s.id in preparing else k for s, k in zip(seqs, ks, strict=True)}, wanted
 
     def _join_pays(self, seq: _Sequence) -> bool:

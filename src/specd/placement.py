@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -50,8 +51,8 @@ def pin(spec: str) -> set[int]:
 
 
 # Split the cores between the services only if the target, on its half, steps at most this much
-# slower than on all of them: overlapping the drafter then has room to win it back (the auto
-# pipeline measured up to about 1.3x over target-only with split cores, README "Measured").
+# slower than on all of them: what overlapping the drafter gains with split cores (README,
+# "Measured") can then win that back.
 SPLIT_IF_SLOWDOWN_AT_MOST = 1.25
 
 
@@ -105,7 +106,8 @@ def time_target_step(model: str, dtype: str, cpus: Iterable[int], timeout_s: flo
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def _cpu_model() -> str:
+def cpu_model(default: str = "unknown") -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else `default`."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
@@ -113,7 +115,7 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "unknown"
+    return default
 
 
 def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | None) -> tuple[float, float, bool]:
@@ -122,11 +124,9 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
     Measured once per machine, model and torch version, and kept in `cache` (a directory), so
     later starts on the same machine do not load the target twice more to decide.
     """
-    import torch
-
     ordered = sorted(set(cpus))
     half = ordered[: (len(ordered) + 1) // 2]
-    key = json.dumps([_cpu_model(), ordered, model, dtype, torch.__version__])
+    key = json.dumps([cpu_model(), ordered, model, dtype, importlib.metadata.version("torch")])
     path = cache / f"placement-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json" if cache else None
     if path is not None and path.exists():
         try:

@@ -28,8 +28,8 @@ class Int8WeightOnlyLinear(nn.Module):
     The int8 kernel reads a quarter of float32's bytes, which is what a step over a few
     rows needs. Over many rows (a prompt's prefill, a large batch) the product is
     compute-bound instead, and where the CPU multiplies bfloat16 matrices fast (AMX) a
-    plain bfloat16 product is several times faster than the int8 kernel; elsewhere it is
-    slower. `wide_rows` says from how many rows the copy is used (NEVER: not at all);
+    plain bfloat16 product can beat the int8 kernel; elsewhere it is slower. Which holds
+    is measured, not assumed. `wide_rows` says from how many rows the copy is used (NEVER: not at all);
     `calibrate_wide_rows` measures it.
     """
 

@@ -227,9 +227,9 @@ class SequenceTable:
         feed and the (fed, copied to) pairs. Those that score their prompt are fed each."""
         feed: list[tuple[SequenceState, int]] = []
         copies: list[tuple[SequenceState, SequenceState]] = []
-        leaders: dict[tuple[int, tuple[int, ...]], SequenceState] = {}
+        leaders: dict[tuple[int, ...], SequenceState] = {}
         for s, n in work:
-            key = (len(s.cached), tuple(s.committed[: len(s.cached) + n]))
+            key = tuple(s.committed[:n])
             if n <= 0 or s.cached or self._scores_prompt(s):
                 feed.append((s, n))
             elif key in leaders:

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.placement import cpu_model
 from specd.tools.benchstats import (
     RequestResult,
     acceptance,
@@ -247,14 +248,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model(platform.processor())
     info: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count()}
     try:
         import torch

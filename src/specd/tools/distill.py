@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from specd import draftlm, models
 from specd.kvcache import BatchedCausalLM, Row
+from specd.placement import cpu_model
 from specd.tools.workloads import prompts_for
 
 STATE = "state.json"
@@ -615,14 +616,7 @@ def model_card(args: argparse.Namespace, report: dict[str, Any]) -> str:
 def machine() -> str:
     import platform
 
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    name = cpu_model(platform.processor() or platform.machine())
     return f"{torch.get_num_threads()} threads of {name}, torch {torch.__version__}"
 
 
