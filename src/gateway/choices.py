@@ -14,9 +14,9 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gateway.scheduler import Event, Failed, Finished, GenerationParams, Scheduler, _Sequence
+from gateway.scheduler import Delta, Event, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.noise import splitmix64
 
@@ -73,11 +73,50 @@ class Outcome:
     text: str
     finished: Finished
     logprobs: list[TokenLogprob]
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def score(self) -> float:
         """best_of's ranking: the sum of the target's logprobs of the generated tokens."""
         return sum(lp.logprob for lp in self.logprobs)
+
+
+class Gathered:
+    """Every choice's whole output, from merged()'s events: what a unary reply returns."""
+
+    def __init__(self, count: int) -> None:
+        self.parts: list[list[str]] = [[] for _ in range(count)]
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+        self.finished: dict[int, Finished] = {}
+
+    def add(self, index: int, event: Delta | Finished) -> None:
+        if isinstance(event, Delta):
+            self.parts[index].append(event.text)
+            self.token_ids[index].extend(event.token_ids)
+            self.logprobs[index].extend(event.logprobs)
+        elif isinstance(event, Finished):
+            self.finished[index] = event
+        else:
+            raise TypeError(f"not a choice's output: {event!r}")
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finished) == len(self.parts)
+
+    def outcomes(self) -> list[Outcome]:
+        """Each choice's outcome, in choice order; only once complete."""
+        assert self.complete, "a choice has not finished"
+        return [
+            Outcome("".join(self.parts[i]), self.finished[i], self.logprobs[i], self.token_ids[i])
+            for i in range(len(self.parts))
+        ]
+
+
+def request_usage(ends: Sequence[Finished]) -> tuple[int, int]:
+    """A request's (prompt tokens, completion tokens): the prompt once, and every generated token
+    of every choice (as OpenAI counts n and best_of: the candidates best_of dropped included)."""
+    return ends[0].prompt_tokens, sum(f.completion_tokens for f in ends)
 
 
 def best(outcomes: Sequence[Outcome], choices: Choices) -> list[Outcome]:

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.choices import Choices, Outcome, best, choice_params, merged
+from gateway.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
@@ -304,22 +304,16 @@ class OpenAIApi:
     async def _collect(self, seqs: list[_Sequence], request: Request) -> list[Outcome] | JSONResponse:
         """Gather every sequence's whole output, cancelling them all if the client disconnects
         or one of them fails."""
-        parts: list[list[str]] = [[] for _ in seqs]
-        lps: list[list[TokenLogprob]] = [[] for _ in seqs]
-        done: dict[int, Finished] = {}
+        gathered = Gathered(len(seqs))
         events = merged(self.scheduler, seqs)
         watcher = asyncio.create_task(_watch_disconnect(request))
         try:
             async for i, event in events:
-                if isinstance(event, Delta):
-                    parts[i].append(event.text)
-                    lps[i].extend(event.logprobs)
-                elif isinstance(event, Finished):
-                    done[i] = event
-                    if len(done) == len(seqs):
-                        return [Outcome("".join(parts[j]), done[j], lps[j]) for j in range(len(seqs))]
-                elif isinstance(event, Failed):
+                if isinstance(event, Failed):
                     return error_response(event.error.status, event.error.message, event.error.code)
+                gathered.add(i, event)
+                if gathered.complete:
+                    return gathered.outcomes()
                 if watcher.done():
                     break
             return error_response(499, "client closed the request")
@@ -386,9 +380,6 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 def usage(finished: Sequence[Finished | Outcome]) -> dict[str, int]:
-    """The request's usage: the prompt once, and every generated token of every choice (as OpenAI
-    counts n and best_of: the candidates best_of dropped included)."""
-    ends = [f.finished if isinstance(f, Outcome) else f for f in finished]
-    prompt = ends[0].prompt_tokens
-    completion = sum(f.completion_tokens for f in ends)
+    """The request's usage in OpenAI's shape (gateway.choices.request_usage counts it)."""
+    prompt, completion = request_usage([f.finished if isinstance(f, Outcome) else f for f in finished])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
