@@ -75,10 +75,26 @@ class FakeContext:
 
 def grpc_generate(tok, fields: dict[str, Any]) -> tuple[Aborted | None, RefusingScheduler]:
     scheduler = RefusingScheduler()
-    servicer = GatewayServicer(scheduler, tok, MODEL)  # type: ignore[arg-type]
+    servicer = GatewayServicer(scheduler, tok, MODEL, max_n=8)  # type: ignore[arg-type]
     request = gateway_pb2.GenerateRequest(prompt="Hello", params=gateway_pb2.GenerationParams(**fields))
     try:
         asyncio.run(servicer.Generate(request, FakeContext()))
+    except Aborted as exc:
+        return exc, scheduler
+    return None, scheduler
+
+
+def grpc_generate_stream(tok, fields: dict[str, Any]) -> tuple[Aborted | None, RefusingScheduler]:
+    scheduler = RefusingScheduler()
+    servicer = GatewayServicer(scheduler, tok, MODEL, max_n=8)  # type: ignore[arg-type]
+    request = gateway_pb2.GenerateStreamRequest(prompt="Hello", params=gateway_pb2.GenerationParams(**fields))
+
+    async def drain() -> None:
+        async for _ in servicer.GenerateStream(request, FakeContext()):
+            pass
+
+    try:
+        asyncio.run(drain())
     except Aborted as exc:
         return exc, scheduler
     return None, scheduler

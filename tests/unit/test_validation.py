@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
-from api_harness import CHAT, COMPLETIONS, MODEL, body_for, grpc_generate, http_post
+from api_harness import CHAT, COMPLETIONS, MODEL, body_for, grpc_generate, grpc_generate_stream, http_post
 
 from gateway.validation import RequestedParams, generation_params
 from specd.logprobs import LogprobsRequest
@@ -56,8 +56,9 @@ BAD: list[tuple[str, dict[str, Any] | None, str, dict[str, Any] | None]] = [
     ("logprobs", {"logprobs": 6}, COMPLETIONS, NO_GRPC),
     ("logprobs", {"logprobs": -1}, COMPLETIONS, NO_GRPC),
     ("stop", {"stop": ["a", "b", "c", "d", "e"]}, CHAT, {"stop": ["a", "b", "c", "d", "e"]}),
-    ("n", {"n": 0}, CHAT, NO_GRPC),
-    ("n", {"n": 9}, CHAT, NO_GRPC),
+    ("n", {"n": 0}, CHAT, {"n": 0}),
+    ("n", {"n": 9}, CHAT, {"n": 9}),
+    ("n", {"n": 2**31}, COMPLETIONS, {"n": 2**31}),
     ("n", {"n": 2.5}, COMPLETIONS, NO_GRPC),
     ("best_of", {"best_of": 9}, COMPLETIONS, NO_GRPC),
     ("best_of", {"n": 3, "best_of": 2}, COMPLETIONS, NO_GRPC),
@@ -90,6 +91,33 @@ def test_same_message_over_both_apis(tok):
     r, _ = http_post(tok, COMPLETIONS, body_for(COMPLETIONS, {"top_k": -100}))
     aborted, _ = grpc_generate(tok, {"top_k": -100})
     assert aborted is not None and r.json()["error"]["message"] == aborted.details
+
+
+@pytest.mark.parametrize("n", [0, 9])
+def test_bad_n_refused_alike_over_http_and_both_grpc_calls(tok, n):
+    r, _ = http_post(tok, CHAT, body_for(CHAT, {"n": n, "stream": True}))
+    for call in (grpc_generate, grpc_generate_stream):
+        aborted, scheduler = call(tok, {"n": n})
+        assert aborted is not None and aborted.code == grpc.StatusCode.INVALID_ARGUMENT, aborted
+        assert aborted.details == r.json()["error"]["message"] and not scheduler.submitted
+
+
+def test_grpc_n_reaches_the_scheduler_as_http_n_does(tok):
+    """The same choices, with the same per-choice seeds and logprobs requests, from either API."""
+    # 0.5: a float32 (the proto's) and a double (JSON's) hold it exactly, so the params compare equal.
+    fields = {"n": 3, "seed": 5, "temperature": 0.5, "max_tokens": 4, "logprobs": True}
+    r, from_http = http_post(tok, CHAT, body_for(CHAT, fields))
+    assert r.status_code == 200, r.text
+    aborted, from_grpc = grpc_generate(tok, fields)
+    assert aborted is None
+    assert len(from_grpc.submitted) == 3 and from_http.submitted == from_grpc.submitted
+    assert len({p.sampling.seed for p in from_grpc.submitted}) == 3
+
+
+def test_grpc_n_unset_or_one_submits_one_choice(tok):
+    for fields in ({}, {"n": 1}):
+        aborted, scheduler = grpc_generate(tok, {"seed": 5, **fields})
+        assert aborted is None and [p.sampling.seed for p in scheduler.submitted] == [5]
 
 
 def test_grpc_max_tokens_unset_means_the_context_window_like_http_chat(tok):
