@@ -3,7 +3,8 @@
 Choice i of a seeded request is the n = 1 output for `choice_seed(seed, i)`, with speculation
 on or off; streamed choices interleave, each tagged with its index; best_of keeps the
 candidates with the highest cumulative target logprob; usage counts every generated token;
-nothing is left open on the services, whether a request ends, fails or is abandoned.
+nothing is left open on the services, whether a request ends, fails or is abandoned. The gRPC
+API's GenerationParams.n gives the choices the HTTP API gives, unary and streamed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import stack as st
 from stack import base_url
 
 from gateway.choices import choice_seed
-from specd.proto.speculative.v1 import verifier_pb2, verifier_pb2_grpc
+from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 MODEL = "target"
 BASE: dict[str, Any] = {"model": MODEL, "prompt": "Once upon", "max_tokens": 8, "ignore_eos": True}
@@ -169,3 +170,64 @@ def test_too_many_choices_are_refused_naming_the_parameter(gateway_for):
     ]:
         r = httpx.post(base_url(gateway) + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+GRPC_BASE: dict[str, Any] = {"max_tokens": 8, "ignore_eos": True}
+
+
+def grpc_generate(gateway: st.Service, **params: Any) -> gateway_pb2.GenerateResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as ch:
+        request = gateway_pb2.GenerateRequest(
+            prompt=BASE["prompt"], params=gateway_pb2.GenerationParams(**GRPC_BASE, **params)
+        )
+        return gateway_pb2_grpc.GatewayServiceStub(ch).Generate(request, timeout=120)
+
+
+def grpc_stream(gateway: st.Service, **params: Any) -> list[gateway_pb2.GenerateStreamResponse]:
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as ch:
+        request = gateway_pb2.GenerateStreamRequest(
+            prompt=BASE["prompt"], params=gateway_pb2.GenerationParams(**GRPC_BASE, **params)
+        )
+        return list(gateway_pb2_grpc.GatewayServiceStub(ch).GenerateStream(request, timeout=120))
+
+
+def test_grpc_n_greedy_choices_are_the_single_choice_output(gateway_for, backends):
+    gateway = gateway_for(4)
+    single = grpc_generate(gateway, temperature=0.0)
+    assert not single.choices  # a client that does not set n gets the reply it always got
+    reply = grpc_generate(gateway, temperature=0.0, n=2)
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [(c.text, list(c.token_ids)) for c in reply.choices] == [(single.text, list(single.token_ids))] * 2
+    assert (reply.text, list(reply.token_ids)) == (single.text, list(single.token_ids))  # choice 0, as before n
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens and reply.usage.completion_tokens == 2 * 8
+    wait_none_open(backends[0])
+
+
+def test_grpc_n_seeded_choices_differ_reproduce_and_match_http(gateway_for, backends):
+    gateway = gateway_for(4)
+    sampled = {"temperature": 1.0, "seed": 11, "n": 2}
+    first, second = grpc_generate(gateway, **sampled), grpc_generate(gateway, **sampled)
+    got = [c.text for c in first.choices]
+    assert len(got) == 2 and got[0] != got[1]  # each choice draws its own randomness
+    assert [list(c.token_ids) for c in first.choices] == [list(c.token_ids) for c in second.choices]
+    # The same per-choice seeds as the HTTP API: choice i is the n = 1 output of choice_seed(11, i).
+    assert got == texts(post(gateway, "/v1/completions", {**BASE, **sampled}))
+    assert got[1] == grpc_generate(gateway, temperature=1.0, seed=choice_seed(11, 1)).text
+    streamed = grpc_stream(gateway, **sampled)
+    assert {c.index for c in streamed} == {0, 1}
+    for i, choice in enumerate(first.choices):
+        mine = [c for c in streamed if c.index == i]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [t for c in mine for t in c.token_ids] == list(choice.token_ids)
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        assert mine[-1].usage.completion_tokens == 8
+    wait_none_open(backends[0])
+
+
+def test_grpc_bad_n_is_invalid_argument(gateway_for):
+    gateway = gateway_for(4)
+    for n, call in [(9, grpc_generate), (0, grpc_generate), (9, grpc_stream)]:
+        with pytest.raises(grpc.RpcError) as info:
+            call(gateway, temperature=0.0, n=n)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (n, call)
+        assert info.value.details().startswith("n must be"), info.value.details()
