@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from specd import ngram
+from specd import hidden_states, ngram
 from specd.errors import EngineError, invalid, precondition
+from specd.featurehead import FeatureTrack
 from specd.fingerprint import TokenizerFingerprint
 from specd.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
@@ -37,6 +38,12 @@ class _DrafterBase:
 
     def kv_bytes(self) -> int:
         return self.table.kv_bytes()
+
+    def _decode_features(self, task: DraftTask, committed: int) -> torch.Tensor | None:
+        """The task's hidden states, checked; this drafter reads none, so sending any is an error."""
+        if task.hidden_states:
+            raise invalid("this drafter reads no hidden states (its feature_size is 0)")
+        return None
 
     def _accept_tasks(
         self, tasks: Sequence[DraftTask]
@@ -75,9 +82,13 @@ class _DrafterBase:
                         f"{total} committed + {len(task.assumed)} assumed + {task.num_draft_tokens} draft "
                         f"tokens exceed the context window {self.table.max_context}"
                     )
+                features = self._decode_features(task, total)
             except EngineError as exc:
                 proposals[i].error = exc
                 continue
+            if features is not None:
+                assert state.features is not None
+                state.features.add_real(task.hidden_start, features)
             state.committed.extend(task.new_tokens)
             context = state.committed + list(task.assumed) if task.assumed else state.committed
             live.append((i, state, task.num_draft_tokens, context))
@@ -104,14 +115,70 @@ class ModelDrafter(_DrafterBase):
         self.lm = lm
         self.max_support = max_support
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target hidden states this drafter reads beside each token; 0: none."""
+        return self.lm.feature_size
+
+    def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
+        errors, forward_ns = self.table.open(specs)
+        if self.feature_size:
+            for spec, error in zip(specs, errors, strict=True):
+                if error is None:
+                    state = self.table.get(spec.sequence_id)
+                    state.features = FeatureTrack(state.prompt_len)
+        return errors, forward_ns
+
     @staticmethod
     def _roll_back(state: SequenceState, context: list[int]) -> None:
-        """Keep the cached prefix that the context (committed + assumed tokens) confirms; drop the rest."""
+        """Keep the cached prefix that the context (committed + assumed tokens) confirms; drop the rest.
+
+        A feature drafter also drops what it fed without the real feature, once that feature is here."""
         n = 0
         limit = min(len(state.cached), len(context) - 1)
         while n < limit and state.cached[n] == context[n]:
             n += 1
+        if state.features is not None:
+            n = state.features.keep(n, len(state.cached))
         del state.cached[n:]
+
+    def _decode_features(self, task: DraftTask, committed: int) -> torch.Tensor | None:
+        if not task.hidden_states:
+            return None
+        if not self.feature_size:
+            return super()._decode_features(task, committed)
+        try:
+            rows = hidden_states.decode(task.hidden_states, self.feature_size)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        # The verifier has fed every committed token but the last.
+        if task.hidden_start + rows.shape[0] > committed - 1:
+            raise invalid(
+                f"hidden states for positions {task.hidden_start}..{task.hidden_start + rows.shape[0] - 1}, "
+                f"but only positions before {committed - 1} have been verified"
+            )
+        return rows
+
+    def _row(self, state: SequenceState, tokens: list[int], logits_from: int) -> Row:
+        start = len(state.cached)
+        if state.features is None:
+            return Row(state.slot, start, tokens, logits_from)
+        features, _ = state.features.features(start, len(tokens))
+        return Row(state.slot, start, tokens, logits_from, features)
+
+    def _forward(self, active: Sequence[tuple[int, SequenceState, int]], rows: list[Row]) -> list[torch.Tensor]:
+        """One drafting step's forward; a feature drafter keeps each row's predicted hidden state and
+        notes which fed positions had their real feature."""
+        if not self.feature_size:
+            return self.lm.forward(rows)
+        logits, hidden = self.lm.forward_hidden(rows)
+        for (_, state, _), row, h in zip(active, rows, hidden, strict=True):
+            assert state.features is not None
+            end = row.start + len(row.tokens)
+            state.features.predicted[end - 1] = h[-1].detach().to(torch.bfloat16)
+            _, right = state.features.features(row.start, len(row.tokens))
+            state.features.fed(row.start, len(row.tokens), right)
+        return logits
 
     def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
         proposals, live = self._accept_tasks(tasks)
@@ -141,13 +208,13 @@ class ModelDrafter(_DrafterBase):
         feed = {i: contexts[i][len(state.cached) :] for i, state, _ in active}
         step = 0
         while active:
-            rows = [Row(s.slot, len(s.cached), feed[i], len(feed[i]) - 1) for i, s, _ in active]
+            rows = [self._row(s, feed[i], len(feed[i]) - 1) for i, s, _ in active]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
             start = time.time_ns()
             # What it drafted so far this round counts as output, as the verifier will count it.
             logits = [
                 s.penalized(x, drafted=[*contexts[i][len(s.committed) :], *proposals[i].tokens])
-                for (i, s, _), x in zip(active, self.lm.forward(rows), strict=True)
+                for (i, s, _), x in zip(active, self._forward(active, rows), strict=True)
             ]
             ended = self._mask(active, logits, constrained)
             probs = probabilities(torch.cat(logits), [s.params for _, s, _ in active])

@@ -75,6 +75,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         device=str(loaded.device),
         dtype=config.dtype,
         model_vocab_size=lm.vocab_size,
+        hidden_size=lm.hidden_size,
         max_sequences=config.max_sequences,
         max_draft_tokens=config.max_draft_tokens,
     )

@@ -41,6 +41,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
             kind=self.kind,
             open_sequences=len(self.engine.table),
             kv_cache_bytes=self.engine.kv_bytes(),
+            feature_size=getattr(self.engine, "feature_size", 0),
         )
 
     async def OpenDraftSequences(self, request, context) -> drafter_pb2.OpenDraftSequencesResponse:
@@ -70,6 +71,8 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                     t.num_draft_tokens,
                     tuple(t.assumed_token_ids),
                     t.prefill_tokens,
+                    t.hidden_states,
+                    t.hidden_start,
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]

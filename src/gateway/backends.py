@@ -222,12 +222,14 @@ class DrafterClient(_Backend):
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
         self.rounds = RoundStream(lambda: self.stub.Draft(), "drafter", timeout_s)
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
+        self.feature_size = 0
 
     async def load_info(self) -> common_pb2.ModelInfo:
         with self._refused_credentials():
             reply = await self.stub.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=self.timeout_s)
         self.info = reply.model
         self.kind = reply.kind
+        self.feature_size = reply.feature_size
         return reply.model
 
     async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
@@ -273,3 +275,10 @@ def check_compatible(gateway: TokenizerFingerprint, verifier: VerifierClient, dr
                 + "; ".join(diffs)
                 + "); a draft model must share the target's tokenizer exactly"
             )
+    feature_size = getattr(drafter, "feature_size", 0) if drafter is not None else 0
+    if drafter is not None and feature_size and verifier.info is not None and feature_size != verifier.info.hidden_size:
+        raise BackendError(
+            f"refusing drafter at {drafter.address}: it reads hidden states of width {feature_size}, "
+            f"the verifier's are {verifier.info.hidden_size or 'not reported'}; a feature drafter must be "
+            "trained for this target (specd distill)"
+        )

@@ -46,6 +46,9 @@ class DrafterMembership:
     # Committed tokens the drafter has been told about (valid while open there).
     synced: int = 0
     rejoins: int = 0
+    # For a drafter that reads hidden states: the position up to which it has been sent them
+    # (valid while open there).
+    hidden_sent: int = 0
 
     @property
     def on_drafter(self) -> bool:
@@ -72,6 +75,7 @@ class DrafterMembership:
     def opened(self, committed: int) -> None:
         self._move((DrafterState.PENDING,), DrafterState.ACTIVE, "opened")
         self.synced = committed
+        self.hidden_sent = 0
 
     def refused(self) -> None:
         """The drafter would not open it: it runs target-only for good."""
@@ -81,6 +85,11 @@ class DrafterMembership:
         if not self.on_drafter:
             raise MembershipError(f"synced_to is not allowed in state {self.state.value}")
         self.synced = committed
+
+    def sent_hidden(self, end: int) -> None:
+        if not self.on_drafter:
+            raise MembershipError(f"sent_hidden is not allowed in state {self.state.value}")
+        self.hidden_sent = max(self.hidden_sent, end)
 
     def park(self) -> None:
         """Its drafts were refused: stop drafting, but it stays open on the drafter until it retires."""

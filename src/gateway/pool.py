@@ -137,6 +137,7 @@ class _Pool:
         self._turn = 0  # round-robin among equally loaded replicas
         self.info: common_pb2.ModelInfo | None = None
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
+        self.feature_size = 0  # of the drafter replicas: the hidden-state width they read
         self._monitor: asyncio.Task[None] | None = None
         self._dns_errors: dict[Endpoint, str] = {}
 
@@ -221,6 +222,7 @@ class _Pool:
             r.admitted = True
             r.model_id = r.client.info.model_id
         self.kind = getattr(first.client, "kind", common_pb2.DRAFTER_KIND_UNSPECIFIED)
+        self.feature_size = getattr(first.client, "feature_size", 0)
         self.info = self._pool_info()
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch(), name=f"specd-{self.service}-pool")
@@ -250,6 +252,9 @@ class _Pool:
         kinds = getattr(reference, "kind", unspecified), getattr(other, "kind", unspecified)
         if kinds[0] != kinds[1]:
             return f"drafter kind {common_pb2.DrafterKind.Name(kinds[0])} vs {common_pb2.DrafterKind.Name(kinds[1])}"
+        widths = getattr(reference, "feature_size", 0), getattr(other, "feature_size", 0)
+        if widths[0] != widths[1]:
+            return f"hidden-state width read {widths[0]} vs {widths[1]}"
         # A replica joining later must fit the limits the scheduler already works with.
         if check_limits and self.info is not None:
             if b.max_context < self.info.max_context:
@@ -338,7 +343,7 @@ class _Pool:
                 f"{where}: it came back serving model {info.model_id!r}, not {replica.model_id!r} as when the "
                 "gateway admitted it; restart the gateway to change models"
             )
-        reference = _Snapshot(self._reference, self._reference_kind)
+        reference = _Snapshot(self._reference, self._reference_kind, self.feature_size)
         problem = self._incompatibility(reference, replica.client, True)
         return f"{where}: {problem}; every {self.service} replica must serve the same model" if problem else ""
 
@@ -600,6 +605,7 @@ class _Snapshot:
 
     info: common_pb2.ModelInfo
     kind: int
+    feature_size: int = 0
 
 
 P = TypeVar("P", "VerifierPool", "DrafterPool")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.failures import GenerationError, verifier_round_error
+from gateway.hidden_log import HiddenLog
 from gateway.membership import DrafterMembership
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 
@@ -30,6 +31,7 @@ class RoundSequence(Protocol):
     id: str
     tokens: list[int]  # prompt + committed output
     drafter: DrafterMembership
+    hidden: HiddenLog | None  # the target's hidden states, kept for a drafter that reads them
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,8 @@ def draft_request(
             assumed_token_ids=item.assumed or (),
             prefill_tokens=item.prefill,
         )
+        if s.hidden is not None:
+            task.hidden_start, task.hidden_states = s.hidden.since(s.drafter.hidden_sent)
         if s.id in contexts:
             task.trace_context.update(contexts[s.id])
     return request
@@ -124,7 +128,9 @@ def verify_request(
     """The verify tasks of `seqs`, then a prefill task for each (sequence, chunk) of `prefill`."""
     request = verifier_pb2.VerifyRequest(round_id=round_id)
     for s in seqs:
-        task = request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens))
+        task = request.tasks.add(
+            sequence_id=s.id, num_committed=len(s.tokens), return_hidden_states=s.hidden is not None
+        )
         block = blocks.get(s.id)
         k = ks.get(s.id, 0)
         if block is not None and k > 0:
@@ -186,6 +192,9 @@ class Verdict:
     drafts_refused: bool = False  # the verifier refused its drafts; it goes on target-only
     logprobs: Sequence[common_pb2.TokenLogprob] = ()  # the target's, per emitted token, when asked
     prefill_pending: int | None = None  # a prefill task's: prompt tokens still to prefill (None: not one)
+    # The target's hidden states of the positions it committed, from hidden_start, when asked.
+    hidden_states: bytes = b""
+    hidden_start: int = 0
 
 
 class ProtocolError(Exception):
@@ -214,5 +223,15 @@ def read_verdicts(
         else:
             accepted = result.num_accepted
             tokens = (*task.draft_token_ids[:accepted], result.next_token_id)
-            verdicts.append(Verdict(s, k, accepted, tokens, logprobs=result.logprobs))
+            verdicts.append(
+                Verdict(
+                    s,
+                    k,
+                    accepted,
+                    tokens,
+                    logprobs=result.logprobs,
+                    hidden_states=result.hidden_states,
+                    hidden_start=result.hidden_start,
+                )
+            )
     return verdicts

@@ -25,6 +25,7 @@ from gateway.backends import BackendError, DrafterClient, VerifierClient
 from gateway.detokenize import TextStream
 from gateway.drafter_link import DrafterLink, not_found_error
 from gateway.failures import CANCELLED, GenerationError, internal, open_error, unavailable
+from gateway.hidden_log import HiddenLog
 from gateway.membership import DrafterMembership
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.observer import RoundObserver, RoundOutcome, RoundTimes
@@ -131,6 +132,8 @@ class _Sequence:
     # is verified once the first is 0, and drafts once the second is.
     prefill_pending: int = 0
     drafter_prefill_pending: int = 0
+    # The target's hidden states, kept when the drafter reads them (a feature drafter).
+    hidden: HiddenLog | None = None
 
 
 @dataclass
@@ -190,6 +193,9 @@ class Scheduler:
             self.k_limit = min(self.k_limit, drafter.info.max_draft_tokens)
             self.ahead_limit = min(self.k_limit, drafter.info.max_draft_tokens - 1)
             self.drafter_context = min(self.max_context, drafter.info.max_context)
+        # A drafter that reads the target's hidden states gets them: the verifier returns them with
+        # each verdict (bfloat16 rows), and each sequence keeps them until it retires.
+        self.hidden_row_bytes = 2 * int(getattr(drafter, "feature_size", 0) or 0) if drafter is not None else 0
         # A batch larger than a backend's sequence slots would only see refusals.
         self.max_batch = min(self.max_batch, verifier.info.max_sequences)
         if drafter is not None and drafter.info is not None:
@@ -315,6 +321,8 @@ class Scheduler:
             stream=TextStream(self.tokenizer, params.stop),
             tokens=list(prompt),
         )
+        if self.hidden_row_bytes:
+            seq.hidden = HiddenLog(self.hidden_row_bytes)
         if self.request_timeout_s > 0:
             seq.deadline = time.monotonic() + self.request_timeout_s
         if self.tracing.enabled:
@@ -850,10 +858,13 @@ class Scheduler:
         for s, reason in verdicts.refused:
             log.warning("drafter refused %s: %s; continuing target-only", s.id, reason)
             s.drafter.park()
-        for item in items:
+        for item, task in zip(items, request.tasks, strict=True):
             # An open failing beside this exchange may have marked the drafter down meanwhile.
             if item.seq.id in verdicts.proposals and item.seq.drafter.on_drafter:
                 item.seq.drafter.synced_to(len(item.seq.tokens))
+                hidden = item.seq.hidden
+                if hidden is not None:
+                    item.seq.drafter.sent_hidden(task.hidden_start + len(task.hidden_states) // hidden.row_bytes)
         return _DraftExchange(verdicts, reply.timings, time.perf_counter_ns() - started)
 
     def _apply(self, verdict: Verdict) -> None:
@@ -869,6 +880,8 @@ class Scheduler:
             else:
                 s.drafted += verdict.drafted
                 s.accepted += verdict.accepted
+                if s.hidden is not None:
+                    s.hidden.add(verdict.hidden_start, verdict.hidden_states)
                 self._commit(s, list(verdict.tokens), verdict.logprobs)
         except Exception as exc:
             self._fail(s, self._internal_error(f"applying the verdict of {s.id}", exc))

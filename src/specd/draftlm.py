@@ -156,6 +156,10 @@ def load(path: str | Path, dtype: torch.dtype, materialize: Any) -> Any:
 
     path = Path(path)
     info = manifest(path)
+    if info.get("design") == "feature-head":
+        from specd import featurehead
+
+        return featurehead.load(path, info, dtype, materialize)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     tensors = load_file(str(path / WEIGHTS))
     draft_vocab = tensors.pop("draft_vocab").long()

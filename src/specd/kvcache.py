@@ -270,6 +270,9 @@ class Row:
     start: int  # tokens already in the cache for this slot
     tokens: list[int]  # new tokens to feed, written at start, start+1, ...
     logits_from: int  # index into `tokens` of the first position whose logits are wanted
+    # For a model that reads features (a feature drafter, specd.featurehead): [len(tokens), feature_size],
+    # the feature fed beside each token; None feeds zeros.
+    features: torch.Tensor | None = None
 
 
 class BatchedCausalLM:
@@ -292,11 +295,14 @@ class BatchedCausalLM:
         head = model.get_output_embeddings()
         self.vocab_size = int(getattr(head, "out_features", 0) or head.weight.shape[0])
         self.max_positions = int(getattr(text_config, "max_position_embeddings", 2048))
+        self.hidden_size = int(getattr(text_config, "hidden_size", 0))
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.cache = SlotKVCache(self.num_layers, device, dtype, max_slots, min(max_positions, self.max_positions))
         self._base = model.base_model
         self._head = model.get_output_embeddings()
         self._mask_min = torch.finfo(dtype).min
+        # Above 0: the model reads a feature beside each token (Row.features).
+        self.feature_size = int(getattr(model, "feature_size", 0))
 
     def reserve(self, max_slots: int, max_positions: int) -> None:
         """Bound the cache to `max_slots` sequences of `max_positions` positions (capped by the model's)."""
@@ -315,8 +321,13 @@ class BatchedCausalLM:
 
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Feed each row's tokens; return per row float32 logits [n_wanted, vocab]."""
+        return self.forward_hidden(rows)[0] if rows else []
+
+    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Feed each row's tokens; per row, float32 logits [n_wanted, vocab] and the last hidden
+        states (the LM head's input) of every fed position, [len(tokens), hidden], in the model's dtype."""
         if not rows:
-            return []
+            return [], []
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         rows = [rows[i] for i in order]
         for r in rows:
@@ -342,6 +353,13 @@ class BatchedCausalLM:
         visible = key_pos[None, None, :] <= positions[:, :, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, self._mask_min)
+        extra = {}
+        if self.feature_size:
+            feats = torch.zeros((len(rows), num_new, self.feature_size), dtype=self.dtype)
+            for i, r in enumerate(rows):
+                if r.features is not None:
+                    feats[i, : len(r.tokens)] = r.features.to(self.dtype)
+            extra["features"] = feats.to(self.device)
         with torch.inference_mode():
             hidden = self._base(
                 input_ids=ids,
@@ -349,6 +367,7 @@ class BatchedCausalLM:
                 position_ids=positions,
                 past_key_values=self.cache,
                 use_cache=True,
+                **extra,
             ).last_hidden_state
             picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
             bi = torch.tensor([p[0] for p in picks], device=self.device)
@@ -363,6 +382,8 @@ class BatchedCausalLM:
             out.append(logits[offset : offset + n])
             offset += n
         result: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        states: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for sorted_i, original_i in enumerate(order):
             result[original_i] = out[sorted_i]
-        return result
+            states[original_i] = hidden[sorted_i, : len(rows[sorted_i].tokens)]
+        return result, states

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.errors import EngineError, exhausted, invalid, not_found
+from specd.featurehead import FeatureTrack
 from specd.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from specd.kvcache import BatchedCausalLM, Row, trim_heap
 from specd.logits import Penalties, penalize, validate_penalties
@@ -37,6 +38,8 @@ class SequenceState:
     prompt_logprobs: list[TokenLogprob] | None = None
     # Structured output: the grammar state, following the output tokens.
     grammar: GrammarMatcher | None = None
+    # A feature drafter's knowledge of the target's hidden states (specd.featurehead).
+    features: FeatureTrack | None = None
 
     def penalized(self, logits: torch.Tensor, drafts: Sequence[int] = (), drafted: Sequence[int] = ()) -> torch.Tensor:
         """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specd.errors import EngineError
 from specd.logits import Penalties
 from specd.logprobs import LogprobsRequest, TokenLogprob
@@ -43,6 +45,10 @@ class DraftTask:
     assumed: tuple[int, ...] = ()
     # Above 0: draft nothing, cache up to this many more of the committed tokens (chunked prefill).
     prefill_tokens: int = 0
+    # The target's hidden states at committed positions hidden_start, hidden_start + 1, ... in
+    # specd.hidden_states' encoding (a feature drafter reads them; empty: none sent).
+    hidden_states: bytes = b""
+    hidden_start: int = 0
 
 
 @dataclass
@@ -62,6 +68,8 @@ class VerifyTask:
     draft_dists: list[SparseDist] = field(default_factory=list)
     # Above 0: verify nothing, prefill up to this many more prompt tokens (chunked prefill).
     prefill_tokens: int = 0
+    # Return the target's hidden states of the positions this round commits (for a feature drafter).
+    return_hidden: bool = False
 
 
 @dataclass
@@ -73,6 +81,10 @@ class VerifyResult:
     # The target's logprobs of the committed tokens, when the sequence asked for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prefill_pending: int = 0  # for a prefill task: prompt tokens still to prefill
+    # With VerifyTask.return_hidden: the target's last hidden state at each position this round
+    # fed and kept, [n, hidden], the first at position hidden_start.
+    hidden: torch.Tensor | None = None
+    hidden_start: int = 0
 
 
 @dataclass

@@ -131,7 +131,10 @@ class VerifierEngine:
         if not rows:
             return results, timing
         start = time.time_ns()
-        logits = self.lm.forward(rows)
+        if any(task.return_hidden for _, _, task, _ in live):
+            logits, hidden = self.lm.forward_hidden(rows)
+        else:
+            logits, hidden = self.lm.forward(rows), []
         end = time.time_ns()
         timing.forward_ns += end - start
         timing.phases.append(("forward", start, end))
@@ -157,7 +160,7 @@ class VerifierEngine:
         probs = probabilities(torch.cat(adjusted), params)
         coupled = self._coupled_tokens(live, probs)
         offset = 0
-        for (i, state, task, q), raw in zip(live, logits, strict=True):
+        for n, ((i, state, task, q), raw) in enumerate(zip(live, logits, strict=True)):
             k = len(task.draft_tokens)
             rows_of_task = probs[offset : offset + k + 1]
             offset += k + 1
@@ -181,6 +184,11 @@ class VerifierEngine:
             if state.logprobs is not None:
                 # Row j of this forward scored the token committed at position j.
                 results[i].logprobs = token_logprobs(raw, [*accepted, verdict.next_token], state.logprobs.top)
+            if task.return_hidden:
+                # What this forward fed and keeps: the committed tokens not cached yet and the accepted drafts.
+                kept = len(rows[n].tokens) - k + verdict.num_accepted
+                results[i].hidden = hidden[n][:kept].to(torch.bfloat16).cpu()
+                results[i].hidden_start = rows[n].start
             state.committed.extend(accepted)
             state.cached = state.committed[:]
             state.committed.append(verdict.next_token)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from specd import hidden_states
 from specd.leases import Leases
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, token_logprob_pb
@@ -65,6 +66,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                     list(t.draft_token_ids),
                     [dist_from_pb(d) for d in t.draft_distributions],
                     t.prefill_tokens,
+                    t.return_hidden_states,
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
@@ -87,6 +89,8 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                         error=self.wire_error(r.error, owner),
                         logprobs=[token_logprob_pb(lp) for lp in r.logprobs],
                         prefill_pending=r.prefill_pending,
+                        hidden_states=hidden_states.encode(r.hidden) if r.hidden is not None else b"",
+                        hidden_start=r.hidden_start,
                     )
                     for t, r in zip(request.tasks, results, strict=True)
                 ],

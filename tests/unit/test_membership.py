@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from gateway.hidden_log import HiddenLog
 from gateway.membership import MAX_REJOINS, DrafterMembership, DrafterState, MembershipError
 from gateway.round import Block, DraftItem, ProtocolError, draft_request, read_drafts, read_verdicts, verify_request
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -75,6 +76,7 @@ class Seq:
     id: str
     tokens: list[int]
     drafter: DrafterMembership = field(default_factory=DrafterMembership)
+    hidden: HiddenLog | None = None
 
 
 def test_block_validity() -> None:

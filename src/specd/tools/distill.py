@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specd import draftlm, models
+from specd import draftlm, featurehead, models
 from specd.kvcache import BatchedCausalLM, Row
 from specd.placement import cpu_model
 from specd.tools.workloads import prompts_for
@@ -59,7 +59,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="", help="data and checkpoints (resume); default: under ~/.cache/specd")
     p.add_argument("--budget-minutes", type=float, default=55.0, help="wall-clock budget of the whole run")
     p.add_argument("--gen-share", type=float, default=0.4, help="share of the budget spent generating data")
-    p.add_argument("--layers", default="first,last", help="target layers copied into the drafter (indices)")
+    p.add_argument(
+        "--design",
+        choices=["feature-head", "shallow"],
+        default="feature-head",
+        help="feature-head: one layer reading the target's hidden states (EAGLE-style, specd.featurehead); "
+        "shallow: --layers of the target's own layers, reading tokens only",
+    )
+    p.add_argument("--layers", default="first,last", help="shallow design: target layers copied (indices)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="K: tokens the drafter's head scores")
     p.add_argument("--prompts", default="", help="prompt file (JSON of groups, or JSONL); default: bundled")
     p.add_argument("--self-instruct", type=float, default=0.3, help="share of prompts the target writes itself")
@@ -562,7 +569,8 @@ def model_card(args: argparse.Namespace, report: dict[str, Any]) -> str:
         "",
         f"- Command: `{cmd}` (seed {args.seed}).",
         f"- Wall-clock: {report['minutes']:.1f} min in all on {report['machine']}: data "
-        f"{sec.get('data', 0) / 60:.1f} min, training {sec.get('train', 0) / 60:.1f} min, "
+        f"{sec.get('data', 0) / 60:.1f} min, target hidden states {sec.get('features', 0) / 60:.1f} min, "
+        f"training {sec.get('train', 0) / 60:.1f} min, "
         f"the rest ({sec.get('other', 0) / 60:.1f} min) loading, evaluation and saving.",
         f"- Data: {report['answers']} answers by the target ({args.teacher_dtype}), "
         f"{report['answer_tokens']} answer tokens with the target's top-{args.top_k} logits each; "
@@ -570,14 +578,9 @@ def model_card(args: argparse.Namespace, report: dict[str, Any]) -> str:
         f"the rest greedy. Prompts: {prompts} ({report['written_prompts']} templated prompts, none within "
         f"a word overlap of 0.5 of a held-out prompt) and {report['self_instruct']} user turns the target "
         "wrote itself. Nothing was downloaded.",
-        f"- Model: {report['layers_copied']} of the target's decoder layers (indices {report['layer_indices']}), "
-        f"its final norm, and a head over the {report['draft_vocab']} tokens the target emits most often in "
-        f"that data (they cover {100 * report['vocab_coverage']:.2f}% of the held-out answers' tokens), "
-        "mapped back to target ids; other ids get probability 0.",
-        f"- Input embedding: {embedding}.",
+        *_model_lines(args, report, embedding),
         f"- Training: {tr['steps']} AdamW steps ({tr['epochs']:.2f} epochs, {tr['answer_tokens_seen']} answer "
-        f"tokens), lr {args.lr} cosine; loss {1 - args.hard_weight:g} x cross-entropy to the target's "
-        f"top-{args.top_k} distribution + {args.hard_weight:g} x cross-entropy to its argmax, "
+        f"tokens), lr {args.lr} cosine; {_loss_text(args)}, "
         f"{args.train_dtype} autocast; final loss {report['final_loss']:.3f}.",
         f"- Weights saved in {args.save_dtype}: {report['weights_mb']:.1f} MB.",
         "",
@@ -613,6 +616,42 @@ def model_card(args: argparse.Namespace, report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _model_lines(args: argparse.Namespace, report: dict[str, Any], embedding: str) -> list[str]:
+    vocab = (
+        f"a head over the {report['draft_vocab']} tokens the target emits most often in that data (they cover "
+        f"{100 * report['vocab_coverage']:.2f}% of the held-out answers' tokens), mapped back to target ids; "
+        "other ids get probability 0"
+    )
+    if report["design"] == "feature-head":
+        return [
+            "- Model: a feature head (specd.featurehead, EAGLE-style): at position j it reads token j and the "
+            "target's last hidden state at j - 1 (zeros inside the prompt), fuses them with one linear layer, "
+            "and runs one decoder layer of the target's architecture (initialised from the target's last) and "
+            f"its final norm; the output, a prediction of the target's hidden state at j, goes through {vocab}. "
+            "Drafting past the first token it reads its own predicted states.",
+            "- Input embedding and LM head rows: the target's, borrowed at load time, not stored: "
+            "`specd_drafter.json` names the target and the SHA-256 of each, checked at load.",
+        ]
+    return [
+        f"- Model: {report['layers_copied']} of the target's decoder layers (indices {report['layer_indices']}), "
+        f"its final norm, and {vocab}.",
+        f"- Input embedding: {embedding}.",
+    ]
+
+
+def _loss_text(args: argparse.Namespace) -> str:
+    if args.design == "feature-head":
+        return (
+            "loss: smooth L1 to the target's hidden state + 0.1 x cross-entropy to the target's distribution "
+            "over the draft vocabulary, at every answer position, in a pass reading the target's states and in "
+            "a second pass where half the positions read the head's own predictions from the first"
+        )
+    return (
+        f"loss {1 - args.hard_weight:g} x cross-entropy to the target's top-{args.top_k} distribution + "
+        f"{args.hard_weight:g} x cross-entropy to its argmax"
+    )
+
+
 def machine() -> str:
     import platform
 
@@ -639,26 +678,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     examples = load_examples(work)
     if not examples:
         raise SystemExit("specd distill: no training data was generated within the budget")
+    from specd.tools import distill_features  # it builds on this module's data phase
+
+    feats = distill_features.phase_features(work, teacher) if args.design == "feature-head" else []
     del teacher
     target = models.load_model(args.target, torch.device("cpu"), torch.float32)
     stops = stop_ids(tok)
     vocab = choose_vocab(examples, args.draft_vocab, int(target.config.vocab_size), stops)
-    layers = layer_indices(args.layers, int(target.config.num_hidden_layers))
-    student = init_student(target, layers, vocab)
     refs = eval_references(args, work, tok) if args.eval_workload else []
     eval_dtype = models.parse_dtype(args.eval_dtype)
-    report: dict[str, Any] = {"argv": raw, "machine": machine(), "layer_indices": layers, "layers_copied": len(layers)}
-    if refs and "eval_init" not in work.state:
-        work.state["eval_init"] = evaluate(student, refs, eval_dtype)
-        work.save()
-    report["eval_init"] = work.state.get("eval_init", {})
-    train_seconds = max(1.0, budget - work.seconds("data") - reserve)
-    report["train"] = phase_train(args, work, student, examples, train_seconds)
+    report: dict[str, Any] = {"argv": raw, "machine": machine(), "design": args.design}
+    train_seconds = max(1.0, budget - work.seconds("data") - work.seconds("features") - reserve)
+    out = Path(args.out)
+    if args.design == "feature-head":
+        head = featurehead.init_from_target(target, vocab)
+        if refs and "eval_init" not in work.state:
+            work.state["eval_init"] = distill_features.evaluate(head, target, refs)
+            work.save()
+        report["eval_init"] = work.state.get("eval_init", {})
+        report["train"] = distill_features.phase_train(args, work, head, examples, feats, train_seconds)
+        if refs:
+            report["eval"] = distill_features.evaluate(head.to(eval_dtype), target, refs)
+        student: Any = head
+        head_from = featurehead.target_head_name(models.materialize(args.target))
+        head_sha = draftlm.tensor_sha256(draftlm.read_target_tensor(models.materialize(args.target), head_from))
+        meta = {"target": args.target, "seed": args.seed, "head_sha256": head_sha}
+        featurehead.save(head, out, meta, models.parse_dtype(args.save_dtype), head_from)
+    else:
+        layers = layer_indices(args.layers, int(target.config.num_hidden_layers))
+        report.update(layer_indices=layers, layers_copied=len(layers))
+        student = init_student(target, layers, vocab)
+        if refs and "eval_init" not in work.state:
+            work.state["eval_init"] = evaluate(student, refs, eval_dtype)
+            work.save()
+        report["eval_init"] = work.state.get("eval_init", {})
+        report["train"] = phase_train(args, work, student, examples, train_seconds)
+        if refs:
+            report["eval"] = evaluate(student, refs, eval_dtype)
+        meta = {"target": args.target, "layers_from": layers, "seed": args.seed}
+        draftlm.save(student, out, meta, args.embedding == "borrow", models.parse_dtype(args.save_dtype))
     losses = report["train"]["losses"]
     report["final_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
     report["train"]["losses"] = losses[:: max(1, len(losses) // 200)]
     if refs:
-        report["eval"] = evaluate(student, refs, eval_dtype)
         answer_tokens = [t for _, a in refs for t in a]
         in_vocab = set(vocab.tolist())
         report["vocab_coverage"] = sum(t in in_vocab for t in answer_tokens) / max(1, len(answer_tokens))
@@ -668,9 +730,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         "drafter": step_ms(copy.deepcopy(student).to(eval_dtype).eval(), eval_dtype),
         "target": step_ms(target, torch.float32),
     }
-    out = Path(args.out)
-    meta = {"target": args.target, "layers_from": layers, "seed": args.seed}
-    draftlm.save(student, out, meta, args.embedding == "borrow", models.parse_dtype(args.save_dtype))
     tok.save_pretrained(out)
     report.update(
         draft_vocab=int(vocab.numel()),

@@ -12,16 +12,18 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("model", "kind", "open_sequences", "kv_cache_bytes")
+    __slots__ = ("model", "kind", "open_sequences", "kv_cache_bytes", "feature_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     kind: _common_pb2.DrafterKind
     open_sequences: int
     kv_cache_bytes: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+    feature_size: int
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., feature_size: _Optional[int] = ...) -> None: ...
 
 class OpenDraftSequencesRequest(_message.Message):
     __slots__ = ("sequences", "lease_owner")
@@ -54,7 +56,7 @@ class CloseDraftSequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids", "prefill_tokens")
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids", "prefill_tokens", "hidden_states", "hidden_start")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,8 @@ class DraftTask(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_committed: int
@@ -76,7 +80,9 @@ class DraftTask(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prefill_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
+    hidden_states: bytes
+    hidden_start: int
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("round_id", "tasks", "lease_owner")
