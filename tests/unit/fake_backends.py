@@ -109,6 +109,8 @@ class _FakeService:
         for sid in ids:
             self.committed.pop(sid, None)
             self.cached.pop(sid, None)
+            if hasattr(self, "hidden"):
+                self.hidden.pop(sid, None)
 
     async def _work(self) -> None:
         if self.fail_next is not None:
@@ -121,6 +123,11 @@ class _FakeService:
                 self.max_busy_with_other = max(self.max_busy_with_other, self.other.busy)
         finally:
             self.busy -= 1
+
+
+def hidden_row(position: int) -> bytes:
+    """The fake target's "hidden state" at a position: one 2-byte row that names the position."""
+    return position.to_bytes(2, "little")
 
 
 class FakeVerifier(_FakeService):
@@ -161,6 +168,11 @@ class FakeVerifier(_FakeService):
                     break
                 tokens.append(d)
                 accepted += 1
+            if task.return_hidden_states:
+                # One row per position fed and kept: the last committed token and the accepted drafts.
+                first = self.cached[task.sequence_id]
+                result.hidden_start = first
+                result.hidden_states = b"".join(hidden_row(p) for p in range(first, len(tokens)))
             result.num_accepted = accepted
             result.next_token_id = target_next(tokens)
             tokens.append(result.next_token_id)
@@ -173,10 +185,35 @@ class FakeDrafter(_FakeService):
 
     kind = common_pb2.DRAFTER_KIND_MODEL
 
-    def __init__(self, wrong: Callable[[int], bool] = lambda n: n % 4 == 3, delay_s: float = 0.0) -> None:
+    def __init__(
+        self, wrong: Callable[[int], bool] = lambda n: n % 4 == 3, delay_s: float = 0.0, feature_size: int = 0
+    ) -> None:
         super().__init__(delay_s)
         self.wrong = wrong
         self.requests: list[Any] = []
+        # A feature drafter (feature_size 1: 2-byte rows): the rows it holds per sequence, by position,
+        # rows whose content names another position, and drafts made without every verified position's row.
+        self.feature_size = feature_size
+        self.hidden: dict[str, dict[int, bytes]] = {}
+        self.prompt_len: dict[str, int] = {}
+        self.misplaced_rows = 0
+        self.drafted_without_rows = 0
+
+    async def open(self, specs: list[Any]) -> list[Any]:
+        results = await super().open(specs)
+        for spec, result in zip(specs, results, strict=True):
+            if not result.error.code:
+                self.hidden[spec.sequence_id] = {}
+                self.prompt_len[spec.sequence_id] = len(spec.prompt_token_ids) - spec.num_generated
+        return results
+
+    def take_hidden(self, task: Any) -> None:
+        rows = self.hidden[task.sequence_id]
+        data = task.hidden_states
+        for j in range(len(data) // 2):
+            position = task.hidden_start + j
+            self.misplaced_rows += data[2 * j : 2 * j + 2] != position.to_bytes(2, "little")
+            rows[position] = data[2 * j : 2 * j + 2]
 
     async def draft(self, request: Any) -> Any:
         self.requests.append(request)
@@ -196,6 +233,17 @@ class FakeDrafter(_FakeService):
                 continue
             unprefilled = self.pending(task.sequence_id)  # of what it had before this task's tokens
             tokens.extend(task.new_token_ids)
+            if self.feature_size:
+                self.take_hidden(task)
+                rows = self.hidden[task.sequence_id]
+                # Every position the verifier has fed (all but the last committed) from the prompt's last on.
+                wanted = range(self.prompt_len[task.sequence_id] - 1, len(tokens) - 1)
+                if task.num_draft_tokens and any(p not in rows for p in wanted):
+                    self.drafted_without_rows += 1
+            elif task.hidden_states:
+                proposal.error.code = common_pb2.ERROR_CODE_INVALID_ARGUMENT
+                proposal.error.message = "this drafter reads no hidden states"
+                continue
             if task.prefill_tokens:
                 proposal.prefill_pending = self.prefill(task.sequence_id, task.prefill_tokens)
                 continue

@@ -66,6 +66,39 @@ def test_every_pipeline_is_token_identical_to_target_only(pipeline: str, n: int)
     assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
 
 
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+def test_a_feature_drafter_gets_every_verified_hidden_state_once_in_place(pipeline: str) -> None:
+    """The verifier's hidden states reach a drafter that reads them: each row at its position, every
+    verified position's before each draft, also after the drafter lost its sequences mid-stream."""
+    drafter = FakeDrafter(feature_size=1)
+    verifier = FakeVerifier(delay_s=0.002, drafter=drafter)
+    sched = scheduler(verifier, drafter, pipeline)
+
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            seqs = [sched.submit(p, GenerationParams(40, GREEDY)) for p in PROMPTS[:4]]
+            await asyncio.sleep(0.02)
+            # The drafter restarts: it forgets every sequence, and the gateway re-opens them there.
+            drafter.committed.clear()
+            drafter.cached.clear()
+            drafter.hidden.clear()
+            return await asyncio.gather(*(collect(sched, s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    results = asyncio.run(main())
+    assert [ids for ids, _ in results] == [reference(p, 40) for p in PROMPTS[:4]]
+    assert sum(len(o) for o in drafter.opens) > 4  # re-opened after the restart
+    assert all(t.return_hidden_states for r in verifier.requests for t in r.tasks if not t.prefill_tokens)
+    sent = [t for r in drafter.requests for t in r.tasks if t.hidden_states]
+    assert sent and drafter.misplaced_rows == 0 and drafter.drafted_without_rows == 0
+    # Rows already sent are not sent again while the sequence stays open there.
+    rows = sum(len(t.hidden_states) // 2 for t in sent)
+    positions = sum(len(p) + 40 for p in PROMPTS[:4])
+    assert rows < positions * 2
+
+
 def test_draft_ahead_overlaps_and_uses_its_blocks() -> None:
     verifier, drafter = FakeVerifier(delay_s=0.01), FakeDrafter(wrong=lambda n: False, delay_s=0.005)
     verifier.other, drafter.other = drafter, verifier
