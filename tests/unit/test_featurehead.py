@@ -278,3 +278,24 @@ def test_feature_head_saves_and_loads_borrowing_the_targets_tensors(head, tiny_t
     other_dir = tinymodels.save(other, tok, tmp_path / "other")
     with pytest.raises(ValueError, match="borrows"):
         draftlm.load(out, torch.float32, lambda spec: other_dir)
+
+
+def test_gateway_refuses_a_feature_drafter_trained_for_another_width(tok):
+    from types import SimpleNamespace
+
+    from gateway.backends import BackendError, check_compatible
+    from specd.fingerprint import TokenizerFingerprint
+    from specd.proto.speculative.v1 import common_pb2
+
+    fp = TokenizerFingerprint.of(tok)
+    verifier = SimpleNamespace(fingerprint=fp, info=common_pb2.ModelInfo(hidden_size=64))
+
+    def drafter(width: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            fingerprint=fp, kind=common_pb2.DRAFTER_KIND_MODEL, address="d:1", feature_size=width, info=None
+        )
+
+    check_compatible(fp, verifier, drafter(64))
+    check_compatible(fp, verifier, drafter(0))  # reads none: any target
+    with pytest.raises(BackendError, match="width 32"):
+        check_compatible(fp, verifier, drafter(32))
