@@ -35,9 +35,9 @@ bench: install
 # Retrain the embedded drafter that ships in src/specd/data/smollm2-135m-drafter
 # (the command its README.md records; under an hour of 2-core CPU).
 distill: install
-	$(BIN)/specd distill --out src/specd/data/smollm2-135m-drafter --budget-minutes 55 --gen-share 0.5 \
-	  --gen-batch 64 --max-new-tokens 128 --self-instruct 0.15 --sampled-share 0.3 --batch-tokens 2048 \
-	  --warmup-steps 10 --threads 1 --seed 0
+	$(BIN)/specd distill --out src/specd/data/smollm2-135m-drafter --budget-minutes 55 --gen-share 0.3 \
+	  --gen-batch 64 --max-new-tokens 128 --self-instruct 0.15 --sampled-share 0.3 --draft-vocab 16384 \
+	  --batch-tokens 4096 --warmup-steps 20 --threads 1 --seed 0
 
 lint: install
 	$(BIN)/ruff check --fix src tests scripts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import grpc
@@ -21,6 +22,8 @@ from specd.tracing import Tracing
 
 # The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
 NGRAM_VOCAB_LIMIT = 2**31 - 1
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
@@ -68,6 +71,11 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     elif quantization == "int8":
         set_wide_rows(loaded.model, config.int8_wide_rows)
     lm.warm_up(2)
+    if engine.feature_size:
+        log.info(
+            "the drafter is a feature head: it reads the target's hidden states (%d wide) beside each token",
+            engine.feature_size,
+        )
     info = common_pb2.ModelInfo(
         model_id=config.model,
         tokenizer=fingerprint_pb(loaded.fingerprint),

@@ -31,7 +31,10 @@ from torch import nn
 
 MANIFEST = "specd_drafter.json"
 FORMAT = "specd-distilled-drafter"
-VERSION = 1
+VERSION = 2
+# Version 2 added the feature-head design ("design": "feature-head", specd.featurehead); a reader of
+# version 1 would take such a directory for a shallow model, so it is refused there by its version.
+SHALLOW_VERSION = 1
 WEIGHTS = "model.safetensors"
 EMBEDDING_KEY = "model.embed_tokens.weight"
 
@@ -119,7 +122,7 @@ def build_model(config: Any, draft_vocab: torch.Tensor, embedding: torch.Tensor 
 def manifest(path: str | Path) -> dict[str, Any]:
     data = json.loads((Path(path) / MANIFEST).read_text())
     if data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
-        raise ValueError(f"{path}/{MANIFEST} is not a version-{VERSION} {FORMAT} manifest")
+        raise ValueError(f"{path}/{MANIFEST} is not a {FORMAT} manifest of version {VERSION} or below")
     return data
 
 
@@ -141,7 +144,7 @@ def save(model: Any, path: Path, meta: dict[str, Any], borrow_embedding: bool, d
         elif t.is_floating_point():
             tensors[name] = t.detach().to(dtype).contiguous()
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
-    info = {"format": FORMAT, "version": VERSION, **meta}
+    info = {"format": FORMAT, "version": SHALLOW_VERSION, **meta}
     info["draft_vocab_size"] = int(model.lm_head.draft_size)
     info["target_vocab_size"] = int(config.vocab_size)
     if borrow_embedding:
