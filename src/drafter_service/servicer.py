@@ -76,6 +76,9 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
+            width = getattr(self.engine, "feature_size", 0)
+            if width:
+                self.metrics.hidden_rows.inc(sum(len(t.hidden_states) for t in request.tasks) // (2 * width))
             proposals, timings = await self.run_round(
                 "drafter.draft",
                 request.round_id,

@@ -357,6 +357,11 @@ class ServiceMetrics:
             f"specd_{service}_batch_size", "Sequences per round", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )
         self.tokens_fed = Counter(f"specd_{service}_tokens_fed", "Tokens fed through the model in rounds", registry=r)
+        self.hidden_rows = Counter(
+            f"specd_{service}_hidden_state_rows",
+            "The target's hidden states (one per position) returned (verifier) or received (a feature drafter)",
+            registry=r,
+        )
         self.expired = Counter(
             f"specd_{service}_sequences_expired",
             "Sequences freed because their owner's lease lapsed (a gateway that died or was cut off)",

@@ -79,6 +79,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                 lambda sequence_id, error: VerifyResult(sequence_id, error=error),
                 lambda t, r: {"specd.k": len(t.draft_tokens), "specd.accepted": r.num_accepted},
             )
+            self.metrics.hidden_rows.inc(sum(r.hidden.shape[0] for r in results if r.hidden is not None))
             yield verifier_pb2.VerifyResponse(
                 round_id=request.round_id,
                 results=[
