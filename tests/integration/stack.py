@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,3 +246,27 @@ def complete_texts(url: str, prompts: list[str], max_tokens: int, timeout_s: flo
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     return asyncio.run(run())
+
+
+@contextlib.contextmanager
+def specd_up(log: Path, *args: str, timeout_s: float = 300) -> Iterator[tuple[str, dict[str, int]]]:
+    """`specd up` with its defaults but for free ports and `args`; yields the API's base URL and the
+    ports (http, grpc, drafter, verifier, drafter_metrics, verifier_metrics). It must exit 0 on SIGINT."""
+    names = ("http", "grpc", "drafter", "verifier", "drafter_metrics", "verifier_metrics")
+    ports = {name: free_port() for name in names}
+    argv = [sys.executable, "-m", "specd.cli", "up"]
+    for name in names:
+        argv += [f"--{name.replace('_', '-')}-port", str(ports[name])]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*argv, *args], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while "specd is up" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield f"http://{HOST}:{ports['http']}", ports
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    assert code == 0, log.read_text()

@@ -5,10 +5,6 @@ the target's own."""
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,38 +27,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory) -> Iterator[tuple[str, Path, dict[str, str]]]:
-    ports = {name: st.free_port() for name in ("http", "grpc", "drafter", "verifier", "dm", "vm")}
     log: Path = tmp_path_factory.mktemp("up-feature") / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "specd.cli", "up",
-                "--http-port", str(ports["http"]),
-                "--grpc-port", str(ports["grpc"]),
-                "--drafter-port", str(ports["drafter"]),
-                "--verifier-port", str(ports["verifier"]),
-                "--drafter-metrics-port", str(ports["dm"]),
-                "--verifier-metrics-port", str(ports["vm"]),
-                "--drafter", "distilled",
-                "--speculative-mode", "fixed",
-                "--placement", "shared",
-                "-k", "3",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while "specd is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        metrics = {s: f"http://{st.HOST}:{ports[p]}/metrics" for s, p in (("drafter", "dm"), ("verifier", "vm"))}
-        yield f"http://{st.HOST}:{ports['http']}", log, metrics
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(60)
-    assert code == 0, log.read_text()
+    args = ("--drafter", "distilled", "--speculative-mode", "fixed", "--placement", "shared", "-k", "3")
+    with st.specd_up(log, *args) as (base, ports):
+        metrics = {s: f"http://{st.HOST}:{ports[f'{s}_metrics']}/metrics" for s in ("drafter", "verifier")}
+        yield base, log, metrics
 
 
 def metric(text: str, name: str) -> float:

@@ -5,13 +5,8 @@ with the `openai` SDK against the target run in this process (HF forwards in flo
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -33,33 +28,9 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory) -> Iterator[str]:
-    """`specd up` with its defaults but for the ports; yields the API's base URL. It must exit 0 on SIGINT."""
-    ports = {name: st.free_port() for name in ("http", "grpc", "drafter", "verifier")}
-    log: Path = tmp_path_factory.mktemp("up") / "up.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable, "-m", "specd.cli", "up",
-                "--http-port", str(ports["http"]),
-                "--grpc-port", str(ports["grpc"]),
-                "--drafter-port", str(ports["drafter"]),
-                "--verifier-port", str(ports["verifier"]),
-                "-k", "4",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while "specd is up" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        yield f"http://{st.HOST}:{ports['http']}"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(60)
-    assert code == 0, log.read_text()
+    """`specd up` with its defaults but for the ports; yields the API's base URL."""
+    with st.specd_up(tmp_path_factory.mktemp("up") / "up.log", "-k", "4") as (base, _):
+        yield base
 
 
 @pytest.fixture(scope="module")

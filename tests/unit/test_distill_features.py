@@ -45,7 +45,7 @@ def test_training_on_the_targets_states_makes_the_head_agree(tiny_target):
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         agreement.append(agree)
     assert losses[-1] < 0.7 * losses[0]
     assert agreement[-1] > agreement[0] + 0.1

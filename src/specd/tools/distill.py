@@ -35,7 +35,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -420,15 +420,37 @@ def loss_of(student: Any, examples: list[dict[str, Any]], index: torch.Tensor, h
 def phase_train(
     args: argparse.Namespace, work: Work, student: Any, examples: list[dict[str, Any]], seconds: float
 ) -> dict[str, Any]:
+    """Train the shallow design: cross-entropy to the target's top-k distribution and its argmax."""
     index = draftlm.target_index(student.lm_head.draft_vocab, student.config.vocab_size)
-    params = [p for n, p in student.named_parameters() if p.requires_grad and n != draftlm.EMBEDDING_KEY]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+
+    def step_loss(chosen: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        return loss_of(student, [examples[i] for i in chosen], index, args.hard_weight), {}
+
+    return train_loop(args, work, student, examples, seconds, step_loss, {draftlm.EMBEDDING_KEY}, (0.9, 0.98))
+
+
+def train_loop(
+    args: argparse.Namespace,
+    work: Work,
+    model: Any,
+    examples: list[dict[str, Any]],
+    seconds: float,
+    step_loss: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],
+    frozen: set[str],
+    betas: tuple[float, float],
+) -> dict[str, Any]:
+    """AdamW with warm-up and a cosine schedule over the time budget (or --max-steps), batches of
+    similar lengths, resumable from the work directory's checkpoint (which leaves out `frozen`).
+
+    `step_loss(example indices)` returns a batch's loss and figures to show beside it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=betas)
     ckpt = work.path / CKPT
     step, epoch, pos, tokens_seen = 0, 0, 0, 0
     losses: list[float] = []
     if ckpt.is_file():
         saved = torch.load(ckpt)
-        student.load_state_dict(saved["model"], strict=False)
+        model.load_state_dict(saved["model"], strict=False)
         opt.load_state_dict(saved["opt"])
         step, epoch, pos, tokens_seen = saved["step"], saved["epoch"], saved["pos"], saved["tokens"]
         losses = saved.get("losses", [])
@@ -436,15 +458,16 @@ def phase_train(
     autocast = args.train_dtype == "bfloat16"
 
     def save_ckpt() -> None:
-        trainable = {k: v for k, v in student.state_dict().items() if k != draftlm.EMBEDDING_KEY}
+        trainable = {k: v for k, v in model.state_dict().items() if k not in frozen}
         state = {"model": trainable, "opt": opt.state_dict(), "step": step, "epoch": epoch, "pos": pos}
         torch.save({**state, "tokens": tokens_seen, "losses": losses}, work.path / (CKPT + ".tmp"))
         (work.path / (CKPT + ".tmp")).replace(ckpt)
 
-    student.train()
+    model.train()
     bar = tqdm(total=round(seconds), initial=min(round(done), round(seconds)), unit="s", desc="train", file=sys.stderr)
     last_ckpt = time.monotonic()
     plan = batches(examples, args.batch_tokens, random.Random(args.seed * 31 + epoch))
+    shown: dict[str, list[float]] = {}
     while done < seconds and (not args.max_steps or step < args.max_steps):
         if pos >= len(plan):
             epoch, pos = epoch + 1, 0
@@ -454,27 +477,30 @@ def phase_train(
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = lr
-        chunk = [examples[i] for i in plan[pos]]
+        chosen = plan[pos]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_of(student, chunk, index, args.hard_weight)
+            loss, figures = step_loss(chosen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step, pos = step + 1, pos + 1
-        tokens_seen += sum(len(ex["ids"]) for ex in chunk)
+        tokens_seen += sum(len(examples[i]["ids"]) for i in chosen)
         losses.append(round(float(loss.detach()), 4))
         elapsed = time.monotonic() - start
         done += elapsed
         work.add_time("train", elapsed)
         bar.update(min(round(done) - bar.n, bar.total - bar.n))
-        bar.set_postfix(step=step, epoch=epoch, loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", lr=f"{lr:.1e}")
+        for name, value in {"loss": losses[-1], **figures}.items():
+            shown.setdefault(name, []).append(value)
+        recent = {name: f"{sum(v[-20:]) / len(v[-20:]):.3f}" for name, v in shown.items()}
+        bar.set_postfix(step=step, epoch=epoch, lr=f"{lr:.1e}", **recent)
         if time.monotonic() - last_ckpt > args.checkpoint_minutes * 60:
             save_ckpt()
             last_ckpt = time.monotonic()
     bar.close()
     save_ckpt()
-    student.eval()
+    model.eval()
     epochs = epoch + pos / max(1, len(plan))
     return {"steps": step, "epochs": epochs, "answer_tokens_seen": tokens_seen, "losses": losses}
 

@@ -20,8 +20,6 @@ Phases after the shared data phase (specd.tools.distill), each resumable:
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import sys
 import time
 from typing import Any
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specd import featurehead
-from specd.tools.distill import CKPT, Work, batches
+from specd.tools.distill import Work, train_loop
 
 FEATURES = "features-{:05d}.pt"
 # Share of the positions of the second pass fed the head's own prediction rather than the target's.
@@ -145,66 +143,14 @@ def phase_train(
     feats: list[torch.Tensor],
     seconds: float,
 ) -> dict[str, Any]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    ckpt = work.path / CKPT
-    step, epoch, pos, tokens_seen = 0, 0, 0, 0
-    losses: list[float] = []
-    if ckpt.is_file():
-        saved = torch.load(ckpt)
-        model.load_state_dict(saved["model"], strict=False)
-        opt.load_state_dict(saved["opt"])
-        step, epoch, pos, tokens_seen = saved["step"], saved["epoch"], saved["pos"], saved["tokens"]
-        losses = saved.get("losses", [])
-    done = work.seconds("train")
     gen = torch.Generator().manual_seed(args.seed)
+
+    def step_loss(chosen: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, agree = feature_loss(model, [examples[i] for i in chosen], [feats[i] for i in chosen], gen)
+        return loss, {"agree": agree}
+
     frozen = {featurehead.EMBEDDING, featurehead.HEAD, "lm_head.draft_vocab"}
-
-    def save_ckpt() -> None:
-        trainable = {k: v for k, v in model.state_dict().items() if k not in frozen}
-        state = {"model": trainable, "opt": opt.state_dict(), "step": step, "epoch": epoch, "pos": pos}
-        torch.save({**state, "tokens": tokens_seen, "losses": losses}, work.path / (CKPT + ".tmp"))
-        (work.path / (CKPT + ".tmp")).replace(ckpt)
-
-    model.train()
-    bar = tqdm(total=round(seconds), initial=min(round(done), round(seconds)), unit="s", desc="train", file=sys.stderr)
-    last_ckpt = time.monotonic()
-    plan = batches(examples, args.batch_tokens, random.Random(args.seed * 31 + epoch))
-    agreements: list[float] = []
-    while done < seconds and (not args.max_steps or step < args.max_steps):
-        if pos >= len(plan):
-            epoch, pos = epoch + 1, 0
-            plan = batches(examples, args.batch_tokens, random.Random(args.seed * 31 + epoch))
-        start = time.monotonic()
-        frac = min(1.0, done / seconds) if not args.max_steps else step / args.max_steps
-        lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        chosen = plan[pos]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.train_dtype == "bfloat16"):
-            loss, agree = feature_loss(model, [examples[i] for i in chosen], [feats[i] for i in chosen], gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step, pos = step + 1, pos + 1
-        tokens_seen += sum(len(examples[i]["tokens"]) - examples[i]["prompt_len"] for i in chosen)
-        losses.append(round(float(loss.detach()), 4))
-        agreements.append(agree)
-        elapsed = time.monotonic() - start
-        done += elapsed
-        work.add_time("train", elapsed)
-        bar.update(min(round(done) - bar.n, bar.total - bar.n))
-        recent = agreements[-20:]
-        bar.set_postfix(step=step, epoch=epoch, loss=f"{losses[-1]:.3f}", agree=f"{sum(recent) / len(recent):.3f}")
-        if time.monotonic() - last_ckpt > args.checkpoint_minutes * 60:
-            save_ckpt()
-            last_ckpt = time.monotonic()
-    bar.close()
-    save_ckpt()
-    model.eval()
-    epochs = epoch + pos / max(1, len(plan))
-    return {"steps": step, "epochs": epochs, "answer_tokens_seen": tokens_seen, "losses": losses}
+    return train_loop(args, work, model, examples, seconds, step_loss, frozen, (0.9, 0.95))
 
 
 @torch.inference_mode()
