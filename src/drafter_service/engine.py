@@ -176,7 +176,8 @@ class ModelDrafter(_DrafterBase):
             assert state.features is not None
             end = row.start + len(row.tokens)
             state.features.predicted[end - 1] = h[-1].detach().to(torch.bfloat16)
-            _, right = state.features.features(row.start, len(row.tokens))
+            # Without building the features again: the prediction just kept is for the next position.
+            right = state.features.right_count(row.start, len(row.tokens))
             state.features.fed(row.start, len(row.tokens), right)
         return logits
 

@@ -163,9 +163,7 @@ class FeatureTrack:
         """Features for positions start..start+count-1 ([count, H], or None when all are zeros), and how
         many leading ones are right."""
         rows = [self.feature_for(start + j) for j in range(count)]
-        right = 0
-        while right < count and rows[right][1]:
-            right += 1
+        right = self.right_count(start, count)
         if all(f is None for f, _ in rows):
             return None, right
         width = next(f for f, _ in rows if f is not None).shape[-1]
@@ -174,6 +172,13 @@ class FeatureTrack:
             if f is not None:
                 out[j] = f
         return out, right
+
+    def right_count(self, start: int, count: int) -> int:
+        """How many leading positions of start..start+count-1 have their real feature."""
+        right = 0
+        while right < count and self.feature_for(start + right)[1]:
+            right += 1
+        return right
 
     def fed(self, start: int, count: int, right: int) -> None:
         """Positions start..start+count-1 were fed, the first `right` of them with their real feature."""
