@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from specd.head_product import HeadProduct
+
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
 DEFAULT_SLOTS = 16
 DEFAULT_POSITIONS = 2048
@@ -300,6 +302,8 @@ class BatchedCausalLM:
         self.cache = SlotKVCache(self.num_layers, device, dtype, max_slots, min(max_positions, self.max_positions))
         self._base = model.base_model
         self._head = model.get_output_embeddings()
+        # The head's product is chosen per row count where measured (`calibrate_head`).
+        self.head_product = HeadProduct(self._head)
         self._mask_min = torch.finfo(dtype).min
         # Above 0: the model reads a feature beside each token (Row.features).
         self.feature_size = int(getattr(model, "feature_size", 0))
@@ -318,6 +322,13 @@ class BatchedCausalLM:
         for n in range(1, min(max_new, room - prompt) + 1):
             self.forward([Row(0, prompt, [0] * n, n - 1)])
         self.cache.release(0)
+
+    def calibrate_head(self, max_rows: int) -> frozenset[int]:
+        """Measure the LM head's two products for 1..max_rows rows on the CPU, and use the faster
+        for each (`specd.head_product`); on other devices the plain product stays."""
+        if self.device.type != "cpu":
+            return frozenset()
+        return self.head_product.calibrate(max_rows)
 
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         """Feed each row's tokens; return per row float32 logits [n_wanted, vocab]."""
@@ -372,7 +383,7 @@ class BatchedCausalLM:
             picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
             bi = torch.tensor([p[0] for p in picks], device=self.device)
             pj = torch.tensor([p[1] for p in picks], device=self.device)
-            logits = self._head(hidden[bi, pj]).float()
+            logits = self.head_product(hidden[bi, pj]).float()
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
         out: list[torch.Tensor] = []

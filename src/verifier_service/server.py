@@ -17,6 +17,8 @@ from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 
+HEAD_CALIBRATION_ROWS = 16
+
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
     loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
@@ -30,6 +32,9 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_draft_tokens,
         grammar_compiler(loaded.tokenizer, lm.vocab_size),
     )
+    # Rounds of a few sequences verify a few rows each, where the head's products differ most;
+    # from a couple of dozen rows on, the plain product is the matrix-matrix one.
+    lm.calibrate_head(HEAD_CALIBRATION_ROWS)
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     info = common_pb2.ModelInfo(
         model_id=config.model,

@@ -37,9 +37,12 @@ def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 # -- BatchedCausalLM against plain recomputation --------------------------------------
 
 
+@pytest.mark.parametrize("head", ["plain", "transposed"])
 @pytest.mark.parametrize("slots", [(5, 0, 3), (1, 2, 3)], ids=["scattered", "contiguous"])
-def test_batched_rows_with_different_starts_and_lengths_match_full_recompute(tiny_target, vocab_size, slots):
+def test_batched_rows_with_different_starts_and_lengths_match_full_recompute(tiny_target, vocab_size, slots, head):
     lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
+    if head == "transposed":  # the LM head's other product (specd.head_product), at every row count
+        lm.head_product.transposed_rows = frozenset(range(1, 64))
     rng = random.Random(0)
     seqs = {slot: random_tokens(rng, 40, vocab_size) for slot in slots}
     cached = dict.fromkeys(slots, 0)

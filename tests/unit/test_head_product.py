@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specd.head_product import HeadProduct, choose_rows
+from specd.quant import Int8WeightOnlyLinear
+
+
+def test_choose_rows_takes_the_transposed_product_only_where_it_is_clearly_faster():
+    timings = {1: (10.0, 10.5), 2: (22.0, 5.5), 3: (33.0, 8.0), 4: (17.0, 16.0), 16: (24.0, 27.0)}
+    assert choose_rows(timings) == frozenset({2, 3})
+    assert choose_rows(timings, margin=0.0) == frozenset({2, 3, 4})
+    assert choose_rows({}) == frozenset()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+def test_both_products_give_the_head_s_logits(bias, rows):
+    torch.manual_seed(0)
+    head = nn.Linear(48, 1000, bias=bias)
+    product = HeadProduct(head)
+    hidden = torch.randn(rows, 48)
+    want = head(hidden)
+    product.transposed_rows = frozenset({rows})
+    with torch.inference_mode():
+        got = product(hidden)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_product_is_picked_by_row_count(monkeypatch):
+    head = nn.Linear(8, 32)
+    product = HeadProduct(head)
+    product.transposed_rows = frozenset({2})
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a: calls.append(a[0].shape) or real_mm(*a))
+    product(torch.randn(1, 8))
+    product(torch.randn(3, 8))
+    assert calls == []  # the plain product for row counts not chosen
+    product(torch.randn(2, 8))
+    assert calls == [torch.Size([32, 8])]  # W·hᵀ: the weight on the left
+
+
+def test_calibration_measures_every_row_count_and_keeps_only_what_it_chose(caplog):
+    product = HeadProduct(nn.Linear(64, 4096))
+    with caplog.at_level("INFO", logger="specd.head_product"):
+        chosen = product.calibrate(6, repeats=1)
+    assert chosen == product.transposed_rows
+    assert chosen <= frozenset(range(1, 7))
+    assert "plain / transposed ms by rows: 1:" in caplog.text and " 6: " in caplog.text
+
+
+def test_a_head_that_is_not_a_plain_linear_layer_keeps_its_own_product():
+    product = HeadProduct(Int8WeightOnlyLinear(nn.Linear(64, 256)))
+    assert not product.applies
+    assert product.calibrate(4) == frozenset()
+    product.transposed_rows = frozenset({2})  # even if told otherwise
+    hidden = torch.randn(2, 64)
+    torch.testing.assert_close(product(hidden), product.head(hidden))
