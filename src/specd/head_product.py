@@ -15,11 +15,12 @@ service's target-only output, whose single-row product is timed and chosen the s
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 
 import torch
 from torch import nn
+
+from specd.timing import best_time
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +63,10 @@ class HeadProduct:
         with torch.inference_mode():
             for rows in range(1, max_rows + 1):
                 hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                best = []
-                for product in (self.head, self._transposed):
-                    product(hidden)
-                    times = []
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        product(hidden)
-                        times.append(time.perf_counter() - start)
-                    best.append(min(times))
-                timings[rows] = (best[0], best[1])
+                timings[rows] = (
+                    best_time(lambda h=hidden: self.head(h), repeats),
+                    best_time(lambda h=hidden: self._transposed(h), repeats),
+                )
         self.transposed_rows = choose_rows(timings)
         log.info(
             "LM head: W·hᵀ for %s (plain / transposed ms by rows: %s)",

@@ -10,11 +10,12 @@ and exactness does not depend on it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from specd.timing import best_time
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +116,7 @@ def calibrate_wide_rows(
         for threshold in (NEVER, 1):
             for linear in linears:
                 linear.wide_rows = threshold
-            forward(rows)
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                forward(rows)
-                times.append(time.perf_counter() - start)
-            best.append(min(times))
+            best.append(best_time(lambda r=rows: forward(r), repeats))
         timings[rows] = (best[0], best[1])
     chosen = choose_wide_rows(timings)
     set_wide_rows(model, chosen)
