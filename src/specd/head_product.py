@@ -2,9 +2,9 @@
 
 Over a handful of rows, torch's CPU float32 product hidden·Wᵀ with a large W (the
 vocabulary projection) can cost about one single-row product per row, and then less
-over 4 rows than over 3: on the project's AMD EPYC machine the 49152×576 projection
-took 10, 22, 33, 17 and 18 ms for 1 to 5 rows. Computing the same numbers as W·hiddenᵀ,
-with the vocabulary as the long side, reads W once however many rows there are. Which
+over 4 rows than over 3 (README, "Measured on this project's machine", has the
+figures). Computing the same numbers as W·hiddenᵀ, with the vocabulary as the long
+side, reads W once however many rows there are. Which
 product is faster depends on the CPU, the torch build and the row count, so the
 service measures both at start-up for the row counts a verify round produces (one per
 verified position) and uses the faster one for each. The two differ only in summation
