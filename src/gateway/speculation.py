@@ -10,7 +10,8 @@ Three policies share one entry point, `SpeculationPolicy.choose`:
   tokens per second of the round, from what the gateway measures as it runs —
   per-position acceptance (overall and per sequence), the drafter's step time as
   a function of the batch it drafts for, and the verifier's time as a function
-  of the tokens it checks. On a machine where verifying k+1 tokens for every
+  of the positions it checks (each a line, corrected at every size measured:
+  `SizedCost`). On a machine where verifying k+1 tokens for every
   sequence stops being nearly free (large batches, CPUs), the expected gain of
   drafting falls below its cost and k shrinks to 0.
 
@@ -145,6 +146,57 @@ class LinearCost:
         return w0 + w1 * x
 
 
+class SizedCost:
+    """Cost against size: a line (`LinearCost`) for every size, corrected at each size measured.
+
+    The services' forwards are not linear in their size on every device: on a CPU a verify of
+    two or three positions can cost as much as one of five, where the LM head's product over a
+    few rows is slow. A line fitted mostly to the sizes the policy runs most (one position per
+    sequence, and k + 1) then underprices the sizes between them, and the policy picks them for
+    a saving that is not there. So each size measured keeps a forgetting mean of its own costs,
+    and its prediction is the line moved by that mean's distance from the line, shrunk by
+    `prior_weight` pseudo-samples so that one slow round does not reprice a size. Sizes never
+    measured get the line. Sizes above `EXACT_UP_TO` share quarter-octave buckets (the bucket
+    keeps the mean of its sizes too), which bounds the table.
+    """
+
+    EXACT_UP_TO = 32
+
+    def __init__(self, forget: float = 0.98, prior_weight: float = 1.0) -> None:
+        self.line = LinearCost(forget)
+        self.forget = forget
+        self.prior_weight = prior_weight
+        self._sizes: dict[int, tuple[float, float, float]] = {}  # key -> forgetting sums of (1, x, y)
+
+    @classmethod
+    def key(cls, x: float) -> int:
+        n = max(1, round(x))
+        return n if n <= cls.EXACT_UP_TO else cls.EXACT_UP_TO + round(4 * math.log2(n / cls.EXACT_UP_TO))
+
+    @property
+    def samples(self) -> int:
+        return self.line.samples
+
+    def coefficients(self) -> tuple[float, float]:
+        return self.line.coefficients()
+
+    def observe(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)):
+            return
+        self.line.observe(x, y)
+        f = self.forget
+        n, sx, sy = self._sizes.get(self.key(x), (0.0, 0.0, 0.0))
+        self._sizes[self.key(x)] = (n * f + 1.0, sx * f + x, sy * f + y)
+
+    def predict(self, x: float) -> float:
+        fitted = self.line.predict(x)
+        n, sx, sy = self._sizes.get(self.key(x), (0.0, 0.0, 0.0))
+        if n <= 0:
+            return fitted
+        off_line = sy / n - self.line.predict(sx / n)
+        return max(0.0, fitted + off_line * n / (n + self.prior_weight))
+
+
 class Ewma:
     def __init__(self, alpha: float = 0.1) -> None:
         self.alpha = alpha
@@ -161,8 +213,8 @@ class Ewma:
 class CostModel:
     """Round cost in ns as measured by the gateway."""
 
-    verify: LinearCost = field(default_factory=LinearCost)  # verify exchange ns vs tokens checked
-    step: LinearCost = field(default_factory=LinearCost)  # drafter ns per draft step vs sequences drafted for
+    verify: SizedCost = field(default_factory=SizedCost)  # verify exchange ns vs positions checked
+    step: SizedCost = field(default_factory=SizedCost)  # drafter ns per draft step vs sequences drafted for
     draft_fixed: Ewma = field(default_factory=Ewma)  # drafter exchange ns outside its steps
     overhead: Ewma = field(default_factory=Ewma)  # round ns outside both exchanges
 

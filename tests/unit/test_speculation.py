@@ -11,11 +11,14 @@ from synthetic_costs import MS, costs
 from gateway.speculation import (
     Acceptance,
     Candidate,
+    CostModel,
     LinearCost,
     PolicyConfig,
+    SizedCost,
     SpeculationPolicy,
     choose_ks,
     expected_tokens,
+    expected_tokens_table,
     leviathan_speedup,
 )
 
@@ -69,6 +72,70 @@ def test_linear_cost_recovers_a_line_and_never_goes_negative() -> None:
     for x in range(1, 10):
         falling.observe(x, 100.0 - x)
     assert falling.coefficients()[1] == 0.0
+
+
+# A CPU verifier's cost (ms) by positions checked, one sequence: not a line (two or three
+# positions cost about as much as five, where the LM head's product over a few rows is slow).
+HUMPED_VERIFY_MS = {1: 59.0, 2: 81.0, 3: 93.0, 4: 86.0, 5: 93.0}
+
+
+def humped_costs(verify: SizedCost | LinearCost, step_ms: float) -> CostModel:
+    """What a policy has measured on that verifier: mostly 1 and 5 positions, a few rounds of 2 and 3."""
+    model = CostModel()
+    model.verify = verify  # type: ignore[assignment]  # LinearCost: the line alone, to compare
+    for _ in range(30):
+        for n in (1, 5):
+            model.verify.observe(n, HUMPED_VERIFY_MS[n] * MS)
+    for _ in range(3):
+        for n in (2, 3):
+            model.verify.observe(n, HUMPED_VERIFY_MS[n] * MS)
+    for _ in range(5):
+        model.step.observe(1, step_ms * MS)
+    model.draft_fixed.observe(0.5 * MS)
+    model.overhead.observe(0.5 * MS)
+    return model
+
+
+def true_rate(rates: list[float], k: int, step_ms: float) -> float:
+    draft = 0.5 + k * step_ms if k else 0.0
+    return expected_tokens_table(rates, 4)[k] / (HUMPED_VERIFY_MS[k + 1] + draft + 0.5)
+
+
+def test_sized_cost_learns_each_measured_size_and_fits_a_line_elsewhere() -> None:
+    sized = humped_costs(SizedCost(), step_ms=10).verify
+    line = humped_costs(LinearCost(), step_ms=10).verify
+    for n in (1, 5):
+        assert sized.predict(n) == pytest.approx(HUMPED_VERIFY_MS[n] * MS, rel=0.03)
+    for n in (2, 3):
+        # The line underprices the sizes between the two it mostly sees; the sizes' own rounds correct it.
+        assert line.predict(n) < 0.9 * HUMPED_VERIFY_MS[n] * MS
+        assert sized.predict(n) == pytest.approx(HUMPED_VERIFY_MS[n] * MS, rel=0.06)
+    assert sized.predict(4) == pytest.approx(line.predict(4))  # never measured: the line
+    assert sized.coefficients() == line.coefficients()
+    one_slow = SizedCost()
+    for _ in range(20):
+        one_slow.observe(8, 10.0)
+        one_slow.observe(24, 30.0)
+    one_slow.observe(16, 60.0)  # one slow round at a new size: halfway, not taken as its price
+    assert one_slow.line.predict(16) < 25.0
+    assert 35.0 < one_slow.predict(16) < 45.0
+    assert SizedCost.key(32) == 32 and SizedCost.key(33) == 32
+    assert SizedCost.key(1000) < 64  # large sizes share buckets: the table stays small
+
+
+@pytest.mark.parametrize(
+    ("step_ms", "acceptance", "want"),
+    [(15.0, [0.5] * 4, 0), (10.0, [0.8, 0.7, 0.6, 0.5], 3), (5.0, [0.9, 0.7, 0.5, 0.3], 3)],
+)
+def test_per_size_verify_costs_choose_the_k_that_is_fastest(step_ms: float, acceptance: list[float], want: int) -> None:
+    """With a humped verify cost, the line alone picks a k of 1 or 2 that is slower than the best
+    (or than target-only, below the 0.95x floor); the per-size costs pick the best."""
+    rates = [true_rate(acceptance, k, step_ms) for k in range(5)]
+    assert max(range(5), key=rates.__getitem__) == want
+    candidate = [Candidate(4, acceptance)]
+    assert choose_ks(candidate, humped_costs(SizedCost(), step_ms), 4).ks == [want]
+    line_k = choose_ks(candidate, humped_costs(LinearCost(), step_ms), 4).ks[0]
+    assert line_k in (1, 2) and rates[line_k] < 0.96 * rates[want]
 
 
 def test_cheap_verification_and_good_acceptance_draft_the_most() -> None:
