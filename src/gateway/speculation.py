@@ -164,7 +164,6 @@ class SizedCost:
 
     def __init__(self, forget: float = 0.98, prior_weight: float = 1.0) -> None:
         self.line = LinearCost(forget)
-        self.forget = forget
         self.prior_weight = prior_weight
         self._sizes: dict[int, tuple[float, float, float]] = {}  # key -> forgetting sums of (1, x, y)
 
@@ -184,17 +183,19 @@ class SizedCost:
         if not (math.isfinite(x) and math.isfinite(y)):
             return
         self.line.observe(x, y)
-        f = self.forget
-        n, sx, sy = self._sizes.get(self.key(x), (0.0, 0.0, 0.0))
-        self._sizes[self.key(x)] = (n * f + 1.0, sx * f + x, sy * f + y)
+        f = self.line.forget
+        key = self.key(x)
+        n, sx, sy = self._sizes.get(key, (0.0, 0.0, 0.0))
+        self._sizes[key] = (n * f + 1.0, sx * f + x, sy * f + y)
 
     def predict(self, x: float) -> float:
-        fitted = self.line.predict(x)
+        w0, w1 = self.line.coefficients()  # once: the policy predicts many times a round
         n, sx, sy = self._sizes.get(self.key(x), (0.0, 0.0, 0.0))
         if n <= 0:
-            return fitted
-        off_line = sy / n - self.line.predict(sx / n)
-        return max(0.0, fitted + off_line * n / (n + self.prior_weight))
+            return w0 + w1 * x
+        # The size's mean cost against the line at the mean of its sizes (equal sizes below the buckets).
+        off_line = sy / n - (w0 + w1 * sx / n)
+        return max(0.0, w0 + w1 * x + off_line * n / (n + self.prior_weight))
 
 
 class Ewma:
