@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from specd.tools.bench import add_bounds, compare_outputs, format_table, mode_extra
+from specd.tools.bench import (
+    add_bounds,
+    add_deltas,
+    block_order,
+    block_speedups,
+    compare_outputs,
+    format_table,
+    mode_extra,
+    split_blocks,
+)
 from specd.tools.benchstats import (
     RequestResult,
     acceptance,
@@ -143,3 +152,63 @@ def test_round_costs_split_a_round_and_its_share_outside_the_models():
     assert costs["round_draft_ms"] == pytest.approx(100.0)
     assert costs["round_outside_models"] == pytest.approx(1 - 180 / 200)
     assert costs["rounds"] == 10
+
+
+def test_blocks_split_the_prompts_in_whole_waves():
+    assert split_blocks(10, 1, 4) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    assert split_blocks(16, 8, 4) == [range(0, 8), range(8, 16)]
+    assert split_blocks(10, 8, 4) == [range(0, 10)]  # fewer prompts than two waves: one block
+    assert split_blocks(10, 1, 1) == [range(0, 10)]
+    for n, c, b in ((64, 32, 4), (7, 2, 3), (100, 1, 6)):
+        blocks = split_blocks(n, c, b)
+        assert [i for block in blocks for i in block] == list(range(n))
+        assert min(len(block) for block in blocks) >= min(n, c)
+
+
+def _drifting_run(modes, costs, blocks, drift):
+    """Each mode's measured throughput on a machine whose speed falls by `drift` per second."""
+    clock = 0.0
+    measured = {m: [0.0, 0.0] for m in modes}  # tokens, wall
+    for b in range(blocks):
+        for mode in block_order(modes, b):
+            work = costs[mode]  # seconds for 100 tokens on the undrifted machine
+            # Time to do `work` while slowing linearly: integrate 1 + drift * t.
+            wall = work * (1 + drift * (clock + work / 2))
+            clock += wall
+            measured[mode][0] += 100
+            measured[mode][1] += wall
+    return {m: t / w for m, (t, w) in measured.items()}
+
+
+def test_interleaved_blocks_cancel_a_steady_drift():
+    costs = {"target": 10.0, "auto": 10.0 / 1.5, "ahead": 10.0 / 1.3}
+    drift = 0.004  # the machine 10% slower after 25 s
+    one = _drifting_run(list(costs), costs, 1, drift)
+    four = _drifting_run(list(costs), costs, 4, drift)
+    truth = {"auto": 1.5, "ahead": 1.3}
+    for mode, ratio in truth.items():
+        # Mode after mode, the later modes pay for the slowdown; serpentine blocks nearly cancel it.
+        assert abs(one[mode] / one["target"] - ratio) > 0.03
+        assert four[mode] / four["target"] == pytest.approx(ratio, rel=0.01)
+    # Without reversing odd blocks the drift would come back: check the order is what cancels it.
+    assert block_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert block_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+
+
+def test_block_speedups_pair_each_block_with_target_only():
+    target = {"blocks": [{"output_tokens": 100, "wall_s": 10.0}, {"output_tokens": 100, "wall_s": 12.0}]}
+    auto = {"blocks": [{"output_tokens": 100, "wall_s": 5.0}, {"output_tokens": 100, "wall_s": 8.0}]}
+    out = block_speedups(auto, target)
+    assert out["speedup_vs_target_blocks"] == [pytest.approx(2.0), pytest.approx(1.5)]
+    assert out["speedup_vs_target_min"] == pytest.approx(1.5)
+    assert out["speedup_vs_target_range"] == "1.50-2.00x"
+    assert block_speedups({"blocks": auto["blocks"][:1]}, {"blocks": target["blocks"][:1]}) == {}
+    assert block_speedups({"blocks": [{"output_tokens": 0, "wall_s": 1.0}] * 2}, target) == {}
+
+
+def test_block_deltas_add_up_to_one_scrape_pair():
+    total: dict[str, float] = {}
+    add_deltas(total, {"specd_rounds_total": 5.0}, {"specd_rounds_total": 9.0})
+    add_deltas(total, {"specd_rounds_total": 20.0}, {"specd_rounds_total": 26.0, "new": 1.0})
+    assert total == {"specd_rounds_total": 10.0, "new": 1.0}
+    assert round_costs({}, total)["rounds"] == 10.0

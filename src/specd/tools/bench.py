@@ -15,6 +15,12 @@ from the same run:
   model (or prompt lookup) / alone, with the same models, k and prompts, one
   request at a time (assisted generation supports batch size 1 only).
 
+Modes are interleaved: each level's prompts are split into blocks, and every
+mode runs every block, in order on even blocks and reversed on odd ones, so a
+machine whose speed drifts during the run (a shared or throttled host can move
+several percent in minutes) shifts no mode's ratio to target-only; the range of
+the per-block ratios shows how much the drift moved it.
+
 Reports output tokens/s (aggregate and per user), TTFT, TPOT, inter-token latency
 and end-to-end percentiles, and from the gateway's /metrics the acceptance rate,
 mean acceptance length, per-position acceptance, round costs, the Leviathan et
@@ -31,7 +37,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,37 +132,116 @@ def mode_extra(mode: str, k: int) -> dict[str, Any]:
     return {"num_speculative_tokens": speculation[mode]} if mode in speculation else {}
 
 
-async def run_http(
-    args: argparse.Namespace, model: str, mode: str, prompts: list[str], concurrency: int
-) -> tuple[dict[str, Any], list[RequestResult]]:
+def split_blocks(n: int, concurrency: int, blocks: int) -> list[range]:
+    """The level's n prompts as contiguous blocks, each at least one wave of `concurrency`.
+
+    Every mode runs every block, so a block's ratio compares the modes on the same
+    prompts minutes apart at most; fewer, longer blocks where the prompts are few.
+    """
+    count = max(1, min(blocks, n // max(concurrency, 1)))
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(count)]
+
+
+def block_order(modes: Sequence[str], block: int) -> list[str]:
+    """Modes in order on even blocks and reversed on odd ones.
+
+    A machine whose speed drifts steadily then favours no mode: over each pair of
+    blocks every mode's mean position in time is the same, so a linear drift
+    cancels from every ratio.
+    """
+    return list(modes) if block % 2 == 0 else list(reversed(modes))
+
+
+def add_deltas(total: dict[str, float], before: dict[str, float], after: dict[str, float]) -> None:
+    """Accumulate one block's metric deltas, so a mode's blocks read as one scrape pair ({}, total)."""
+    for key, value in after.items():
+        total[key] = total.get(key, 0.0) + value - before.get(key, 0.0)
+
+
+async def run_block(
+    client: httpx.AsyncClient,
+    model: str,
+    prompts: list[str],
+    block: range,
+    concurrency: int,
+    args: argparse.Namespace,
+    extra: dict[str, Any],
+    progress: Callable[[int], Any],
+) -> list[tuple[int, RequestResult]]:
+    """A block's prompts through `concurrency` closed-loop clients."""
+    next_index = iter(block)
+    done: list[tuple[int, RequestResult]] = []
+
+    async def worker() -> None:
+        for i in next_index:
+            done.append((i, await one_request(client, model, prompts[i], args, extra)))
+            progress(1)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(block)))))
+    return done
+
+
+async def run_level(
+    args: argparse.Namespace, model: str, modes: Sequence[str], prompts: list[str], concurrency: int
+) -> tuple[list[dict[str, Any]], dict[str, list[RequestResult]]]:
+    """Every HTTP mode at one concurrency, interleaved block by block (see `split_blocks`)."""
     from tqdm import tqdm
 
-    extra = mode_extra(mode, args.k)
+    blocks = split_blocks(len(prompts), concurrency, args.blocks)
+    results: dict[str, list[RequestResult | None]] = {m: [None] * len(prompts) for m in modes}
+    walls: dict[str, list[float]] = {m: [] for m in modes}
+    tokens: dict[str, list[int]] = {m: [] for m in modes}
+    deltas: dict[str, dict[str, float]] = {m: {} for m in modes}
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
-        # Untimed requests so first-call costs (and, for auto, the cost model's start) stay out of the figures.
-        await asyncio.gather(*(one_request(client, model, p, args, extra) for p in prompts[: min(2, len(prompts))]))
-        before = await scrape(client)
-        results: list[RequestResult | None] = [None] * len(prompts)
-        next_index = iter(range(len(prompts)))
-        bar = tqdm(total=len(prompts), desc=f"{mode:>9} @ {concurrency:>3}", unit="req", file=sys.stderr, leave=False)
+        for b, block in enumerate(blocks):
+            for mode in block_order(modes, b):
+                extra = mode_extra(mode, args.k)
+                if b == 0:
+                    # Untimed requests so first-call costs (and, for auto, the cost model's start) stay out.
+                    warm = prompts[: min(2, len(prompts))]
+                    await asyncio.gather(*(one_request(client, model, p, args, extra) for p in warm))
+                before = await scrape(client)
+                desc = f"{mode:>9} @ {concurrency:>3} [{b + 1}/{len(blocks)}]"
+                bar = tqdm(total=len(block), desc=desc, unit="req", file=sys.stderr, leave=False)
+                start = time.perf_counter()
+                for i, result in await run_block(client, model, prompts, block, concurrency, args, extra, bar.update):
+                    results[mode][i] = result
+                walls[mode].append(time.perf_counter() - start)
+                bar.close()
+                tokens[mode].append(sum(r.completion_tokens for i in block if (r := results[mode][i]) is not None))
+                add_deltas(deltas[mode], before, await scrape(client))
+    rows, done = [], {}
+    for mode in modes:
+        finished = [r for r in results[mode] if r is not None]
+        row = {"mode": mode, "concurrency": concurrency, **summarize(finished, sum(walls[mode]))}
+        row["blocks"] = [{"output_tokens": t, "wall_s": w} for t, w in zip(tokens[mode], walls[mode], strict=True)]
+        row.update(acceptance({}, deltas[mode]))
+        if deltas[mode]:
+            row.update(round_costs({}, deltas[mode]))
+        rows.append(row)
+        done[mode] = finished
+    return rows, done
 
-        async def worker() -> None:
-            for i in next_index:
-                results[i] = await one_request(client, model, prompts[i], args, extra)
-                bar.update(1)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
-        bar.close()
-        after = await scrape(client)
-    done = [r for r in results if r is not None]
-    row = {"mode": mode, "concurrency": concurrency, **summarize(done, wall)}
-    row.update(acceptance(before, after))
-    if after:
-        row.update(round_costs(before, after))
-    return row, done
+def block_speedups(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """The ratio to target-only within each block, and their range: how far drift moved it."""
+    pairs = list(zip(row.get("blocks", []), base.get("blocks", []), strict=False))
+    if len(pairs) < 2 or len(row["blocks"]) != len(base["blocks"]):
+        return {}
+    if any(not (b["output_tokens"] > 0 and b["wall_s"] > 0) for pair in pairs for b in pair):
+        return {}
+    ratios = [
+        (mine["output_tokens"] / mine["wall_s"]) / (theirs["output_tokens"] / theirs["wall_s"])
+        for mine, theirs in pairs
+    ]
+    return {
+        "speedup_vs_target_blocks": ratios,
+        "speedup_vs_target_min": min(ratios),
+        "speedup_vs_target_max": max(ratios),
+        "speedup_vs_target_range": f"{min(ratios):.2f}-{max(ratios):.2f}x",
+    }
 
 
 def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
@@ -167,6 +252,7 @@ def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
         base = target.get(row["concurrency"])
         if base is not None:
             row["speedup_vs_target"] = row["output_tokens_per_s"] / base["output_tokens_per_s"]
+            row.update(block_speedups(row, base))
         peer = hf.get(row["concurrency"])
         if peer is not None:
             row["speedup_vs_hf"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
@@ -213,6 +299,7 @@ COLUMNS = [
     ("tok/s", "output_tokens_per_s", "{:.1f}"),
     ("tok/s/user", "output_tokens_per_s_per_user", "{:.1f}"),
     ("vs target", "speedup_vs_target", "{:.2f}x"),
+    ("blocks", "speedup_vs_target_range", "{}"),
     ("vs HF", "speedup_vs_hf", "{:.2f}x"),
     ("TTFT p50", "ttft_ms_p50", "{:.0f}"),
     ("TTFT p95", "ttft_ms_p95", "{:.0f}"),
@@ -243,7 +330,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + (
         "\n(latencies in ms; MAL = mean acceptance length; eff = speedup / bound;"
-        " outside = share of round time outside the models' forward passes)"
+        " outside = share of round time outside the models' forward passes;"
+        " blocks = range of the ratio to target-only over the interleaved blocks)"
     )
 
 
@@ -298,6 +386,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workload", default="chat", help=f"bundled prompts: {', '.join(workload_names())}, mixed or longmix"
     )
     p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': ...} or {'messages': [...]} instead")
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=4,
+        help="split each level's prompts into up to this many blocks (each at least one wave of clients);\n"
+        "every mode runs every block, in order and then reversed, so a machine whose speed drifts\n"
+        "during the run moves no ratio; the per-block ratios' range is reported (1: mode after mode)",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
@@ -322,6 +418,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for mode in args.modes:
         if mode not in HTTP_MODES + HF_MODES:
             p.error(f"unknown mode {mode!r}; choose from {', '.join(HTTP_MODES + HF_MODES)}")
+    if args.blocks < 1:
+        p.error("--blocks needs a positive integer")
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.levels or min(args.levels) < 1:
         p.error("--concurrency needs positive integers")
@@ -360,11 +458,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         model = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
     for concurrency in args.levels:
         batch = level_prompts(prompts, args, concurrency)
-        for mode in http_modes:
-            row, results = asyncio.run(run_http(args, model, mode, batch, concurrency))
+        if not http_modes:
+            continue
+        level_rows, level_results = asyncio.run(run_level(args, model, http_modes, batch, concurrency))
+        for row in level_rows:
             rows.append(row)
-            outputs[(mode, concurrency)] = results
-            print(f"{mode} @ {concurrency}: {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            outputs[(row["mode"], concurrency)] = level_results[row["mode"]]
+            print(f"{row['mode']} @ {concurrency}: {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     hf_runs: dict[str, Any] = {}
     for mode in [m for m in args.modes if m in HF_MODES]:
         from tqdm import tqdm
