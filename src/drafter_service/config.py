@@ -21,13 +21,16 @@ class DrafterConfig(ModelServiceConfig):
     drafter: str = field("model", "proposer: a draft model, or model-free n-gram prompt lookup", ["model", "ngram"])
     quantize: str = field(
         "auto",
-        "weight quantization: int8 weight-only (CPU), none, or auto (int8 on CPU, none for a distilled drafter)",
-        ["auto", "int8", "none"],
+        "weight quantization (CPU): int8 or int4 weight-only, none, or auto: on the CPU int4 where the "
+        "weights are 4-bit already (a Q4_0/Q4_1 GGUF, the embedded target: the copy is exact), else int8; "
+        "none for a distilled drafter or on a GPU",
+        ["auto", "int8", "int4", "none"],
     )
     int8_wide_rows: int = field(
         -1,
-        "int8 drafter: from how many rows (prompt tokens or batched sequences) a forward uses bfloat16 copies "
-        "of the weights instead of the int8 kernel; -1 measures which is faster at start-up, 0 never",
+        "quantized (int8 or int4) drafter: from how many rows (prompt tokens or batched sequences) a forward "
+        "uses bfloat16 copies of the weights instead of the quantized kernel; -1 measures which is faster "
+        "at start-up, 0 never",
     )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
@@ -41,14 +44,15 @@ class DrafterConfig(ModelServiceConfig):
             raise ValueError("1 <= ngram_min <= ngram_max is required")
         if self.int8_wide_rows < -1:
             raise ValueError("int8_wide_rows must be -1 (measure), 0 (never) or a number of rows")
-        if self.int8_wide_rows != -1 and (self.drafter != "model" or self.quantization != "int8"):
-            raise ValueError("int8_wide_rows applies to an int8 model drafter only (--quantize int8)")
+        if self.int8_wide_rows != -1 and (self.drafter != "model" or self.quantization == "none"):
+            raise ValueError("int8_wide_rows applies to a quantized model drafter only (--quantize int8 or int4)")
 
     @property
     def quantization(self) -> str:
+        """int8, int4, none, or auto-cpu: int4 or int8 once the weights show whether they are 4-bit."""
         if self.quantize != "auto":
             return self.quantize
-        return "int8" if self.device == "cpu" else "none"
+        return "auto-cpu" if self.device == "cpu" else "none"
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> DrafterConfig:

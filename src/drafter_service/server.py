@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ from specd.kvcache import BatchedCausalLM, Row
 from specd.leases import Leases
 from specd.placement import pin
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.quant import calibrate_wide_rows, quantize_int8, set_wide_rows
+from specd.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
 from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
 from specd.tracing import Tracing
 
@@ -45,16 +46,24 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
             max_draft_tokens=config.max_draft_tokens,
         )
         return engine, info
-    loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
     quantization = config.quantization
     if config.quantize == "auto" and draftlm.is_distilled(models.materialize(config.model)):
-        quantization = "none"  # a distilled drafter is already small; int8 would cost agreement
+        quantization = "none"  # a distilled drafter is already small; quantizing would cost agreement
         if config.int8_wide_rows != -1:
-            raise ValueError("int8_wide_rows applies to an int8 drafter; this distilled drafter is not quantized")
-    if quantization == "int8":
-        if loaded.device.type != "cpu":
-            raise ValueError("--quantize int8 uses a CPU kernel; use --quantize none on GPUs")
-        quantize_int8(loaded.model, keep_wide=config.int8_wide_rows != 0)
+            raise ValueError("int8_wide_rows applies to a quantized drafter; this distilled drafter is not quantized")
+    if quantization != "none" and models.parse_device(config.device).type != "cpu":
+        raise ValueError(f"--quantize {quantization} uses a CPU kernel; use --quantize none on GPUs")
+    # A quantized copy is made from float32 weights: rounded to bfloat16 first, 4-bit weights
+    # would no longer be 4-bit, and the int4 copy of a Q4_1 target would lose its exactness.
+    load_dtype = "float32" if quantization != "none" else config.dtype
+    loaded = models.load_for_serving(config.model, config.device, load_dtype, config.threads, config.cpus)
+    if quantization != "none":
+        kind = "auto" if quantization == "auto-cpu" else quantization
+        quantization = quantize_copy(loaded.model, kind, keep_wide=config.int8_wide_rows != 0)
+        log.info("the drafter is an %s weight-only copy", quantization)
+        dtype = models.parse_dtype(config.dtype)
+        loaded.model.to(dtype)
+        loaded = dataclasses.replace(loaded, dtype=dtype)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = ModelDrafter(
@@ -66,9 +75,9 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         config.max_support,
         grammar_compiler(loaded.tokenizer, lm.vocab_size),
     )
-    if quantization == "int8" and config.int8_wide_rows == -1:
+    if quantization != "none" and config.int8_wide_rows == -1:
         calibrate_wide_rows(loaded.model, lambda rows: _prefill_once(lm, rows))
-    elif quantization == "int8":
+    elif quantization != "none":
         set_wide_rows(loaded.model, config.int8_wide_rows)
     lm.warm_up(2)
     if engine.feature_size:

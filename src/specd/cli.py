@@ -76,21 +76,27 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-port", type=int, default=50052)
     p.add_argument("--target-model", default="embedded", help="verifier model (HF directory, .gguf or 'embedded')")
     p.add_argument(
-        "--draft-model", default=None, help="draft model (--drafter model/int8/distilled); default: see --drafter"
+        "--draft-model", default=None, help="draft model (--drafter model/int4/int8/distilled); default: see --drafter"
     )
     p.add_argument(
         "--drafter",
-        choices=["auto", "distilled", "int8", "model", "ngram", "none"],
+        choices=["auto", "distilled", "int4", "int8", "model", "ngram", "none"],
         default="auto",
         help="distilled: a drafter trained by `specd distill` (default: the one shipped for the embedded "
-        "target); int8: an int8 weight-only copy of the target; model: --draft-model as is (with --quantize); "
-        "ngram: prompt lookup; auto: model (the shipped distilled drafter does not yet beat the int8 copy)",
+        "target); int4 / int8: a weight-only copy of the target; model: --draft-model as is (with --quantize); "
+        "ngram: prompt lookup; auto: model (the shipped distilled drafter does not yet beat the quantized copy)",
     )
     p.add_argument("--drafter-device", default="cpu")
     p.add_argument("--verifier-device", default="cpu")
     p.add_argument("--drafter-dtype", default=None, help="default: float32 for a distilled drafter, else bfloat16")
     p.add_argument("--verifier-dtype", default="float32")
-    p.add_argument("--quantize", choices=["auto", "int8", "none"], default="auto", help="draft model weights")
+    p.add_argument(
+        "--quantize",
+        choices=["auto", "int8", "int4", "none"],
+        default="auto",
+        help="draft model weights; auto: on the CPU int4 where the target is 4-bit already (the embedded one), "
+        "else int8 (see specd drafter --help)",
+    )
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="most draft tokens per round")
     p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
@@ -157,15 +163,15 @@ def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize:
 
     if choice == "auto":
         # The shipped distilled drafter (a feature head) agrees with the target on about a third of
-        # held-out greedy tokens (src/specd/data/smollm2-135m-drafter/README.md), too few to beat the int8
+        # held-out greedy tokens (src/specd/data/smollm2-135m-drafter/README.md), too few to beat the quantized
         # copy: auto keeps the copy until a distilled drafter reaches the 0.70. Then: "distilled".
         choice = "distilled" if draft_model == EMBEDDED_DRAFTER else "model"
     if choice == "distilled":
         if draft_model is None and target != EMBEDDED:
             raise SystemExit("specd up: --drafter distilled needs --draft-model DIR (from specd distill) here")
         return "distilled", draft_model or EMBEDDED_DRAFTER, "none"
-    if choice == "int8":
-        return "int8", draft_model or target, "int8"
+    if choice in ("int8", "int4"):
+        return choice, draft_model or target, choice
     return choice, draft_model or target, quantize
 
 

@@ -1,6 +1,7 @@
-"""The embedded SmolLM2-135M through `specd up` (float32 verifier, int8 drafter, k = 4): speculative
-output equals the target alone, and issue #13's parameters are exact on the real model, checked
-with the `openai` SDK against the target run in this process (HF forwards in float32)."""
+"""The embedded SmolLM2-135M through `specd up` (float32 verifier, its default drafter: the int4 copy,
+whose weights are the target's own, k = 4): speculative output equals the target alone, and issue #13's
+parameters are exact on the real model, checked with the `openai` SDK against the target run in this
+process (HF forwards in float32)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The int8 drafter's weights: the int8 kernel for narrow inputs, bfloat16 copies for wide ones,
-and the start-up measurement that chooses between them."""
+"""The quantized drafter's weights: the int8 and int4 kernels for narrow inputs, bfloat16 copies for wide
+ones, the start-up measurement that chooses between them, and int4's exactness on 4-bit weights."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ from torch import nn
 from drafter_service.config import DrafterConfig
 from specd.quant import (
     NEVER,
+    Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     calibrate_wide_rows,
     choose_wide_rows,
+    quantize_copy,
+    quantize_int4,
     quantize_int8,
     set_wide_rows,
+    weights_are_int4,
 )
 
 
@@ -81,6 +85,84 @@ def test_calibration_measures_both_kernels_and_keeps_the_faster(fast_from: int |
 def test_int8_wide_rows_is_refused_where_it_cannot_apply() -> None:
     DrafterConfig(int8_wide_rows=32).validate()
     DrafterConfig(int8_wide_rows=0).validate()
+    DrafterConfig(int8_wide_rows=16, quantize="int4").validate()
     for bad in (DrafterConfig(int8_wide_rows=32, quantize="none"), DrafterConfig(int8_wide_rows=-2)):
         with pytest.raises(ValueError, match="int8_wide_rows"):
             bad.validate()
+
+
+class TinyLM(nn.Module):
+    """Two inner layers and a head, as `quantize_int4` sees a causal LM."""
+
+    def __init__(self, inner: nn.Linear, head: nn.Linear) -> None:
+        super().__init__()
+        self.inner, self.odd, self.head = inner, nn.Linear(40, 48), head
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+
+def four_bit_linear(out_features: int, in_features: int, group: int = 32) -> nn.Linear:
+    """A layer whose weights are 4-bit in asymmetric groups, as a Q4_1 GGUF's dequantize to."""
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (out_features, in_features // group, group)).float()
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1 puts each group's minimum at 0 and its maximum at 15
+    scale = torch.rand(out_features, in_features // group, 1) * 0.02 + 0.001
+    low = torch.randn(out_features, in_features // group, 1) * 0.05
+    linear = nn.Linear(in_features, out_features, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_((q * scale + low).view(out_features, in_features))
+    return linear
+
+
+def test_int4_holds_four_bit_weights_exactly_and_others_closely() -> None:
+    exact = four_bit_linear(96, 128)
+    copy = Int4WeightOnlyLinear(exact)
+    assert copy.max_error <= 1e-6 * float(exact.weight.detach().abs().max())
+    x = torch.randn(3, 128)
+    # With exact weights only the bfloat16 activations and accumulation differ from the layer.
+    want = nn.functional.linear(x.to(torch.bfloat16).float(), exact.weight, exact.bias)
+    with torch.no_grad():
+        assert torch.allclose(copy(x), want, atol=0.02, rtol=0.02)
+    # A layer of ordinary float weights is quantized with a bounded, nonzero error.
+    torch.manual_seed(2)
+    plain = nn.Linear(128, 96)
+    lossy = Int4WeightOnlyLinear(plain)
+    groups = plain.weight.detach().view(96, 4, 32)
+    group_range = groups.amax(-1) - groups.amin(-1)
+    assert 0 < lossy.max_error <= float(group_range.max()) / 30 + 1e-6  # half a step at most
+    with torch.no_grad():
+        # 4-bit steps of 1/15 of a group's range: a few percent of the output, not more.
+        relative = (lossy(x) - plain(x)).norm() / plain(x).norm()
+    assert 0.005 < relative < 0.12
+
+
+def test_int4_keeps_the_head_and_layers_the_kernel_refuses_in_int8() -> None:
+    lm = TinyLM(four_bit_linear(96, 128), nn.Linear(96, 64, bias=False))
+    assert weights_are_int4(lm)
+    assert quantize_copy(lm, "auto") == "int4"
+    assert isinstance(lm.inner, Int4WeightOnlyLinear)
+    assert isinstance(lm.odd, Int8WeightOnlyLinear)  # 40 inputs: not whole groups of 32
+    assert isinstance(lm.head, Int8WeightOnlyLinear)
+    # Weights that are not 4-bit already get the int8 copy under auto: int4 would cost agreement.
+    torch.manual_seed(3)
+    plain = TinyLM(nn.Linear(128, 96), nn.Linear(96, 64))
+    assert not weights_are_int4(plain)
+    assert quantize_copy(plain, "auto") == "int8" and isinstance(plain.inner, Int8WeightOnlyLinear)
+    with pytest.raises(ValueError, match="int4 needs"):
+        Int4WeightOnlyLinear(nn.Linear(40, 48))
+
+
+def test_int4_layers_take_the_bfloat16_copy_for_wide_inputs() -> None:
+    lm = TinyLM(four_bit_linear(96, 128), nn.Linear(96, 64))
+    quantize_int4(lm, keep_wide=True)
+    set_wide_rows(lm, 8)
+    inner = lm.inner
+    assert isinstance(inner, Int4WeightOnlyLinear) and inner.wide_weight is not None
+    for rows in (1, 8):
+        x = torch.randn(rows, 128)
+        flat = x.to(torch.bfloat16)
+        narrow = inner.narrow(flat) + inner.bias
+        wide = nn.functional.linear(flat, inner.wide_weight) + inner.bias
+        assert torch.equal(inner(x), (wide if rows >= 8 else narrow).float())
+    assert not any("wide" in key for key in lm.state_dict())

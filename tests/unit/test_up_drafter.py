@@ -15,6 +15,7 @@ from specd.cli import resolve_drafter
         ("distilled", "/d", "/t", ("distilled", "/d", "none")),
         ("int8", None, "embedded", ("int8", "embedded", "int8")),
         ("int8", None, "/t", ("int8", "/t", "int8")),
+        ("int4", None, "embedded", ("int4", "embedded", "int4")),
         ("model", "/d", "/t", ("model", "/d", "auto")),
         ("ngram", None, "embedded", ("ngram", "embedded", "auto")),
     ],

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from specd import cli, placement
-from specd.placement import choose_cpu_placement, cpu_list, measured_steps, split_placement, time_target_step
+from specd.placement import (
+    choose_cpu_placement,
+    cpu_list,
+    cpu_model,
+    measured_steps,
+    split_placement,
+    time_target_step,
+)
 
 
 def test_cpu_list_writes_ranges() -> None:
@@ -94,3 +101,17 @@ def test_a_placement_sets_the_services_cores_and_the_pipeline(argv: list[str], s
     args = cli._up_parser().parse_args(argv)
     cli.apply_placement(args, split_placement([0, 1]) if split else placement.CpuPlacement(False))
     assert (args.verifier_cpus, args.drafter_cpus, args.verifier_threads, args.drafter_threads, args.pipeline) == want
+
+
+def test_cpu_model_names_the_cpu_beyond_its_family(tmp_path):
+    info = tmp_path / "cpuinfo"
+    block = "processor\t: {}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+    block += "stepping\t: 1\nflags\t\t: fpu sse2 avx avx2 fma\n\n"
+    info.write_text(block.format(0) + block.format(1).replace("avx2", "avx512f"))
+    # The first processor's block; the widest vector extension it has.
+    assert cpu_model(cpuinfo=str(info)) == "AMD EPYC (family 25 model 1 stepping 1, avx2)"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t: amx_tile avx512f avx2\n")
+    assert cpu_model(cpuinfo=str(info)) == "Some CPU (amx)"
+    info.write_text("processor\t: 0\n")
+    assert cpu_model("fallback", cpuinfo=str(info)) == "fallback"
+    assert cpu_model("fallback", cpuinfo=str(tmp_path / "missing")) == "fallback"

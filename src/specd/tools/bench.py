@@ -411,7 +411,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     hf.add_argument("--hf-target-dtype", default="float32")
     hf.add_argument("--hf-draft", default="embedded", help="assistant model, or 'ngram' for prompt lookup")
     hf.add_argument("--hf-draft-dtype", default="bfloat16")
-    hf.add_argument("--hf-draft-quantize", default="int8", choices=["int8", "none"])
+    hf.add_argument(
+        "--hf-draft-quantize",
+        default="auto",
+        choices=["auto", "int8", "int4", "none"],
+        help="as the drafter service's --quantize (auto: int4 where the weights are 4-bit already, else int8)",
+    )
     hf.add_argument("--hf-device", default="cpu")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]

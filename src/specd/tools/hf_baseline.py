@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from specd.models import load_model, load_tokenizer, parse_device, parse_dtype
-from specd.quant import quantize_int8
+from specd.quant import quantize_copy
 from specd.tools.benchstats import RequestResult
 
 
@@ -27,7 +27,7 @@ class HfConfig:
     target_dtype: str = "float32"
     draft: str = "embedded"  # a model spec, "ngram" for prompt lookup, or "none" for target-only
     draft_dtype: str = "bfloat16"
-    draft_quantize: str = "int8"  # int8 (specd's CPU default drafter) or none
+    draft_quantize: str = "auto"  # as the drafter service's --quantize: auto, int8, int4 or none
     device: str = "cpu"
     k: int = 4
 
@@ -58,10 +58,15 @@ class HfBaseline:
         self.tokenizer = load_tokenizer(config.target)
         self.target = load_model(config.target, device, parse_dtype(config.target_dtype))
         self.assistant: Any = None
+        self.quantized = "none"
         if config.draft not in ("ngram", "none"):
-            assistant = load_model(config.draft, device, parse_dtype(config.draft_dtype))
-            if config.draft_quantize == "int8":
-                quantize_int8(assistant)
+            if config.draft_quantize == "none":
+                assistant = load_model(config.draft, device, parse_dtype(config.draft_dtype))
+            else:
+                # Quantized from float32, as the drafter service does.
+                assistant = load_model(config.draft, device, torch.float32)
+                self.quantized = quantize_copy(assistant, config.draft_quantize)
+                assistant.to(parse_dtype(config.draft_dtype))
             self.assistant = assistant
         self.device = device
 
@@ -72,7 +77,7 @@ class HfBaseline:
             return f"HF generate, target {c.target_dtype}"
         if c.draft == "ngram":
             return f"HF generate(prompt_lookup_num_tokens={c.k})"
-        return f"HF generate(assistant_model={c.draft_quantize}/{c.draft_dtype}, num_assistant_tokens={c.k})"
+        return f"HF generate(assistant_model={self.quantized}/{c.draft_dtype}, num_assistant_tokens={c.k})"
 
     def _kwargs(self, max_tokens: int, temperature: float, ignore_eos: bool, seed: int) -> dict[str, Any]:
         c = self.config
