@@ -54,5 +54,4 @@ def gateway_for(backends, model_dirs, log_dir) -> Iterator[Callable[..., st.Serv
         return started[key]
 
     yield get
-    for g in started.values():
-        g.stop()
+    st.stop_all(list(started.values()))

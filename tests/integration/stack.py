@@ -68,13 +68,21 @@ class Service:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_all([self])
+
+
+def stop_all(services: list[Service]) -> None:
+    """SIGTERM every service first, then wait for each: their graceful shutdowns overlap."""
+    running = [s for s in services if s.proc.poll() is None]
+    for s in running:
+        s.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for s in running:
+        try:
+            s.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait()
 
 
 def base_url(gateway: Service) -> str:
