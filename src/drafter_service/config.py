@@ -22,7 +22,7 @@ class DrafterConfig(ModelServiceConfig):
     quantize: str = field(
         "auto",
         "weight quantization (CPU): int8 or int4 weight-only, none, or auto: on the CPU int4 where the "
-        "weights are 4-bit already (a Q4_0/Q4_1 GGUF, the embedded target: the copy is exact), else int8; "
+        "weights are 4-bit already (a Q4_1 GGUF, the embedded target: its inner layers are exact), else int8; "
         "none for a distilled drafter or on a GPU",
         ["auto", "int8", "int4", "none"],
     )

@@ -144,7 +144,7 @@ def test_int4_keeps_the_head_and_layers_the_kernel_refuses_in_int8() -> None:
     assert isinstance(lm.inner, Int4WeightOnlyLinear)
     assert isinstance(lm.odd, Int8WeightOnlyLinear)  # 40 inputs: not whole groups of 32
     assert isinstance(lm.head, Int8WeightOnlyLinear)
-    # Weights that are not 4-bit already get the int8 copy under auto: int4 would cost agreement.
+    # Weights that are not 4-bit already get the int8 copy under auto: int4 would round them more coarsely.
     torch.manual_seed(3)
     plain = TinyLM(nn.Linear(128, 96), nn.Linear(96, 64))
     assert not weights_are_int4(plain)
