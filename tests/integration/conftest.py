@@ -15,13 +15,16 @@ def log_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def backends(model_dirs, log_dir) -> Iterator[tuple[st.Service, st.Service]]:
     """One verifier (tiny target) and one drafter (perturbed copy), shared by the session."""
-    verifier = st.start_backend("verifier", ["--model", str(model_dirs["target"]), "--dtype", "float32"], log_dir)
+    # Spawned together, then waited for: their start-ups overlap.
+    verifier = st.spawn_backend("verifier", ["--model", str(model_dirs["target"]), "--dtype", "float32"], log_dir)
+    drafter = st.spawn_backend(
+        "drafter", ["--model", str(model_dirs["draft"]), "--dtype", "float32", "--quantize", "none"], log_dir
+    )
     try:
-        drafter = st.start_backend(
-            "drafter", ["--model", str(model_dirs["draft"]), "--dtype", "float32", "--quantize", "none"], log_dir
-        )
+        st.ready_backend(verifier)
+        st.ready_backend(drafter)
     except BaseException:
-        verifier.stop()
+        st.stop_all([verifier, drafter])
         raise
     yield verifier, drafter
     drafter.stop()

@@ -111,30 +111,40 @@ class Stack:
         return f"http://{HOST}:{self.gateway.port}"
 
     def stop(self) -> None:
-        for s in reversed(self.services):
-            s.stop()
+        stop_all(list(reversed(self.services)))
 
 
-def start_backend(kind: str, args: list[str], log_dir: Path) -> Service:
+def spawn_backend(kind: str, args: list[str], log_dir: Path) -> Service:
+    """A backend process on a free port, not yet waited for (see `ready_backend`)."""
     port = free_port()
-    service = spawn(kind, ["--host", HOST, "--port", str(port), *args], log_dir, port)
+    return spawn(kind, ["--host", HOST, "--port", str(port), *args], log_dir, port)
+
+
+def ready_backend(service: Service) -> Service:
+    """Waits until `service` answers SERVING; stops it and raises with its log if it does not."""
     try:
         wait_grpc_healthy(service.address, service.proc)
     except Exception:
         service.stop()
-        raise RuntimeError(f"{kind} failed to start:\n{service.output()}") from None
+        raise RuntimeError(f"{service.name} failed to start:\n{service.output()}") from None
     return service
 
 
-def start_gateway(
+def start_backend(kind: str, args: list[str], log_dir: Path) -> Service:
+    return ready_backend(spawn_backend(kind, args, log_dir))
+
+
+def spawn_gateway(
     verifier: Service | str,
     drafter: Service | str | None,
     args: list[str],
     log_dir: Path,
     command: list[str] | None = None,
 ) -> Service:
-    """A gateway over these backends; a string is passed as is (several replicas: "a:1,b:2").
-    `command` runs the gateway through another script (see `spawn`)."""
+    """A gateway process over these backends, not yet waited for (see `ready_gateway`). It waits
+    for its backends itself, so it may be spawned beside them: their start-ups overlap.
+    A string is passed as is (several replicas: "a:1,b:2"); `command` runs the gateway through
+    another script (see `spawn`)."""
     # Tests of the round mechanics (and of drafter faults) need k drafts every round;
     # in auto mode a drafter that is rarely right, as the tiny draft model is, stops being asked.
     if "--speculative-mode" not in args:
@@ -155,18 +165,33 @@ def start_gateway(
         command,
     )  # fmt: skip
     gateway.grpc_port = grpc_port
-    deadline = time.monotonic() + 120
+    return gateway
+
+
+def ready_gateway(gateway: Service, timeout_s: float = 120) -> Service:
+    """Waits until the gateway's /health answers 200; stops it and raises with its log if not."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if gateway.proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {gateway.proc.returncode}:\n{gateway.output()}")
         try:
-            if httpx.get(f"http://{HOST}:{http_port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://{HOST}:{gateway.port}/health", timeout=1).status_code == 200:
                 return gateway
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     gateway.stop()
     raise TimeoutError(f"gateway not healthy:\n{gateway.output()}")
+
+
+def start_gateway(
+    verifier: Service | str,
+    drafter: Service | str | None,
+    args: list[str],
+    log_dir: Path,
+    command: list[str] | None = None,
+) -> Service:
+    return ready_gateway(spawn_gateway(verifier, drafter, args, log_dir, command))
 
 
 def start_stack(
@@ -180,35 +205,30 @@ def start_stack(
 ) -> Stack:
     """A whole stack; `mode` is the gateway's --speculative-mode (fixed by default, so
     tests of the round mechanics see k drafts every round)."""
+    # All three start at once: the gateway waits for its backends, and the processes' imports overlap.
     services: list[Service] = []
     try:
-        verifier = start_backend("verifier", ["--model", str(target), *backend_args], log_dir)
+        verifier = spawn_backend("verifier", ["--model", str(target), *backend_args], log_dir)
         services.append(verifier)
         drafter = None
         if draft == "ngram":
-            drafter = start_backend("drafter", ["--drafter", "ngram"], log_dir)
+            drafter = spawn_backend("drafter", ["--drafter", "ngram"], log_dir)
         elif draft is not None:
-            drafter = start_backend("drafter", ["--model", str(draft), "--quantize", "none", *backend_args], log_dir)
+            drafter = spawn_backend("drafter", ["--model", str(draft), "--quantize", "none", *backend_args], log_dir)
         if drafter:
             services.append(drafter)
-        gateway = start_gateway(
+        gateway = spawn_gateway(
             verifier,
             drafter,
-            [
-                "--tokenizer",
-                str(target),
-                "--num-speculative-tokens",
-                str(k),
-                "--speculative-mode",
-                mode,
-                *gateway_args,
-            ],
+            ["--tokenizer", str(target), "--num-speculative-tokens", str(k), "--speculative-mode", mode, *gateway_args],
             log_dir,
         )
         services.append(gateway)
+        for backend in services[:-1]:
+            ready_backend(backend)
+        ready_gateway(gateway)
     except BaseException:
-        for s in services:
-            s.stop()
+        stop_all(services)
         raise
     return Stack(verifier, drafter, gateway, services)
 

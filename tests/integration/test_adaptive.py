@@ -22,18 +22,22 @@ def scrape(gateway: st.Service) -> dict[str, float]:
 def auto_gateway(backends, model_dirs, log_dir) -> Iterator[st.Service]:
     """A gateway in auto mode whose drafter is the target itself: every draft is accepted."""
     verifier, _ = backends
-    drafter = st.start_backend(
+    drafter = st.spawn_backend(
         "drafter", ["--model", str(model_dirs["target"]), "--dtype", "float32", "--quantize", "none"], log_dir
     )
     try:
-        gateway = st.start_gateway(
+        gateway = st.spawn_gateway(
             verifier,
             drafter,
             ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--speculative-mode", "auto"],
             log_dir,
         )
-        yield gateway
-        gateway.stop()
+        try:
+            st.ready_backend(drafter)
+            st.ready_gateway(gateway)
+            yield gateway
+        finally:
+            gateway.stop()
     finally:
         drafter.stop()
 

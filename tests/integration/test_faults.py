@@ -107,10 +107,11 @@ def own_stack(request, model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
     choose the gateway's --pipeline through indirect parametrisation."""
     pipeline = getattr(request, "param", "sequential")
     services: dict[str, st.Service] = {}
-    services["verifier"] = backend("verifier", model_args(model_dirs["target"], "verifier"), log_dir)
+    # Spawned together, then waited for: the gateway waits for its backends itself.
+    services["verifier"] = st.spawn_backend("verifier", model_args(model_dirs["target"], "verifier"), log_dir)
     try:
-        services["drafter"] = backend("drafter", model_args(model_dirs["draft"]), log_dir)
-        services["gateway"] = st.start_gateway(
+        services["drafter"] = st.spawn_backend("drafter", model_args(model_dirs["draft"]), log_dir)
+        services["gateway"] = st.spawn_gateway(
             services["verifier"],
             services["drafter"],
             [
@@ -124,12 +125,15 @@ def own_stack(request, model_dirs, log_dir) -> Iterator[dict[str, st.Service]]:
             ],
             log_dir,
         )  # fmt: skip
+        st.ready_backend(services["verifier"])
+        st.ready_backend(services["drafter"])
+        st.ready_gateway(services["gateway"])
         yield services
     finally:
-        for s in reversed(list(services.values())):
+        for s in services.values():
             if s.proc.poll() is None:
                 s.proc.send_signal(signal.SIGCONT)
-            s.stop()
+        st.stop_all(list(reversed(services.values())))
 
 
 @pytest.mark.slow  # 25-100 s here, by machine load: it restarts the drafter and waits for the gateway

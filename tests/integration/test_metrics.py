@@ -25,7 +25,7 @@ def parse(text: str) -> dict[str, float]:
 def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs, log_dir):
     verifier, _ = backends
     metrics_port = st.free_port()
-    drafter = st.start_backend(
+    drafter = st.spawn_backend(
         "drafter",
         [
             "--model", str(model_dirs["target"]),
@@ -36,13 +36,15 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
         log_dir,
     )  # fmt: skip
     try:
-        gateway = st.start_gateway(
+        gateway = st.spawn_gateway(
             verifier,
             drafter,
             ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--speculative-mode", "fixed"],
             log_dir,
         )
         try:
+            st.ready_backend(drafter)
+            st.ready_gateway(gateway)
             before = scrape(gateway)
             body = {"model": "target", "prompt": "Hello", "max_tokens": 23, "temperature": 0, "ignore_eos": True}
             r = httpx.post(base_url(gateway) + "/v1/completions", json=body, timeout=60)

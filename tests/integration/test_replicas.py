@@ -31,7 +31,7 @@ def replicas(model_dirs, log_dir) -> Iterator[Replicas]:
     started: list[st.Service] = []
     metrics_ports: dict[str, int] = {}
     try:
-        # Spawn all four before waiting for any: model loading overlaps. The tiny draft model
+        # Spawn all five before waiting for any: model loading overlaps. The tiny draft model
         # almost never agrees with the target, so the second drafter serves the target itself:
         # sequences placed there have every draft accepted, and both paths cross the pools.
         for kind, model, extra in [
@@ -45,14 +45,9 @@ def replicas(model_dirs, log_dir) -> Iterator[Replicas]:
             args += ["--metrics-port", str(metrics_port), *extra]
             started.append(st.spawn(kind, args, log_dir, port))
             metrics_ports[started[-1].address] = metrics_port
-        for service in started:
-            try:
-                st.wait_grpc_healthy(service.address, service.proc)
-            except Exception:
-                raise RuntimeError(f"{service.name} failed to start:\n{service.output()}") from None
         verifiers = [s for s in started if s.name == "verifier"]
         drafters = [s for s in started if s.name == "drafter"]
-        gateway = st.start_gateway(
+        gateway = st.spawn_gateway(
             ",".join(v.address for v in verifiers),
             ",".join(d.address for d in drafters),
             [
@@ -64,10 +59,12 @@ def replicas(model_dirs, log_dir) -> Iterator[Replicas]:
             log_dir,
         )  # fmt: skip
         started.append(gateway)
+        for service in started[:-1]:
+            st.ready_backend(service)
+        st.ready_gateway(gateway)
         yield Replicas(verifiers, drafters, metrics_ports, gateway)
     finally:
-        for service in reversed(started):
-            service.stop()
+        st.stop_all(list(reversed(started)))
 
 
 @pytest.fixture(scope="module")

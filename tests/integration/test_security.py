@@ -61,11 +61,11 @@ def secure(model_dirs, log_dir, tmp_path_factory) -> Iterator[SecureStack]:
     auth = ["--backend-token-file", str(token_file)]
     services: list[st.Service] = []
     try:
-        verifier = st.start_backend("verifier", ["--model", str(model_dirs["target"]), *auth], log_dir)
+        verifier = st.spawn_backend("verifier", ["--model", str(model_dirs["target"]), *auth], log_dir)
         services.append(verifier)
-        drafter = st.start_backend("drafter", ["--drafter", "ngram", *auth], log_dir)
+        drafter = st.spawn_backend("drafter", ["--drafter", "ngram", *auth], log_dir)
         services.append(drafter)
-        gateway = st.start_gateway(
+        gateway = st.spawn_gateway(
             verifier,
             drafter,
             [
@@ -80,13 +80,14 @@ def secure(model_dirs, log_dir, tmp_path_factory) -> Iterator[SecureStack]:
             log_dir,
         )  # fmt: skip
         services.append(gateway)
+        st.ready_backend(verifier)
+        st.ready_backend(drafter)
+        st.ready_gateway(gateway)
     except BaseException:
-        for s in services:
-            s.stop()
+        st.stop_all(services)
         raise
     yield SecureStack(verifier, drafter, gateway)
-    for s in reversed(services):
-        s.stop()
+    st.stop_all(list(reversed(services)))
 
 
 def completion(url: str, prompt: str = "hello", max_tokens: int = 4) -> httpx.Response:
