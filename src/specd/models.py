@@ -178,9 +178,48 @@ def load_tokenizer(spec: str) -> Any:
 
     path = materialize(spec)
     try:
+        generic = generic_tokenizer_class(path)
+        if generic is not None:
+            return generic.from_pretrained(str(path), local_files_only=True)
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
+
+
+def generic_tokenizer_class(path: Path) -> Any | None:
+    """transformers' generic `TokenizersBackend` where AutoTokenizer would pick it, else None.
+
+    AutoTokenizer reads the model's config class to choose, and importing a config class
+    imports most of torch (distributed, dynamo): seconds of the gateway's start, which
+    needs only the tokenizer. A directory that names `TokenizersBackend` in its tokenizer
+    config, ships a tokenizer.json and has no custom code gets that class from AutoTokenizer,
+    except for the model types transformers overrides; those, and every other case, go
+    through AutoTokenizer.
+    """
+    import json
+
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (
+        tokenizer_config.get("tokenizer_class") != "TokenizersBackend"
+        or "auto_map" in tokenizer_config
+        or "auto_map" in model_config
+        or not (path / "tokenizer.json").is_file()
+    ):
+        return None
+    from transformers import TokenizersBackend
+    from transformers.models.auto import tokenization_auto
+
+    model_type = model_config.get("model_type")
+    overridden = set(tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
+    if model_type in overridden or model_config.get("model_name") in overridden:
+        return None
+    if (tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) or "").startswith("MistralCommon"):
+        return None
+    return TokenizersBackend
 
 
 def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
