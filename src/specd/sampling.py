@@ -86,12 +86,13 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     out = torch.empty_like(logits)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        # All greedy: a contiguous fill and scatter, not an indexed gather of every row.
+        return out.zero_().scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     if greedy:
         gi = torch.tensor(greedy, device=logits.device)
         out[gi] = 0.0
         out[gi, logits[gi].argmax(dim=-1)] = 1.0
-    if not sampled:
-        return out
     si = torch.tensor(sampled, device=logits.device)
     x = logits[si]
     temps = torch.tensor([params[i].temperature for i in sampled], device=x.device)
