@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from specd.models import EMBEDDED, materialize
+from specd.checkpoints import EMBEDDED, materialize
 
 
 def device_under_test() -> torch.device:

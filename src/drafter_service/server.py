@@ -11,7 +11,7 @@ import grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd import draftlm, models
+from specd import checkpoints, models
 from specd.grammar import grammar_compiler
 from specd.kvcache import BatchedCausalLM, Row
 from specd.leases import Leases
@@ -47,7 +47,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         )
         return engine, info
     quantization = config.quantization
-    if config.quantize == "auto" and draftlm.is_distilled(models.materialize(config.model)):
+    if config.quantize == "auto" and checkpoints.is_distilled(checkpoints.materialize(config.model)):
         quantization = "none"  # a distilled drafter is already small; quantizing would cost agreement
         if config.int8_wide_rows != -1:
             raise ValueError("int8_wide_rows applies to a quantized drafter; this distilled drafter is not quantized")

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.scheduler import Delta, Event, Failed, Finished, GenerationParams, Scheduler, _Sequence
-from specd.logprobs import LogprobsRequest, TokenLogprob
 from specd.noise import splitmix64
+from specd.params import LogprobsRequest, TokenLogprob
 
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 

@@ -18,7 +18,7 @@ from gateway.failures import GenerationError, internal
 from gateway.logprob_format import TokenTexts, grpc_logprobs
 from gateway.scheduler import Delta, Failed, Finished, Scheduler, _Sequence
 from gateway.validation import InvalidParameter, RequestedParams, choices, encode_prompt, generation_params
-from specd.logprobs import TokenLogprob
+from specd.params import TokenLogprob
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
 FINISH = {"stop": gateway_pb2.FINISH_REASON_STOP, "length": gateway_pb2.FINISH_REASON_LENGTH}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from specd.logprobs import TokenLogprob
+from specd.params import TokenLogprob
 from specd.proto.speculative.v1 import gateway_pb2
 
 

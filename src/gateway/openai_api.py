@@ -22,7 +22,7 @@ from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from gateway.validation import InvalidParameter, choices, encode_prompt
-from specd.logprobs import TokenLogprob
+from specd.params import TokenLogprob
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:

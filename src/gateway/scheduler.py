@@ -45,10 +45,8 @@ from gateway.round import (
     verify_request,
 )
 from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
-from specd.logits import Penalties
-from specd.logprobs import LogprobsRequest, TokenLogprob
+from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
-from specd.sampling import SamplingParams
 from specd.serving import add_penalties_pb, logprobs_request_pb, sampling_pb, token_logprob_from_pb
 from specd.tracing import Tracing
 

@@ -24,7 +24,7 @@ from gateway.limits import RateLimiter
 from gateway.openai_api import OpenAIApi
 from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.scheduler import Scheduler
-from specd import backend_auth, models, tls
+from specd import backend_auth, checkpoints, tls
 from specd.fingerprint import TokenizerFingerprint
 from specd.grpc_decode import DecodeErrorInterceptor
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 async def run(config: GatewayConfig) -> None:
-    tokenizer = models.load_tokenizer(config.tokenizer)
-    model_name = config.served_model_name or models.display_name(config.tokenizer)
+    tokenizer = checkpoints.load_tokenizer(config.tokenizer)
+    model_name = config.served_model_name or checkpoints.display_name(config.tokenizer)
     # Credentials first: a bad certificate path is a startup error, before any wait.
     backend_tls = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
     api_tls = tls.server_credentials(config.tls_cert, config.tls_key)
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level)
     try:
         asyncio.run(run(config))
-    except (BackendError, models.ModelLoadError, tls.TlsConfigError, backend_auth.BackendAuthError) as exc:
+    except (BackendError, checkpoints.ModelLoadError, tls.TlsConfigError, backend_auth.BackendAuthError) as exc:
         log.error("%s", exc)
         sys.exit(2)
 

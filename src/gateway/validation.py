@@ -23,10 +23,8 @@ from specd.grammar import (
     regex_grammar,
     schema_problem,
 )
-from specd.logits import Penalties
-from specd.logprobs import LogprobsRequest
+from specd.params import LogprobsRequest, Penalties, SamplingParams
 from specd.ranges import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_SEQUENCES, RANGES
-from specd.sampling import SamplingParams
 
 
 class InvalidParameter(GenerationError):

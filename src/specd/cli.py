@@ -159,7 +159,7 @@ def _up_parser() -> argparse.ArgumentParser:
 
 def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
     """`specd up --drafter` -> (kind, drafter service --model, --quantize)."""
-    from specd.models import EMBEDDED, EMBEDDED_DRAFTER
+    from specd.checkpoints import EMBEDDED, EMBEDDED_DRAFTER
 
     if choice == "auto":
         # The shipped distilled drafter (a feature head) agrees with the target on about a third of
@@ -177,7 +177,7 @@ def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize:
 
 def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
     """Where `specd up` runs the drafter and the verifier on the CPU (see --placement)."""
-    from specd.models import cache_dir
+    from specd.checkpoints import cache_dir
     from specd.placement import CpuPlacement, choose_cpu_placement, measured_steps, split_placement
 
     explicit = args.drafter_cpus or args.verifier_cpus or args.drafter_threads or args.verifier_threads
@@ -327,7 +327,7 @@ def up(argv: Sequence[str]) -> None:
     try:
         # Convert the embedded GGUF once here rather than in three racing children.
         if "embedded" in (args.target_model, draft_model) or args.target_model.endswith(".gguf"):
-            from specd.models import materialize
+            from specd.checkpoints import materialize
 
             materialize(args.target_model)
         for name, child_args in children.items():

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-MANIFEST = "specd_drafter.json"
+from specd.checkpoints import MANIFEST
+
 FORMAT = "specd-distilled-drafter"
 VERSION = 2
 # Version 2 added the feature-head design ("design": "feature-head", specd.featurehead); a reader of
@@ -81,10 +82,6 @@ def target_index(draft_vocab: torch.Tensor, target_vocab_size: int) -> torch.Ten
     index = torch.full((target_vocab_size,), -1, dtype=torch.long)
     index[draft_vocab.long()] = torch.arange(draft_vocab.numel())
     return index
-
-
-def is_distilled(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
 
 
 def tensor_sha256(t: torch.Tensor) -> str:

@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
-import numpy as np
-import torch
+
+# The services' tokenizer and mask code imports llguidance.hf (transformers), numpy and torch
+# where it runs: the gateway imports this module only to validate grammars, and must not import torch.
+if TYPE_CHECKING:
+    import torch
 
 # Fixed separators and no free whitespace: a model cannot pad the JSON forever, and the
 # output looks like json.dumps'. Both services must compile with these same options.
@@ -91,6 +93,8 @@ class GrammarCompiler:
     """One per service: the tokenizer's byte-level view, built once (about 0.6 s for 49k tokens)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance.hf
+
         self.vocab_size = vocab_size
         self.eos = int(tokenizer.eos_token_id)
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos)
@@ -142,6 +146,9 @@ class GrammarMatcher:
 
     def allowed(self) -> torch.Tensor:
         """Bool [V]: the tokens that may come next (EOS only where the grammar accepts; nothing after EOS)."""
+        import numpy as np
+        import torch
+
         if self.ended:
             return torch.zeros(self.vocab_size, dtype=torch.bool)
         if self._m.is_error():
@@ -191,6 +198,8 @@ class GrammarMatcher:
         grammar refuses gets p = 0 in its own row, so it is rejected there by every rule,
         and the rows after it are never used: they are left unconstrained.
         """
+        import torch
+
         rows = torch.ones((len(drafts) + 1, self.vocab_size), dtype=torch.bool)
         consumed = 0
         for j in range(len(drafts) + 1):

@@ -10,50 +10,11 @@ over the output tokens only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
-from specd.ranges import MAX_LOGIT_BIAS_ENTRIES, RANGES
-
-
-@dataclass(frozen=True)
-class Penalties:
-    presence: float = 0.0
-    frequency: float = 0.0
-    repetition: float = 1.0
-    # (token id, bias) pairs, sorted by id, so the dataclass stays hashable and comparable.
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def active(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
-
-    @staticmethod
-    def of(
-        presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0, bias: Mapping[int, float] | None = None
-    ) -> Penalties:
-        return Penalties(presence, frequency, repetition, tuple(sorted((bias or {}).items())))
-
-
-def validate_penalties(penalties: Penalties, vocab_size: int) -> str | None:
-    """Why `penalties` cannot be applied to a vocabulary of `vocab_size`, or None."""
-    for name, value in (
-        ("presence_penalty", penalties.presence),
-        ("frequency_penalty", penalties.frequency),
-        ("repetition_penalty", penalties.repetition),
-    ):
-        if problem := RANGES[name].problem(name, value):
-            return problem
-    if len(penalties.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        return f"logit_bias has {len(penalties.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
-    for token, bias in penalties.logit_bias:
-        if not 0 <= token < vocab_size:
-            return f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})"
-        if problem := RANGES["logit_bias"].problem(f"logit_bias[{token}]", bias):
-            return problem
-    return None
+from specd.params import Penalties
 
 
 def penalize(

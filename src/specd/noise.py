@@ -16,7 +16,12 @@ the key mixed with the token id, computed only at the tokens that need it.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Annotations only, and tensor methods rather than torch functions below: the gateway
+    # imports splitmix64 from here and must not import torch.
+    import torch
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -74,10 +79,10 @@ def hash32(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def uniform(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """float32 uniforms in (0, 1) at (key, token) pairs (broadcast)."""
-    top = (hash32(keys, tokens) >> (32 - _UNIFORM_BITS)).to(torch.float32)
+    top = (hash32(keys, tokens) >> (32 - _UNIFORM_BITS)).float()
     return (top + 0.5) * (1.0 / (1 << _UNIFORM_BITS))
 
 
 def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise at (key, token) pairs (float32, the broadcast shape of the inputs)."""
-    return -torch.log(-torch.log(uniform(keys, tokens)))
+    return -(-uniform(keys, tokens).log()).log()

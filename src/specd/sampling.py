@@ -26,38 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from specd import noise
-
-# Temperatures below this are treated as greedy (as vLLM does): dividing float32
-# logits by a tinier one overflows to inf and the softmax to NaN.
-GREEDY_BELOW_TEMPERATURE = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-    @property
-    def seeded(self) -> bool:
-        """Sampled with a seed: drawn with counter-based noise and verified by the Gumbel-max coupling."""
-        return not self.greedy and self.seed is not None
-
-
-def validate_sampling(params: SamplingParams) -> str | None:
-    """Return why `params` are invalid, or None."""
-    if not params.temperature >= 0.0 or params.temperature != params.temperature:
-        return f"temperature must be >= 0, got {params.temperature}"
-    if not 0.0 < params.top_p <= 1.0:
-        return f"top_p must be in (0, 1], got {params.top_p}"
-    if params.top_k < 0:
-        return f"top_k must be >= 0, got {params.top_k}"
-    return None
+from specd.params import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

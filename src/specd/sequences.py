@@ -13,10 +13,11 @@ from specd.errors import EngineError, exhausted, invalid, not_found
 from specd.featurehead import FeatureTrack
 from specd.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from specd.kvcache import BatchedCausalLM, Row, trim_heap
-from specd.logits import Penalties, penalize, validate_penalties
-from specd.logprobs import LogprobsRequest, TokenLogprob, token_logprobs
+from specd.logits import penalize
+from specd.logprobs import token_logprobs
+from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob, validate_penalties, validate_sampling
 from specd.ranges import RANGES
-from specd.sampling import SamplingParams, make_generator, validate_sampling
+from specd.sampling import make_generator
 from specd.tasks import SequenceSpec
 
 

@@ -20,14 +20,12 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from specd import backend_auth
+from specd.checkpoints import ModelLoadError
 from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
 from specd.leases import Leases, bad_owner, engine_id, public_message
-from specd.logits import Penalties
-from specd.logprobs import LogprobsRequest, TokenLogprob
-from specd.models import ModelLoadError
+from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2
-from specd.sampling import SamplingParams
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist
 from specd.tls import add_port, server_credentials
 from specd.tracing import Tracing

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from specd.errors import EngineError
-from specd.logits import Penalties
-from specd.logprobs import LogprobsRequest, TokenLogprob
-from specd.sampling import SamplingParams
+from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    # Only for an annotation: the gateway imports this module (via specd.serving) and must not import torch.
+    import torch
 
 
 @dataclass(frozen=True)

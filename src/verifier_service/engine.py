@@ -12,7 +12,8 @@ from specd.errors import EngineError, ErrorKind, invalid, precondition
 from specd.fingerprint import TokenizerFingerprint
 from specd.grammar import GrammarCompiler, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
-from specd.logprobs import TokenLogprob, token_logprobs
+from specd.logprobs import token_logprobs
+from specd.params import TokenLogprob
 from specd.sampling import coupled_verdict, gumbel_argmax, position_keys, probabilities, rejection_sample
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask

@@ -13,7 +13,7 @@ import pytest
 import stack as st
 import torch
 
-from specd import models
+from specd import checkpoints, models
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def metric(text: str, name: str) -> float:
 
 def test_the_feature_drafter_drafts_from_the_targets_states_and_output_stays_the_targets(up):
     base, log, metrics_url = up
-    tokenizer = models.load_tokenizer("embedded")
+    tokenizer = checkpoints.load_tokenizer("embedded")
     target = models.load_model("embedded", torch.device("cpu"), torch.float32)
     for question in QUESTIONS:
         messages = [{"role": "user", "content": question}]

@@ -19,7 +19,7 @@ import torch
 from target_reference import penalized_greedy, raw_logprobs
 
 from gateway.choices import choice_seed
-from specd import models
+from specd import checkpoints, models
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def up(tmp_path_factory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def target() -> tuple[Any, Any]:
     """The embedded model's tokenizer and float32 weights, as the verifier serves them."""
-    return models.load_tokenizer("embedded"), models.load_model("embedded", torch.device("cpu"), torch.float32)
+    return checkpoints.load_tokenizer("embedded"), models.load_model("embedded", torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")

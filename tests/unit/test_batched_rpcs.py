@@ -16,8 +16,8 @@ from drafter_service.engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd.errors import EngineError, ErrorKind
 from specd.leases import Leases, engine_id
+from specd.params import SamplingParams
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.sampling import SamplingParams
 from specd.serving import EngineRunner, ServiceMetrics
 from specd.tasks import SequenceSpec
 from specd.tracing import Tracing

@@ -13,9 +13,8 @@ from test_scheduler import GREEDY, scheduler
 from gateway.choices import Choices, Outcome, best, choice_params, choice_seed, merged
 from gateway.failures import GenerationError
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams
-from specd.logprobs import LogprobsRequest, TokenLogprob
+from specd.params import LogprobsRequest, SamplingParams, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2
-from specd.sampling import SamplingParams
 
 
 class FailsOne(FakeVerifier):

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specd.errors import ErrorKind
-from specd.logprobs import LogprobsRequest
-from specd.sampling import SamplingParams
+from specd.params import LogprobsRequest, SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -6,8 +6,9 @@ import pytest
 import tinymodels
 import torch
 
-from specd import draftlm
-from specd.sampling import SamplingParams, probabilities
+from specd import checkpoints, draftlm
+from specd.params import SamplingParams
+from specd.sampling import probabilities
 from specd.tools import distill
 
 
@@ -66,7 +67,7 @@ def test_save_and_load_with_a_borrowed_embedding(tmp_path, tok):
     out = tmp_path / "drafter"
     draftlm.save(student, out, {"target": str(target_dir)}, borrow_embedding=True, dtype=torch.float32)
     tok.save_pretrained(out)
-    assert draftlm.is_distilled(out)
+    assert checkpoints.is_distilled(out)
     loaded = draftlm.load(out, torch.float32, lambda spec: spec)
     ids = torch.tensor([[1, 100, 120, 5]])
     with torch.no_grad():

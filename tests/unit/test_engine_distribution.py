@@ -21,7 +21,8 @@ from scipy import stats
 from drafter_service.engine import ModelDrafter
 from specd import sampling
 from specd.kvcache import BatchedCausalLM
-from specd.sampling import SamplingParams, probabilities
+from specd.params import SamplingParams
+from specd.sampling import probabilities
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 

@@ -8,7 +8,7 @@ from tinymodels import backed_kv_bytes
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.errors import EngineError, ErrorKind
-from specd.sampling import SamplingParams
+from specd.params import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
 from verifier_service.engine import PROB_SUM_TOLERANCE, VerifierEngine
 

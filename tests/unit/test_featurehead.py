@@ -11,12 +11,12 @@ from drafter_service.engine import ModelDrafter
 from gateway.hidden_log import HiddenLog
 from gateway.membership import DrafterMembership
 from gateway.round import draft_request, read_verdicts, verify_request
-from specd import draftlm, featurehead, hidden_states
+from specd import checkpoints, draftlm, featurehead, hidden_states
 from specd.errors import ErrorKind
 from specd.featurehead import FeatureTrack
 from specd.kvcache import BatchedCausalLM
+from specd.params import SamplingParams
 from specd.proto.speculative.v1 import verifier_pb2
-from specd.sampling import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -268,7 +268,7 @@ def test_feature_head_saves_and_loads_borrowing_the_targets_tensors(head, tiny_t
     sha = draftlm.tensor_sha256(draftlm.read_target_tensor(target_dir, head_from))
     out = tmp_path / "drafter"
     featurehead.save(head, out, {"target": str(target_dir), "seed": 0, "head_sha256": sha}, torch.float32, head_from)
-    assert draftlm.is_distilled(out)
+    assert checkpoints.is_distilled(out)
     loaded = draftlm.load(out, torch.float32, lambda spec: target_dir)
     ids = torch.tensor([PROMPT])
     feats = torch.randn(1, len(PROMPT), head.feature_size)

@@ -19,7 +19,8 @@ from tinymodels import device_under_test, on_test_device
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.grammar import JSON_OBJECT_SCHEMA, apply_mask, canonical, schema_problem
 from specd.kvcache import BatchedCausalLM
-from specd.sampling import SamplingParams, gumbel_argmax, position_keys, probabilities
+from specd.params import SamplingParams
+from specd.sampling import gumbel_argmax, position_keys, probabilities
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 

@@ -16,7 +16,7 @@ from gateway.choices import choice_seed
 from gateway.failures import GenerationError
 from gateway.grpc_api import GatewayServicer
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams
-from specd.logprobs import TokenLogprob
+from specd.params import TokenLogprob
 from specd.proto.speculative.v1 import gateway_pb2
 
 PROMPT_TOKENS = 3

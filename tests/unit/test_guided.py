@@ -13,7 +13,7 @@ from test_grammar import PARAMS, decode_under, generate, make_drafter, make_veri
 from drafter_service.engine import NgramDrafter
 from gateway.validation import InvalidParameter, RequestedParams, generation_params
 from specd.grammar import GrammarError, choice_grammar, regex_grammar
-from specd.sampling import SamplingParams
+from specd.params import SamplingParams
 from specd.tasks import SequenceSpec
 
 # Digits as [0-9], not \d: \d means every Unicode digit, and the grammar engine's Unicode tables

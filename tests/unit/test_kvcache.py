@@ -9,7 +9,7 @@ import torch
 
 from drafter_service.engine import ModelDrafter
 from specd.kvcache import BatchedCausalLM, Row, SlotKVCache
-from specd.sampling import SamplingParams
+from specd.params import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 from target_reference import adjust, penalized_greedy, raw_logprobs
 
-from specd.logits import Penalties, penalize, validate_penalties
-from specd.logprobs import LogprobsRequest, TokenLogprob
-from specd.sampling import SamplingParams
+from specd.logits import penalize
+from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob, validate_penalties
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specd.errors import EngineError
-from specd.sampling import SamplingParams
+from specd.params import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -9,8 +9,8 @@ import torch
 from scipy import stats
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from specd.params import SamplingParams, validate_sampling
 from specd.sampling import (
-    SamplingParams,
     Verdict,
     coupled_verdict,
     gumbel_argmax,
@@ -20,7 +20,6 @@ from specd.sampling import (
     rejection_sample,
     sample,
     truncate,
-    validate_sampling,
 )
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -11,7 +11,7 @@ from fake_backends import EOS, BrokenDrafter, FakeDrafter, FakeVerifier, referen
 from gateway.backends import BackendError
 from gateway.failures import GenerationError
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
-from specd.sampling import SamplingParams
+from specd.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7], [11, 12], [20, 21, 22], [5, 5]]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.sampling import SamplingParams, gumbel_argmax, position_keys, probabilities
+from specd.params import SamplingParams
+from specd.sampling import gumbel_argmax, position_keys, probabilities
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specd.logprobs import LogprobsRequest
-from specd.sampling import SamplingParams
+from specd.params import LogprobsRequest, SamplingParams
 from specd.tasks import SequenceSpec, VerifyTask
 
 PROMPT = [5, 9, 14, 2, 7, 7, 30, 11]

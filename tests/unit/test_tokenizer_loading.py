@@ -13,7 +13,7 @@ import pytest
 import tinymodels
 from transformers import AutoTokenizer, TokenizersBackend
 
-from specd import models
+from specd import checkpoints
 from specd.fingerprint import TokenizerFingerprint
 
 TEXTS = ["Hello  world\n\tX é", "<|im_start|>user\nhi<|im_end|>", "  leading spaces and 123 digits"]
@@ -32,8 +32,8 @@ def edit_json(path: Path, **changes) -> None:
 
 def test_a_generic_tokenizer_directory_loads_what_autotokenizer_loads(saved):
     assert json.loads((saved / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
-    assert models.generic_tokenizer_class(saved) is TokenizersBackend
-    ours = models.load_tokenizer(str(saved))
+    assert checkpoints.generic_tokenizer_class(saved) is TokenizersBackend
+    ours = checkpoints.load_tokenizer(str(saved))
     auto = AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
     assert type(ours) is type(auto)
     assert TokenizerFingerprint.of(ours) == TokenizerFingerprint.of(auto)
@@ -56,19 +56,19 @@ def test_a_generic_tokenizer_directory_loads_what_autotokenizer_loads(saved):
 def test_anything_else_goes_through_autotokenizer(saved, change):
     name, fields = change
     edit_json(saved / name, **fields)
-    assert models.generic_tokenizer_class(saved) is None
+    assert checkpoints.generic_tokenizer_class(saved) is None
 
 
 def test_without_a_tokenizer_json_autotokenizer_decides(saved):
     (saved / "tokenizer.json").unlink()
-    assert models.generic_tokenizer_class(saved) is None
+    assert checkpoints.generic_tokenizer_class(saved) is None
 
 
 def test_loading_a_generic_tokenizer_imports_no_torch_distributed(saved):
     code = (
         "import sys\n"
-        "from specd import models\n"
-        f"models.load_tokenizer({str(saved)!r})\n"
+        "from specd import checkpoints\n"
+        f"checkpoints.load_tokenizer({str(saved)!r})\n"
         "print(sorted(m for m in ('torch.distributed.tensor', 'torch._dynamo') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -12,7 +12,7 @@ import pytest
 from api_harness import CHAT, COMPLETIONS, MODEL, body_for, grpc_generate, grpc_generate_stream, http_post
 
 from gateway.validation import RequestedParams, generation_params
-from specd.logprobs import LogprobsRequest
+from specd.params import LogprobsRequest
 
 NO_GRPC = None  # the proto's own type cannot carry this value
 NO_HTTP = None  # a gRPC-only parameter (HTTP's echo is its completions-only form)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specd import draftlm, featurehead, models
+from specd import checkpoints, draftlm, featurehead, models
 from specd.kvcache import BatchedCausalLM, Row
 from specd.placement import cpu_model
 from specd.tools.workloads import prompts_for
@@ -260,7 +260,7 @@ class Work:
 
 def default_work_dir(args: argparse.Namespace) -> Path:
     key = hashlib.sha256(f"{Path(args.out).resolve()}|{args.target}|{args.seed}".encode()).hexdigest()[:12]
-    return models.cache_dir() / "distill" / f"{Path(args.out).name}-{key}"
+    return checkpoints.cache_dir() / "distill" / f"{Path(args.out).name}-{key}"
 
 
 def phase_data(args: argparse.Namespace, work: Work, target: Any, tok: Any, seconds: float) -> None:
@@ -587,7 +587,7 @@ def model_card(args: argparse.Namespace, report: dict[str, Any]) -> str:
     else:
         embedding = "stored in model.safetensors"
     lines = [
-        f"# {Path(args.out).name}: a drafter distilled for {models.display_name(args.target)}",
+        f"# {Path(args.out).name}: a drafter distilled for {checkpoints.display_name(args.target)}",
         "",
         "Written by `specd distill` (src/specd/tools/distill.py); served by `specd drafter --model DIR`.",
         "",
@@ -697,7 +697,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     work = Work(Path(args.work_dir) if args.work_dir else default_work_dir(args))
     print(f"specd distill: work directory {work.path}", file=sys.stderr)
     phases_before = work.seconds("data") + work.seconds("train") + work.seconds("other")
-    tok = models.load_tokenizer(args.target)
+    tok = checkpoints.load_tokenizer(args.target)
     teacher = models.load_model(args.target, torch.device("cpu"), models.parse_dtype(args.teacher_dtype))
     reserve = min(0.15 * budget, 180.0)  # evaluation and saving
     phase_data(args, work, teacher, tok, args.gen_share * budget)
@@ -726,8 +726,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if refs:
             report["eval"] = distill_features.evaluate(head.to(eval_dtype), target, refs)
         student: Any = head
-        head_from = featurehead.target_head_name(models.materialize(args.target))
-        head_sha = draftlm.tensor_sha256(draftlm.read_target_tensor(models.materialize(args.target), head_from))
+        head_from = featurehead.target_head_name(checkpoints.materialize(args.target))
+        head_sha = draftlm.tensor_sha256(draftlm.read_target_tensor(checkpoints.materialize(args.target), head_from))
         meta = {"target": args.target, "seed": args.seed, "head_sha256": head_sha}
         featurehead.save(head, out, meta, models.parse_dtype(args.save_dtype), head_from)
     else:

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from specd.models import load_model, load_tokenizer, parse_device, parse_dtype
+from specd.checkpoints import load_tokenizer
+from specd.models import load_model, parse_device, parse_dtype
 from specd.quant import quantize_copy
 from specd.tools.benchstats import RequestResult
 
