@@ -160,13 +160,14 @@ def materialize(spec: str) -> Path:
 
 
 def load_tokenizer(spec: str) -> Any:
-    from transformers import AutoTokenizer
-
     path = materialize(spec)
     try:
         generic = generic_tokenizer_class(path)
         if generic is not None:
             return generic.from_pretrained(str(path), local_files_only=True)
+        # Imported only here: AutoTokenizer's module imports torch (through transformers' config classes).
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}") from exc
@@ -175,12 +176,12 @@ def load_tokenizer(spec: str) -> Any:
 def generic_tokenizer_class(path: Path) -> Any | None:
     """transformers' generic `TokenizersBackend` where AutoTokenizer would pick it, else None.
 
-    AutoTokenizer reads the model's config class to choose, and importing a config class
-    imports most of torch (distributed, dynamo): seconds of the gateway's start, which
-    needs only the tokenizer. A directory that names `TokenizersBackend` in its tokenizer
+    AutoTokenizer's module imports torch, and its config classes most of the rest of it
+    (distributed, dynamo): seconds of the gateway's start, which needs only the tokenizer
+    and must not import torch. A directory that names `TokenizersBackend` in its tokenizer
     config, ships a tokenizer.json and has no custom code gets that class from AutoTokenizer,
-    except for the model types transformers overrides; those, and every other case, go
-    through AutoTokenizer.
+    except for the model types transformers overrides (`auto_tokenizer_overrides`); those,
+    and every other case, go through AutoTokenizer.
     """
     import json
 
@@ -196,16 +197,61 @@ def generic_tokenizer_class(path: Path) -> Any | None:
         or not (path / "tokenizer.json").is_file()
     ):
         return None
-    from transformers import TokenizersBackend
-    from transformers.models.auto import tokenization_auto
-
+    overrides = auto_tokenizer_overrides()
+    if overrides is None:
+        return None
+    overridden, mistral = overrides
     model_type = model_config.get("model_type")
-    overridden = set(tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
-    if model_type in overridden or model_config.get("model_name") in overridden:
+    if model_type in overridden or model_config.get("model_name") in overridden or model_type in mistral:
         return None
-    if (tokenization_auto.TOKENIZER_MAPPING_NAMES.get(model_type) or "").startswith("MistralCommon"):
-        return None
+    from transformers import TokenizersBackend
+
     return TokenizersBackend
+
+
+def auto_tokenizer_overrides() -> tuple[frozenset[str], frozenset[str]] | None:
+    """The model types whose tokenizer AutoTokenizer chooses itself, from transformers' own tables.
+
+    Returns (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, the types that TOKENIZER_MAPPING_NAMES
+    may map to MistralCommonBackend), or None where the tables are not found as expected.
+    They are read from the source of transformers.models.auto.tokenization_auto, not imported:
+    importing that module imports torch.
+    """
+    import ast
+
+    import transformers
+
+    source = Path(transformers.__file__).parent / "models" / "auto" / "tokenization_auto.py"
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    tables: dict[str, ast.expr] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            tables[node.targets[0].id] = node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            tables[node.target.id] = node.value
+    if "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS" not in tables or "TOKENIZER_MAPPING_NAMES" not in tables:
+        return None
+    try:
+        overridden = ast.literal_eval(tables["MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS"])
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(overridden, set) or not all(isinstance(t, str) for t in overridden):
+        return None
+    # Entries are (model type, class name expression); a Mistral type's expression names
+    # MistralCommonBackend when mistral_common is installed. Either way AutoTokenizer decides.
+    mistral = {
+        entry.elts[0].value
+        for entry in ast.walk(tables["TOKENIZER_MAPPING_NAMES"])
+        if isinstance(entry, ast.Tuple)
+        and len(entry.elts) == 2
+        and isinstance(entry.elts[0], ast.Constant)
+        and isinstance(entry.elts[0].value, str)
+        and any(isinstance(n, ast.Constant) and n.value == "MistralCommonBackend" for n in ast.walk(entry.elts[1]))
+    }
+    return frozenset(overridden), frozenset(mistral)
 
 
 def display_name(spec: str) -> str:

@@ -1,17 +1,17 @@
 """`load_tokenizer` takes transformers' generic tokenizer class directly where AutoTokenizer would
-choose it (no config class import, so no torch.distributed or dynamo at the gateway's start),
-and AutoTokenizer everywhere else; either way the tokenizer is the one AutoTokenizer loads."""
+choose it (no AutoTokenizer import, so no torch at the gateway's start; test_gateway_imports
+checks that), and AutoTokenizer everywhere else; either way the tokenizer is the one AutoTokenizer
+loads."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import tinymodels
 from transformers import AutoTokenizer, TokenizersBackend
+from transformers.models.auto import tokenization_auto
 
 from specd import checkpoints
 from specd.fingerprint import TokenizerFingerprint
@@ -64,12 +64,15 @@ def test_without_a_tokenizer_json_autotokenizer_decides(saved):
     assert checkpoints.generic_tokenizer_class(saved) is None
 
 
-def test_loading_a_generic_tokenizer_imports_no_torch_distributed(saved):
-    code = (
-        "import sys\n"
-        "from specd import checkpoints\n"
-        f"checkpoints.load_tokenizer({str(saved)!r})\n"
-        "print(sorted(m for m in ('torch.distributed.tensor', 'torch._dynamo') if m in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+def test_the_overrides_read_from_source_are_transformers_own_tables():
+    overridden, mistral = checkpoints.auto_tokenizer_overrides()
+    assert overridden == set(tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
+    assert {"mistral", "mixtral"} <= mistral
+    # Whatever the mapping names for the other types, it is never MistralCommonBackend.
+    for model_type, name in tokenization_auto.TOKENIZER_MAPPING_NAMES.items():
+        assert model_type in mistral or not (name or "").startswith("MistralCommon")
+
+
+def test_without_the_tables_autotokenizer_decides(saved, monkeypatch):
+    monkeypatch.setattr(checkpoints, "auto_tokenizer_overrides", lambda: None)
+    assert checkpoints.generic_tokenizer_class(saved) is None
