@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -184,14 +185,9 @@ def ready_gateway(gateway: Service, timeout_s: float = 120) -> Service:
     raise TimeoutError(f"gateway not healthy:\n{gateway.output()}")
 
 
-def start_gateway(
-    verifier: Service | str,
-    drafter: Service | str | None,
-    args: list[str],
-    log_dir: Path,
-    command: list[str] | None = None,
-) -> Service:
-    return ready_gateway(spawn_gateway(verifier, drafter, args, log_dir, command))
+def start_gateway(*args: Any, **kwargs: Any) -> Service:
+    """`spawn_gateway` with these arguments, then `ready_gateway`."""
+    return ready_gateway(spawn_gateway(*args, **kwargs))
 
 
 def start_stack(
