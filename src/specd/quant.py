@@ -49,6 +49,16 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("wide_weight", wide, persistent=False)
         self.wide_rows = NEVER
 
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> WeightOnlyLinear:
+        # The kernels take bfloat16 activations and scales whatever dtype the model computes in
+        # (`model.to(torch.float32)` would otherwise make the scales float32, which they refuse):
+        # floating buffers follow a move to another device, never to another dtype.
+        super()._apply(fn, recurse)
+        for name, buffer in self._buffers.items():
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.bfloat16:
+                self._buffers[name] = buffer.to(torch.bfloat16)
+        return self
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)

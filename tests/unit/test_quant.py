@@ -166,3 +166,27 @@ def test_int4_layers_take_the_bfloat16_copy_for_wide_inputs() -> None:
         wide = nn.functional.linear(flat, inner.wide_weight) + inner.bias
         assert torch.equal(inner(x), (wide if rows >= 8 else narrow).float())
     assert not any("wide" in key for key in lm.state_dict())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("keep_wide", [False, True])
+def test_a_quantized_model_computes_in_the_dtype_it_is_moved_to(kind: str, keep_wide: bool) -> None:
+    """`specd drafter --dtype float32` quantizes, then moves the model to float32: the layers' own
+    buffers stay bfloat16, what the kernels take, and each layer answers in the caller's dtype."""
+    x = torch.randn(3, 96)
+    layers = []
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(4)
+        layer = nn.Sequential(nn.Linear(96, 64))
+        quantize_copy(layer, kind, keep_wide=keep_wide)
+        set_wide_rows(layer, 2)
+        layer.to(dtype)
+        buffers = {name: b.dtype for name, b in layer.named_buffers() if b.is_floating_point()}
+        assert buffers and set(buffers.values()) == {torch.bfloat16}, buffers
+        with torch.no_grad():
+            out = layer(x[:1].to(dtype)), layer(x.to(dtype))  # the quantized kernel, then the wide copy
+        assert all(o.dtype == dtype for o in out)
+        layers.append(out)
+    # The same kernels on the same bfloat16 inputs: the same numbers, only the output dtype differs.
+    for bf16, f32 in zip(*layers, strict=True):
+        assert torch.equal(bf16.float(), f32)
