@@ -9,6 +9,7 @@ passes `local_files_only=True`, so a hub id that is not on disk fails at startup
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import logging
 import os
@@ -209,13 +210,14 @@ def generic_tokenizer_class(path: Path) -> Any | None:
     return TokenizersBackend
 
 
+@functools.cache
 def auto_tokenizer_overrides() -> tuple[frozenset[str], frozenset[str]] | None:
     """The model types whose tokenizer AutoTokenizer chooses itself, from transformers' own tables.
 
     Returns (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, the types that TOKENIZER_MAPPING_NAMES
     may map to MistralCommonBackend), or None where the tables are not found as expected.
     They are read from the source of transformers.models.auto.tokenization_auto, not imported:
-    importing that module imports torch.
+    importing that module imports torch. Read once per process: the installed source does not change.
     """
     import ast
 
