@@ -115,9 +115,9 @@ class Stack:
         stop_all(list(reversed(self.services)))
 
 
-def spawn_backend(kind: str, args: list[str], log_dir: Path) -> Service:
-    """A backend process on a free port, not yet waited for (see `ready_backend`)."""
-    port = free_port()
+def spawn_backend(kind: str, args: list[str], log_dir: Path, port: int | None = None) -> Service:
+    """A backend process on `port` (default: a free one), not yet waited for (see `ready_backend`)."""
+    port = port or free_port()
     return spawn(kind, ["--host", HOST, "--port", str(port), *args], log_dir, port)
 
 

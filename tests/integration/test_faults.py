@@ -50,14 +50,7 @@ def expected_text(tok, references, prompt: str, max_tokens: int) -> str:
 
 def backend(kind: str, args: list[str], log_dir: Path, port: int | None = None) -> st.Service:
     """Start (or restart, on the same port) a drafter or verifier and wait until it is healthy."""
-    port = port or st.free_port()
-    service = st.spawn(kind, ["--host", st.HOST, "--port", str(port), *args], log_dir, port)
-    try:
-        st.wait_grpc_healthy(service.address, service.proc)
-    except Exception:
-        service.stop()
-        raise RuntimeError(f"{kind} failed to start:\n{service.output()}") from None
-    return service
+    return st.ready_backend(st.spawn_backend(kind, args, log_dir, port))
 
 
 def model_args(path: Path, kind: str = "drafter") -> list[str]:
