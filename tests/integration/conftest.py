@@ -1,10 +1,17 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import stack as st
+
+# Every test here runs three or more service processes of tiny models beside pytest on a machine
+# with a few cores; with torch's default of one intra-op thread per core they oversubscribe the
+# cores, and tiny models gain nothing from a second thread. The services inherit this; a setting
+# already in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
