@@ -96,10 +96,11 @@ def test_speedup_bound_from_model_costs():
     assert speedup_bound(0.8, 0, 1, 1, 1) == {}
 
 
-def test_add_bounds_uses_single_stream_costs():
+@pytest.mark.parametrize("mode", ["fixed", "sequential"])
+def test_add_bounds_uses_single_stream_costs(mode):
     target = {"mode": "target", "concurrency": 1, "output_tokens_per_s": 25.0, "round_verifier_forward_ms": 40.0}
     fixed = {
-        "mode": "fixed",
+        "mode": mode,
         "concurrency": 1,
         "output_tokens_per_s": 50.0,
         "acceptance_rate": 0.8,
@@ -119,6 +120,15 @@ def test_add_bounds_uses_single_stream_costs():
     assert fixed["bound_verify_ratio"] == pytest.approx(1.1)
     assert fixed["efficiency_vs_bound"] == pytest.approx(2.0 / (3.3616 / 1.3))
     assert "x" in format_table(rows)
+
+
+def test_add_bounds_leaves_overlapped_pipelines_unbounded():
+    target = {"mode": "target", "concurrency": 1, "output_tokens_per_s": 25.0, "round_verifier_forward_ms": 40.0}
+    common = {"concurrency": 1, "output_tokens_per_s": 30.0, "acceptance_rate": 0.8, "drafts": 10.0}
+    costs = {"draft_tokens": 40.0, "rounds": 12.0, "round_verifier_forward_ms": 44.0, "round_drafter_forward_ms": 7.0}
+    rows = [target, *({"mode": mode, **common, **costs} for mode in ("ahead", "cohort", "auto"))]
+    add_bounds(rows, k=4)
+    assert all("efficiency_vs_bound" not in row and "speedup_vs_target" in row for row in rows[1:])
 
 
 def test_modes_map_to_the_request_extension():

@@ -256,7 +256,15 @@ def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
         peer = hf.get(row["concurrency"])
         if peer is not None:
             row["speedup_vs_hf"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
-        if row["mode"] != "fixed" or row["concurrency"] != 1 or base is None or "acceptance_rate" not in row:
+        # The bound prices drafting and verifying one after the other: the sequential
+        # pipeline's rounds (and fixed k's, which may pipeline, so the bound is conservative
+        # there); draft-ahead and cohort rounds overlap the two, which it does not model.
+        if (
+            row["mode"] not in ("fixed", "sequential")
+            or row["concurrency"] != 1
+            or base is None
+            or "acceptance_rate" not in row
+        ):
             continue
         # At one client each round has one sequence, so per-round means are that
         # sequence's costs: a target step is a target-only round's forward; the
