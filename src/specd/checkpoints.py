@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import logging
 import os
@@ -148,7 +149,7 @@ def materialize(spec: str) -> Path:
             "(save the model with save_pretrained and pass its directory)"
         )
     stat = gguf.stat()
-    dest = cache_dir() / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}-v{CONVERSION_VERSION}"
+    dest = cache_dir() / f"{gguf.stem}-{_content_digest(gguf, stat.st_size, stat.st_mtime_ns)}-v{CONVERSION_VERSION}"
     if (dest / "config.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +159,18 @@ def materialize(spec: str) -> Path:
         if not (dest / "config.json").is_file():
             _convert_gguf(gguf, dest)
     return dest
+
+
+@functools.cache
+def _content_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """The conversion cache's key for a GGUF file: its content, not its file times, so that
+    reinstalling the same wheel (which rewrites the file) finds the conversion already made.
+    `size` and `mtime_ns` key the memo only: a file replaced in place is hashed again."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def load_tokenizer(spec: str) -> Any:
