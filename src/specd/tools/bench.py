@@ -256,9 +256,9 @@ def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
         peer = hf.get(row["concurrency"])
         if peer is not None:
             row["speedup_vs_hf"] = row["output_tokens_per_s"] / peer["output_tokens_per_s"]
-        # The bound prices drafting and verifying one after the other: the sequential
-        # pipeline's rounds (and fixed k's, which may pipeline, so the bound is conservative
-        # there); draft-ahead and cohort rounds overlap the two, which it does not model.
+        # The bound prices drafting and verifying one after the other, as the sequential
+        # pipeline runs them; fixed k runs the gateway's pipeline, which may overlap them, so
+        # its efficiency can pass 1. Draft-ahead and cohort rounds always overlap: no bound.
         if (
             row["mode"] not in ("fixed", "sequential")
             or row["concurrency"] != 1
