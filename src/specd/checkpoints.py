@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -149,7 +150,8 @@ def materialize(spec: str) -> Path:
             "(save the model with save_pretrained and pass its directory)"
         )
     stat = gguf.stat()
-    dest = cache_dir() / f"{gguf.stem}-{_content_digest(gguf, stat.st_size, stat.st_mtime_ns)}-v{CONVERSION_VERSION}"
+    digest = _content_digest(gguf, stat.st_size, stat.st_mtime_ns)
+    dest = cache_dir() / f"{gguf.stem}-{digest}-v{CONVERSION_VERSION}"
     if (dest / "config.json").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +160,30 @@ def materialize(spec: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (dest / "config.json").is_file():
             _convert_gguf(gguf, dest)
+            try:
+                _drop_superseded(dest.parent, gguf.stem, stat.st_size, digest)
+            except OSError as exc:  # tidying the cache never fails a load
+                log.warning("could not remove superseded conversions from %s: %s", dest.parent, exc)
     return dest
+
+
+def _drop_superseded(cache: Path, stem: str, size: int, digest: str) -> None:
+    """Delete the conversions a new one replaces: this content's under an older
+    CONVERSION_VERSION, and those keyed the way earlier releases did (`stem-size-mtime-vN`) for a
+    file of this name and size, which each reinstall of the wheel stranded. Each holds the
+    whole model, so keeping them would grow the cache by a model per upgrade. A newer version's
+    conversion is left alone (another install of specd may be using it)."""
+    key = re.compile(rf"{re.escape(stem)}-(?:(?P<digest>[0-9a-f]{{16}})|(?P<size>\d+)-\d+)-v(?P<version>\d+)")
+    for entry in cache.iterdir():
+        m = key.fullmatch(entry.name.removesuffix(".lock"))
+        if m is None or int(m["version"]) > CONVERSION_VERSION:
+            continue
+        if (m["digest"] == digest and int(m["version"]) < CONVERSION_VERSION) or m["size"] == str(size):
+            log.info("removing %s: superseded by this conversion", entry)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 @functools.cache

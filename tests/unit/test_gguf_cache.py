@@ -45,3 +45,30 @@ def test_other_content_of_the_same_size_and_name_gets_its_own_conversion(tmp_pat
     second = checkpoints.materialize(str(gguf))
     assert second != first
     assert conversions == [first, second]
+
+
+def test_a_conversion_removes_those_it_supersedes_and_nothing_else(tmp_path, conversions):
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(1000))
+    size = gguf.stat().st_size
+    digest = checkpoints._content_digest(gguf, size, gguf.stat().st_mtime_ns)
+    cache = tmp_path / "cache"
+    v = checkpoints.CONVERSION_VERSION
+    stale = [f"model-{size}-1700000000-v1", f"model-{size}-1700000500-v{v}", f"model-{digest}-v{v - 1}"]
+    kept = [
+        f"model-{size + 1}-1700000000-v{v}",  # another file of this name
+        f"model-{'0' * 16}-v{v}",  # other content
+        f"model-{digest}-v{v + 1}",  # a newer specd's
+        f"other-{size}-1700000000-v{v}",  # another name
+    ]
+    for name in stale + kept:
+        (cache / name).mkdir(parents=True)
+        (cache / name / "config.json").write_text("{}")
+        (cache / f"{name}.lock").write_text("")
+    made = checkpoints.materialize(str(gguf))
+    left = sorted(p.name for p in cache.iterdir())
+    assert left == sorted([made.name, f"{made.name}.lock", *kept, *(f"{n}.lock" for n in kept)])
+    # Finding a conversion already made deletes nothing.
+    (cache / stale[0]).mkdir()
+    assert checkpoints.materialize(str(gguf)) == made
+    assert (cache / stale[0]).is_dir()
