@@ -213,13 +213,12 @@ class SequenceRpcs:
         take = getattr(self.engine, "take_prompt_logprobs", None)  # a verifier's: prompt logprobs when asked for
 
         def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]], list[int]]:
-            errors = open_leased(self.engine, self.leases, owner, specs)
+            errors, forward_ns = open_leased(self.engine, self.leases, owner, specs)
             scored = [take(s.sequence_id) if take and e is None else [] for s, e in zip(specs, errors, strict=True)]
             table = self.engine.table
-            pending = [
-                table.pending(table.seqs[s.sequence_id]) if e is None else 0 for s, e in zip(specs, errors, strict=True)
-            ]
-            return errors, scored, pending
+            states = [table.seqs[s.sequence_id] if e is None else None for s, e in zip(specs, errors, strict=True)]
+            self.metrics.observe_open(sum(len(state.cached) for state in states if state), forward_ns)
+            return errors, scored, [table.pending(state) if state else 0 for state in states]
 
         (errors, scored, pending), _ = await self.runner.run(open_all)
         return [
@@ -292,15 +291,18 @@ class SequenceRpcs:
         return closed
 
 
-def open_leased(engine: Any, leases: Leases, owner: str, specs: list[SequenceSpec]) -> list[EngineError | None]:
-    """On the engine thread: open, and enter what opened in the owner's lease in the same step.
+def open_leased(
+    engine: Any, leases: Leases, owner: str, specs: list[SequenceSpec]
+) -> tuple[list[EngineError | None], int]:
+    """On the engine thread: open, and enter what opened in the owner's lease in the same step;
+    returns the per-spec errors and the prefill's forward ns.
 
     A gateway that dies mid-open cancels the RPC, but not the engine's work: recorded
     here, what it opened still expires with its lease.
     """
-    errors, _ = engine.open(specs)
+    errors, forward_ns = engine.open(specs)
     leases.opened(owner, [s.sequence_id for s, e in zip(specs, errors, strict=True) if e is None])
-    return errors
+    return errors, forward_ns
 
 
 def close_present(engine: Any, leases: Leases, keys: list[str], missing_ok: bool) -> tuple[int, EngineError | None]:
@@ -355,6 +357,17 @@ class ServiceMetrics:
             f"specd_{service}_batch_size", "Sequences per round", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
         )
         self.tokens_fed = Counter(f"specd_{service}_tokens_fed", "Tokens fed through the model in rounds", registry=r)
+        # A prompt prefilled whole at its open is no round's work: without these, a service's
+        # prefill (on a drafter, a quantized copy's, often dearer per token than its drafting)
+        # shows in its CPU time and nowhere else.
+        self.open_prefill_tokens = Counter(
+            f"specd_{service}_open_prefill_tokens",
+            "Prompt tokens cached when sequences open (computed, or copied from an open sequence with the same prefix)",
+            registry=r,
+        )
+        self.open_prefill = Counter(
+            f"specd_{service}_open_prefill_seconds", "Time in model forward passes prefilling at opens", registry=r
+        )
         self.hidden_rows = Counter(
             f"specd_{service}_hidden_state_rows",
             "The target's hidden states (one per position) returned (verifier) or received (a feature drafter)",
@@ -393,6 +406,10 @@ class ServiceMetrics:
         self.forward.observe(timing.forward_ns / 1e9)
         self.batch.observe(timing.batch_size)
         self.tokens_fed.inc(timing.tokens_fed)
+
+    def observe_open(self, tokens: int, forward_ns: int) -> None:
+        self.open_prefill_tokens.inc(tokens)
+        self.open_prefill.inc(forward_ns / 1e9)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)

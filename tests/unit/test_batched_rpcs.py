@@ -168,6 +168,11 @@ async def _servicer_open_too_big(engine) -> None:
             assert set(engine.table.seqs) == {engine_id("", "a"), engine_id("", "b")}
             assert engine.table.kv_reserved_bytes() == reserved, "refusing must not grow the cache"
             assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, 2 * (len(PROMPT) - 1))
+            # The prefill at the open is counted: only what opened, all but each prompt's last token.
+            sample = servicer.metrics.registry.get_sample_value
+            assert sample("specd_verifier_open_prefill_tokens_total") == 2 * (len(PROMPT) - 1)
+            assert sample("specd_verifier_open_prefill_seconds_total") > 0
+            assert sample("specd_verifier_tokens_fed_total") == 0, "an open is no round"
     finally:
         await server.stop(None)
         runner.shutdown()
