@@ -51,9 +51,10 @@ class GatewayConfig:
     max_batch: int = field(32, "most sequences in one round")
     prefill_chunk_tokens: int = field(
         0,
-        "prompt tokens the verifier prefills per round (the drafter: what fits behind a verify), in chunks "
-        "interleaved with the running sequences' rounds, so a long prompt delays them by at most one chunk a "
-        "round; 0 prefills each prompt whole at its open (the default: see README, chunked prefill)",
+        "prompt tokens the verifier prefills per round, in chunks interleaved with the running sequences' "
+        "rounds, so a long prompt delays them by at most one chunk a round; 0 prefills each prompt whole at "
+        "its open (the default: see README, chunked prefill). The drafter always prefills what fits behind a "
+        "verify, at most this many tokens when set",
     )
     backend_timeout_s: float = field(60.0, "deadline for each verifier call and round exchange")
     drafter_timeout_s: float = field(

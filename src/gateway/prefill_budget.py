@@ -5,8 +5,10 @@ a chunk that takes longer than the verify stalls every running stream. A drafter
 slower per prompt token than the verifier (an int8 weight-only copy runs its large prefill
 matrix products much slower than float32 ones), so the verifier's token budget does not fit it:
 the drafter's budget is what it can prefill in the time a verify takes, from measurements of
-both. A sequence whose drafter prefill is not done yet runs target-only meanwhile. Without
-chunked prefill, the same measure bounds how many new sequences join the drafter in one round.
+both. A sequence whose drafter prefill is not done yet runs target-only meanwhile. The drafter
+prefills this way whether or not the verifier's prefill is chunked (`--prefill-chunk-tokens`,
+which only caps it here): a whole prompt prefilled at a join would stall the round after the
+verify for as long as the drafter takes over it.
 """
 
 from __future__ import annotations

@@ -215,8 +215,10 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
         self.draining = False
-        # Prompt tokens each service prefills per round (0: whole prompts at their open, which stalls
+        # Prompt tokens the verifier prefills per round (0: whole prompts at their open, which stalls
         # every running sequence for as long as the prefill takes); what this round's verifier opens spent of it.
+        # The drafter always prefills in chunks, what fits behind a verify (within this cap if set): it
+        # prefills beside the verify, and a sequence drafts only once its drafter prefill is done.
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._verifier_prefill_spent = 0
         self.drafter_prefill = DrafterPrefillBudget(prefill_chunk_tokens)
@@ -437,7 +439,9 @@ class Scheduler:
             batch.append(self.waiting.popleft())
         if not batch:
             return
-        chunks = self._open_chunks(batch, self.active, "prefill_pending", self.prefill_chunk_tokens)
+        chunks = self._open_chunks(
+            batch, self.active, "prefill_pending", self.prefill_chunk_tokens, scores_prompts=True
+        )
         self._verifier_prefill_spent = sum(chunks.values())
         # Only the verifier opens sequences here: they join the drafter after their first
         # round, once the policy wants drafts from them (see _join_drafter), so the drafter's
@@ -481,19 +485,27 @@ class Scheduler:
         return int(ones < len(self.active) - ones)
 
     def _open_chunks(
-        self, opening: list[_Sequence], others: list[_Sequence], pending: str, round_budget: int
+        self,
+        opening: list[_Sequence],
+        others: list[_Sequence],
+        pending: str,
+        round_budget: int,
+        scores_prompts: bool = False,
     ) -> dict[str, int]:
         """What each sequence being opened prefills at its open, by id; one missing is opened whole.
 
-        With chunked prefill, the sequences already prefilling (`pending` names their counter)
-        have the first claim on the round's budget, and those being opened share what is left.
+        The sequences already prefilling (`pending` names their counter) have the first claim on
+        the round's budget, and those being opened share what is left. `round_budget` 0: no
+        chunks, every prompt whole at its open. `scores_prompts`: the verifier's opens, where a
+        sequence that asks for its prompt's logprobs is prefilled whole (they come with the open).
         """
-        if self.prefill_chunk_tokens <= 0:
+        if round_budget <= 0:
             return {}
         claimed = plan_prefill([(s.id, getattr(s, pending)) for s in others], round_budget)
         budget = round_budget - sum(claimed.values())
-        # A sequence that wants its prompt's logprobs gets them from its open: it is prefilled whole.
-        chunked = [s for s in opening if not (s.params.logprobs is not None and s.params.logprobs.prompt)]
+        chunked = [
+            s for s in opening if not (scores_prompts and s.params.logprobs is not None and s.params.logprobs.prompt)
+        ]
         shares = plan_prefill([(s.id, len(s.tokens) - 1) for s in chunked], budget)
         return {s.id: shares.get(s.id, 0) for s in chunked}
 
@@ -638,7 +650,8 @@ class Scheduler:
         seqs = [s for s in everyone if not s.prefill_pending]
         # A round that prefills on the verifier teaches the policy nothing (see the observer).
         ks, wanted = self._choose_ks(seqs, len(seqs), measurable=not plan.prefill)
-        plan.join = self._join_budget([s for s in wanted if s.drafter.pending])
+        # All may join: each prefills on the drafter only its share of what fits behind a verify.
+        plan.join = [s for s in wanted if s.drafter.pending]
         filling = [s for s in wanted if s.drafter.drafting]
         if filling:
             # What it has left includes the tokens committed since the drafter last heard of it,
@@ -681,23 +694,6 @@ class Scheduler:
                 if n > 0:
                     plan.ahead.append(DraftItem(s, n + 1, assumed=()))
         return plan
-
-    def _join_budget(self, wanted: list[_Sequence]) -> list[_Sequence]:
-        """Of the sequences the policy wants drafts from, those the drafter opens beside this verify.
-
-        Chunked, each open prefills only its share of the drafter's budget, so all may join.
-        Whole, as many as the drafter can prefill behind one verify, and at least one: a wave
-        of new requests then joins over a few rounds instead of stalling one round for all.
-        """
-        if self.prefill_chunk_tokens > 0:
-            return wanted
-        budget, spent, chosen = self.drafter_prefill.fits(), 0, []
-        for s in wanted:
-            if chosen and spent + len(s.tokens) > budget:
-                break
-            chosen.append(s)
-            spent += len(s.tokens)
-        return chosen
 
     def _ready(self, seq: _Sequence) -> Block | None:
         if seq.block is not None and seq.block.valid_for(seq.tokens):

@@ -124,7 +124,10 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
-        "--prefill-chunk-tokens", type=int, default=0, help="see specd gateway --help; 0: whole prompts at open"
+        "--prefill-chunk-tokens",
+        type=int,
+        default=0,
+        help="see specd gateway --help; 0: whole prompts at open on the verifier",
     )
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument(

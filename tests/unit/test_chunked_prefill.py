@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -134,7 +135,9 @@ def test_a_long_prompt_on_a_slow_drafter_catches_up_and_drafts(chunk: int) -> No
     assert sum(drafted) >= 20
 
 
-def test_without_chunks_a_wave_joins_the_drafter_as_fast_as_it_can_prefill_behind_a_verify() -> None:
+def test_without_verifier_chunks_the_drafter_still_prefills_only_what_fits_behind_a_verify() -> None:
+    """Whole prompts on the verifier (the default), chunks on the drafter: a sequence joining the
+    drafter never makes the round wait for its whole prompt's prefill there."""
     drafter = FakeDrafter()
     verifier = FakeVerifier(drafter=drafter)
     sched = scheduler(verifier, drafter)
@@ -142,11 +145,18 @@ def test_without_chunks_a_wave_joins_the_drafter_as_fast_as_it_can_prefill_behin
     prompts = [LONG[:40], LONG[40:80], LONG[:10], LONG[10:20], LONG[20:30], LONG]
     results = generate(sched, prompts)
     assert [ids for ids, _ in results] == [reference(p, 24) for p in prompts]
-    joined = [[len(spec.prompt_token_ids) for spec in specs] for specs in drafter.opens]
-    assert sum(len(sizes) for sizes in joined) == len(prompts)  # each once
-    for sizes in joined:
-        assert len(sizes) == 1 or sum(sizes) <= 60  # within what fits, or one alone
-    assert len(joined) >= 3
+    # The verifier prefills whole prompts at their opens.
+    assert all(not spec.HasField("prefill_tokens") for specs in verifier.opens for spec in specs)
+    opened = [spec for specs in drafter.opens for spec in specs]
+    assert len(opened) == len(prompts)  # each once
+    assert all(spec.HasField("prefill_tokens") for spec in opened)
+    for specs in drafter.opens:
+        assert sum(spec.prefill_tokens for spec in specs) <= 60
+    for request in drafter.requests:
+        assert sum(t.prefill_tokens for t in request.tasks) <= 60
+    per_sequence = Counter(sid for sid, _ in drafter.chunks)
+    assert max(per_sequence.values()) > 1, "the 97-token prompt takes more than one exchange there"
+    assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
 
 
 @pytest.mark.parametrize("drafts_pay", [True, False])
