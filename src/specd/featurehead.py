@@ -33,6 +33,7 @@ from torch import nn
 
 from specd import draftlm
 from specd.draftlm import DraftVocabHead
+from specd.kvcache import cache_keyword
 
 DESIGN = "feature-head"
 
@@ -49,6 +50,11 @@ class FeatureBase(nn.Module):
         # The target's embedding table and one decoder layer, final norm and rotary tables.
         self.body = AutoModel.from_config(config, attn_implementation="sdpa")
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+
+    @property
+    def cache_keyword(self) -> str:
+        """The keyword the decoder body takes its KV cache by."""
+        return cache_keyword(self.body)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor | None = None, **kwargs: Any) -> Any:
         embedded = self.body.embed_tokens(input_ids)

@@ -18,6 +18,7 @@ accelerator they are allocated outright.
 
 from __future__ import annotations
 
+import inspect
 import mmap
 import sys
 from collections.abc import Sequence
@@ -54,7 +55,7 @@ def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.T
 class SlotKVCache(Cache):
     """Per-layer KV storage [max_slots, kv_heads, max_positions, head_dim], made once.
 
-    Plugged into an HF model as `past_key_values`: the model calls `update` once
+    Plugged into an HF model as its cache (`cache_keyword`): the model calls `update` once
     per layer with the new tokens' keys/values and attends over what it returns.
     """
 
@@ -193,8 +194,11 @@ class SlotKVCache(Cache):
         key_states: torch.Tensor,
         value_states: torch.Tensor,
         layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
+        *_: Any,
+        **__: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # What else a model passes (`cache_kwargs` positionally before transformers 5.24,
+        # `kwargs=` since) is for caches that rotate or quantize; this one needs none of it.
         out = []
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             buf = store[layer_idx]
@@ -224,6 +228,16 @@ class SlotKVCache(Cache):
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
         return False
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword an HF model's forward takes its KV cache by: `cache` since transformers 5.24
+    renamed it (`past_key_values` then only warns, until it is removed), `past_key_values`
+    before. A model that forwards to an HF model inside says which itself."""
+    own = getattr(model, "cache_keyword", None)
+    if isinstance(own, str):
+        return own
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _dontneed(region: mmap.mmap, t: torch.Tensor, slot: int) -> None:
@@ -301,6 +315,7 @@ class BatchedCausalLM:
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.cache = SlotKVCache(self.num_layers, device, dtype, max_slots, min(max_positions, self.max_positions))
         self._base = model.base_model
+        self._cache_keyword = cache_keyword(self._base)
         self._head = model.get_output_embeddings()
         # The head's product is chosen per row count where measured (`calibrate_head`).
         self.head_product = HeadProduct(self._head)
@@ -376,8 +391,8 @@ class BatchedCausalLM:
                 input_ids=ids,
                 attention_mask=mask[:, None],
                 position_ids=positions,
-                past_key_values=self.cache,
                 use_cache=True,
+                **{self._cache_keyword: self.cache},
                 **extra,
             ).last_hidden_state
             picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
