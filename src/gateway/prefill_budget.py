@@ -30,14 +30,8 @@ class DrafterPrefillBudget:
     def observe_prefill(self, tokens: int, elapsed_ns: float) -> None:
         """A drafter exchange that only prefilled `tokens` prompt tokens, and how long it took.
 
-        The rate kept is the whole exchange's time per token, fixed cost included, so it reads
-        high for small chunks and low for large ones; sizing each chunk from the last ones'
-        rate then settles where a chunk's whole exchange (fixed cost + tokens x marginal cost)
-        takes one verify, which is the size wanted. Exchanges below MIN_CHUNK (a prompt's last
-        few tokens, a short prompt's open) are left out: mostly fixed cost, they would shrink
-        the next chunk to nothing. Learning from small chunks matters: once what fits is below
-        FIRST_CHUNK, every later chunk is."""
-        if tokens >= MIN_CHUNK and elapsed_ns > 0:
+        Exchanges of a few tokens are left out: their fixed cost would read as a per-token one."""
+        if tokens >= FIRST_CHUNK and elapsed_ns > 0:
             self.ns_per_token.observe(elapsed_ns / tokens)
 
     def observe_verify(self, elapsed_ns: float) -> None:

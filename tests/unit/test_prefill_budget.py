@@ -40,29 +40,3 @@ def test_without_a_chunk_cap_the_drafter_still_prefills_only_what_fits_behind_a_
     budget.observe_verify(200 * MS)
     budget.observe_prefill(512, 2200 * MS)
     assert 40 <= budget.tokens() <= 50
-
-
-def test_chunks_settle_where_the_whole_exchange_takes_one_verify():
-    """A drafter whose exchange costs a fixed 50 ms plus 5.5 ms a prompt token, behind 100 ms
-    verifies: the chunk that fits is (100 - 50) / 5.5 = 9 tokens, though a 32-token first chunk
-    reads 7.1 ms a token (14 tokens). It settles there from above, and from below after a slow
-    start (a loaded machine's first measurement), because small chunks are measured too."""
-
-    def run(budget: DrafterPrefillBudget, rounds: int) -> int:
-        for _ in range(rounds):
-            n = budget.tokens()
-            budget.observe_verify(100 * MS)
-            budget.observe_prefill(n, (50 + 5.5 * n) * MS)
-        return budget.tokens()
-
-    assert 8 <= run(DrafterPrefillBudget(0), 30) <= 10
-    slow_start = DrafterPrefillBudget(0)
-    slow_start.observe_verify(100 * MS)
-    slow_start.observe_prefill(32, 3200 * MS)  # 100 ms a token while something else ran
-    assert slow_start.tokens() == MIN_CHUNK
-    assert 8 <= run(slow_start, 30) <= 10
-    for _ in range(40):
-        n = slow_start.tokens()
-        slow_start.observe_verify(300 * MS)  # verifies got longer (more clients): more fits
-        slow_start.observe_prefill(n, (50 + 5.5 * n) * MS)
-    assert 40 <= slow_start.tokens() <= 46  # (300 - 50) / 5.5 = 45
