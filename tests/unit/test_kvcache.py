@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from drafter_service.engine import ModelDrafter
+from specd import kvcache
 from specd.kvcache import BatchedCausalLM, Row, SlotKVCache
 from specd.params import SamplingParams
 from specd.tasks import DraftTask, SequenceSpec, VerifyTask
@@ -435,3 +436,34 @@ def test_many_long_sequences_through_the_verifier_match_full_recompute(make_veri
         fed = state.committed[len(state.cached) :]
         got = verifier.lm.forward([Row(state.slot, len(state.cached), fed, len(fed) - 1)])[0][-1]
         assert_logits_close(got, full_logits(tiny_target, tokens, len(tokens) - 1)[0], sid)
+
+
+def test_the_cache_goes_in_by_the_keyword_the_model_names_whichever_transformers_is_installed():
+    """Before transformers 5.24 a model's forward took `past_key_values`, since then `cache`
+    (constraints.txt pins one of them, so the other spelling is checked here with stand-ins);
+    extra arguments to `update`, positional (before 5.24) or by keyword (since), are ignored."""
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return cache
+
+    class Wrapper(torch.nn.Module):  # forwards **kwargs to an HF model inside, and says which keyword
+        cache_keyword = "cache"
+
+        def forward(self, input_ids=None, **kwargs):
+            return kwargs
+
+    assert kvcache.cache_keyword(Old()) == "past_key_values"
+    assert kvcache.cache_keyword(New()) == "cache"
+    assert kvcache.cache_keyword(Wrapper()) == "cache"
+
+    cache = SlotKVCache(1, torch.device("cpu"), torch.float32, 2, 8)
+    cache.prepare([0], [0], [1])
+    k, v = torch.ones(1, 1, 1, 4), torch.full((1, 1, 1, 4), 2.0)
+    old_keys, _ = cache.update(k, v, 0, {"cache_position": None})
+    new_keys, new_values = cache.update(k, v, 0, kwargs={"position_ids": None})
+    assert torch.equal(old_keys, new_keys) and torch.equal(new_values[0, 0, 0], v[0, 0, 0])
