@@ -197,6 +197,13 @@ class ChatCompletionRequest(_Request):
     moderation: Any = None
 
     def requested(self) -> RequestedParams:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            # Either would silently override the other; OpenAI deprecated max_tokens for max_completion_tokens.
+            raise InvalidParameter(
+                "max_completion_tokens",
+                f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                "disagree: set one of them",
+            )
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         return dataclasses.replace(
             super().requested(),

@@ -32,6 +32,7 @@ BAD: list[tuple[str, dict[str, Any] | None, str, dict[str, Any] | None]] = [
     ("max_tokens", {"max_tokens": 0}, COMPLETIONS, {"max_tokens": 0}),
     ("max_tokens", {"max_tokens": -3}, CHAT, NO_GRPC),
     ("max_tokens", {"max_tokens": 2**31}, COMPLETIONS, NO_GRPC),
+    ("max_completion_tokens", {"max_tokens": 5, "max_completion_tokens": 7}, CHAT, NO_GRPC),
     ("seed", {"seed": -1}, COMPLETIONS, NO_GRPC),
     ("seed", {"seed": 2**64}, CHAT, NO_GRPC),
     ("presence_penalty", {"presence_penalty": 2.5}, CHAT, {"presence_penalty": 2.5}),
@@ -125,6 +126,16 @@ def test_grpc_max_tokens_unset_means_the_context_window_like_http_chat(tok):
     assert aborted is None and scheduler.submitted[0].max_tokens is None
     r, scheduler = http_post(tok, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 200 and scheduler.submitted[0].max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"max_completion_tokens": 7}, {"max_tokens": 7}, {"max_tokens": 7, "max_completion_tokens": 7}],
+)
+def test_chat_takes_either_token_budget_or_both_when_they_agree(tok, fields):
+    r, scheduler = http_post(tok, CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **fields})
+    assert r.status_code == 200, r.text
+    assert scheduler.submitted[0].max_tokens == 7
 
 
 @pytest.mark.parametrize(
