@@ -158,6 +158,7 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         temperature=opt("temperature"),
         top_p=opt("top_p"),
         top_k=params.top_k,
+        min_p=opt("min_p"),
         seed=opt("seed"),
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,

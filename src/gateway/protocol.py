@@ -63,6 +63,8 @@ class _Request(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    # vLLM's extension (HF's min-p sampling).
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = None
@@ -108,6 +110,7 @@ class _Request(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
             ignore_eos=self.ignore_eos,

@@ -43,6 +43,7 @@ class RequestedParams:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | Sequence[str] | None = None
     ignore_eos: bool = False
@@ -87,6 +88,7 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
         "seed",
         "presence_penalty",
         "frequency_penalty",
@@ -112,6 +114,7 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
             top_p=1.0 if raw.top_p is None else float(raw.top_p),
             top_k=top_k,
             seed=raw.seed,
+            min_p=0.0 if raw.min_p is None else float(raw.min_p),
         ),
         stop=stop,
         ignore_eos=raw.ignore_eos,

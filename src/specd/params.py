@@ -22,6 +22,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    # Drop tokens less likely than min_p times the most likely one (after top-k and top-p); 0 disables it.
+    min_p: float = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +43,8 @@ def validate_sampling(params: SamplingParams) -> str | None:
         return f"top_p must be in (0, 1], got {params.top_p}"
     if params.top_k < 0:
         return f"top_k must be >= 0, got {params.top_k}"
+    if not 0.0 <= params.min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {params.min_p}"
     return None
 
 

@@ -52,6 +52,7 @@ RANGES: dict[str, Range] = {
     "temperature": Range(0.0, 100.0),
     "top_p": Range(0.0, 1.0, low_open=True),
     "top_k": Range(-1, INT32_MAX, integer=True, note=" (0 and -1 disable it)"),
+    "min_p": Range(0.0, 1.0),
     "seed": Range(0, 2**64 - 1, integer=True),
     "presence_penalty": Range(-2.0, 2.0),
     "frequency_penalty": Range(-2.0, 2.0),

@@ -47,8 +47,8 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """Turn float logits [N, V] into the distribution each row's request samples from.
 
     Greedy rows become one-hot on the argmax (ties: lowest id, as torch.argmax and
-    HF greedy search). Sampled rows apply temperature, then top-k, then top-p, in
-    the order and with the tie rules of HF's logits warpers.
+    HF greedy search). Sampled rows apply temperature, then top-k, then top-p, then
+    min-p, in the order and with the tie rules of HF's logits warpers.
     """
     logits = logits.float()
     vocab = logits.shape[-1]
@@ -81,6 +81,12 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         remove[:, -1] = False  # always keep the most likely token
         remove = remove & (cutoff > 0.0)[:, None]
         x = x.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    min_ps = [params[i].min_p for i in sampled]
+    if any(p > 0.0 for p in min_ps):
+        # As HF's MinPLogitsWarper: against the most likely token's probability, which always stays.
+        probs = x.softmax(dim=-1)
+        floor = torch.tensor(min_ps, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
     out[si] = x.softmax(dim=-1)
     return out
 

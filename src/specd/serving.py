@@ -92,11 +92,14 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         top_p=msg.top_p,
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
+        min_p=msg.min_p,
     )
 
 
 def sampling_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
+    )
     if params.seed is not None:
         msg.seed = params.seed
     return msg

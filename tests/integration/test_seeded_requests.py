@@ -22,6 +22,7 @@ REQUESTS: list[dict[str, Any]] = [
     {"prompt": "Speculative decoding is", "seed": 12345, "temperature": 1.0, "top_k": 5},
     {"prompt": "a b c", "seed": 3, "temperature": 0.6, "top_p": 0.9},
     {"prompt": "Tell me a story about", "seed": 99, "temperature": 1.1},
+    {"prompt": "Once upon a time", "seed": 5, "temperature": 1.4, "min_p": 0.05},
 ]
 
 
@@ -69,3 +70,11 @@ def test_pipelines_do_not_change_seeded_text(gateway_for, target_only, pipeline)
 def test_seeds_matter(gateway_for, target_only):
     other = [complete(gateway_for(0), {**req, "seed": req["seed"] + 1}) for req in REQUESTS]
     assert sum(a != b for a, b in zip(other, target_only, strict=True)) >= len(REQUESTS) - 1
+
+
+def test_min_p_shapes_what_the_target_samples(gateway_for):
+    """min_p = 1 keeps only the most likely token: sampled at any temperature, the greedy text."""
+    gateway = gateway_for(4)
+    for req in REQUESTS[:3]:
+        greedy = complete(gateway, {"prompt": req["prompt"], "temperature": 0.0})
+        assert complete(gateway, {**req, "temperature": 2.0, "min_p": 1.0}) == greedy

@@ -7,7 +7,12 @@ from collections import Counter
 import pytest
 import torch
 from scipy import stats
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from specd.params import SamplingParams, validate_sampling
 from specd.sampling import (
@@ -26,13 +31,15 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def hf_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """HF's warper chain (temperature -> top-k -> top-p) on one row, then softmax."""
+    """HF's warper chain (temperature -> top-k -> top-p -> min-p) on one row, then softmax."""
     scores = logits.float().clone()[None]
     scores = TemperatureLogitsWarper(params.temperature)(None, scores)
     if params.top_k > 0:
         scores = TopKLogitsWarper(params.top_k)(None, scores)
     if params.top_p < 1.0:
         scores = TopPLogitsWarper(params.top_p)(None, scores)
+    if params.min_p > 0.0:
+        scores = MinPLogitsWarper(params.min_p)(None, scores)
     return scores.softmax(dim=-1)[0]
 
 
@@ -54,9 +61,9 @@ def test_greedy_rows_are_one_hot_argmax_with_lowest_id_on_ties():
     assert torch.equal(probs, expected)
 
 
-def test_greedy_ignores_top_k_and_top_p():
+def test_greedy_ignores_top_k_top_p_and_min_p():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.3, seed=7)] * 3
+    params = [SamplingParams(temperature=0.0, top_k=5, top_p=0.3, seed=7, min_p=0.5)] * 3
     probs = probabilities(logits, params)
     assert torch.equal(probs.argmax(dim=-1), logits.argmax(dim=-1))
     assert torch.equal(probs.sum(dim=-1), torch.ones(3))
@@ -75,6 +82,10 @@ SAMPLED_PARAMS = [
     SamplingParams(temperature=0.5, top_k=10, top_p=0.8),
     SamplingParams(temperature=2.0, top_k=50, top_p=0.5),
     SamplingParams(temperature=1.0, top_k=20, top_p=0.95),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=0.7, min_p=0.3),
+    SamplingParams(temperature=1.5, min_p=1.0),  # only the most likely token (and its ties) survive
+    SamplingParams(temperature=1.2, top_k=30, top_p=0.9, min_p=0.05),
 ]
 
 
@@ -416,6 +427,8 @@ def test_truncate_of_one_hot_has_zero_tail():
         SamplingParams(temperature=2.5, top_p=1.0, top_k=0),
         SamplingParams(temperature=0.7, top_p=0.01, top_k=1),
         SamplingParams(temperature=1.0, top_p=0.9, top_k=100000, seed=-1),
+        SamplingParams(temperature=1.0, min_p=0.0),
+        SamplingParams(temperature=1.0, min_p=1.0),
     ],
     ids=repr,
 )
@@ -434,6 +447,9 @@ def test_validate_sampling_accepts(params: SamplingParams):
         (SamplingParams(top_p=1.0001), "top_p"),
         (SamplingParams(top_p=math.nan), "top_p"),
         (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(min_p=-0.1), "min_p"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(min_p=math.nan), "min_p"),
     ],
     ids=repr,
 )
@@ -450,3 +466,10 @@ def test_greedy_property():
     assert SamplingParams(temperature=1e-38).greedy
     assert not SamplingParams(temperature=1e-4).greedy
     assert not SamplingParams().greedy
+
+
+def test_every_sampling_field_crosses_the_wire():
+    from specd.serving import sampling_from_pb, sampling_pb
+
+    params = SamplingParams(temperature=0.75, top_p=0.875, top_k=12, seed=99, min_p=0.25)
+    assert sampling_from_pb(sampling_pb(params)) == params

@@ -29,6 +29,9 @@ BAD: list[tuple[str, dict[str, Any] | None, str, dict[str, Any] | None]] = [
     ("top_k", {"top_k": 2**31}, COMPLETIONS, NO_GRPC),
     ("top_k", {"top_k": 2**40}, CHAT, NO_GRPC),
     ("top_k", {"top_k": -100}, COMPLETIONS, {"top_k": -100}),
+    ("min_p", {"min_p": -0.01}, CHAT, {"min_p": -0.01}),
+    ("min_p", {"min_p": 1.5}, COMPLETIONS, {"min_p": 1.5}),
+    ("min_p", {"min_p": math.nan}, CHAT, {"min_p": math.nan}),
     ("max_tokens", {"max_tokens": 0}, COMPLETIONS, {"max_tokens": 0}),
     ("max_tokens", {"max_tokens": -3}, CHAT, NO_GRPC),
     ("max_tokens", {"max_tokens": 2**31}, COMPLETIONS, NO_GRPC),
@@ -160,6 +163,7 @@ def test_good_values_reach_the_scheduler_identically_from_both_apis(tok):
         "temperature": 0.5,
         "top_p": 0.75,
         "top_k": -1,
+        "min_p": 0.125,
         "seed": 7,
         "presence_penalty": 0.5,
         "frequency_penalty": -0.25,
@@ -177,6 +181,7 @@ def test_good_values_reach_the_scheduler_identically_from_both_apis(tok):
     assert from_http.submitted == from_grpc.submitted
     params = from_http.submitted[0]
     assert params.penalties.logit_bias == ((5, 2.5), (7, -100.0)) and params.sampling.top_k == 0
+    assert params.sampling.min_p == 0.125
 
 
 def test_validator_is_the_one_place_ranges_live():
