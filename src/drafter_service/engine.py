@@ -218,18 +218,29 @@ class ModelDrafter(_DrafterBase):
                 for (i, s, _), x in zip(active, self._forward(active, rows), strict=True)
             ]
             ended = self._mask(active, logits, constrained)
-            probs = probabilities(torch.cat(logits), [s.params for _, s, _ in active])
+            # Greedy rows need only their argmax (one read back for all); the others their q.
+            greedy = [r for r, (_, s, _) in enumerate(active) if s.params.greedy]
+            chosen: dict[int, int] = {}
+            if greedy:
+                tokens = torch.cat([logits[r].argmax(dim=-1) for r in greedy]).tolist()
+                chosen = dict(zip(greedy, tokens, strict=True))
+            sampled = [r for r, (_, s, _) in enumerate(active) if not s.params.greedy]
+            dists: dict[int, torch.Tensor] = {}
+            if sampled:
+                probs = probabilities(torch.cat([logits[r] for r in sampled]), [active[r][1].params for r in sampled])
+                dists = dict(zip(sampled, probs, strict=True))
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))
-            coupled = self._coupled_tokens(active, probs, [len(contexts[i]) + step for i, _, _ in active])
+            chosen.update(self._coupled_tokens(active, dists, [len(contexts[i]) + step for i, _, _ in active]))
             still = []
             for row_i, (i, state, k) in enumerate(active):
                 state.cached.extend(feed[i])
-                if row_i in coupled:
-                    token, dist = coupled[row_i], None
+                dist: SparseDist | None = None
+                if row_i in chosen:
+                    token = chosen[row_i]
                 else:
-                    token, dist = self._pick(probs[row_i], state)
+                    token, dist = self._pick(dists[row_i], state)
                 if row_i in ended:
                     continue  # its grammar allows nothing more (or failed): the block ends here
                 proposals[i].tokens.append(token)
@@ -292,12 +303,13 @@ class ModelDrafter(_DrafterBase):
 
     @staticmethod
     def _coupled_tokens(
-        active: Sequence[tuple[int, SequenceState, int]], probs: torch.Tensor, positions: Sequence[int]
+        active: Sequence[tuple[int, SequenceState, int]], dists: dict[int, torch.Tensor], positions: Sequence[int]
     ) -> dict[int, int]:
         """Draft tokens of the seeded rows: argmax(log q + g) with the noise the verifier
         will use at the same position, so a draft is accepted whenever the draft
-        model's noisy argmax agrees with the target's. Keyed by row."""
-        rows = [r for r, (_, state, _) in enumerate(active) if state.params.seeded]
+        model's noisy argmax agrees with the target's. `dists`: q of each sampled row;
+        keyed by row."""
+        rows = [r for r in dists if active[r][1].params.seeded]
         if not rows:
             return {}
         keys = []
@@ -305,15 +317,14 @@ class ModelDrafter(_DrafterBase):
             state = active[r][1]
             assert state.params.seed is not None
             # Drafting step s proposes the token at position len(committed + assumed) + s.
-            keys.append(position_keys(state.params.seed, positions[r], 1, probs.device))
-        tokens = gumbel_argmax(probs[torch.tensor(rows, device=probs.device)], torch.cat(keys)).tolist()
+            keys.append(position_keys(state.params.seed, positions[r], 1, dists[r].device))
+        tokens = gumbel_argmax(torch.stack([dists[r] for r in rows]), torch.cat(keys)).tolist()
         return dict(zip(rows, tokens, strict=True))
 
-    def _pick(self, probs: torch.Tensor, state: SequenceState) -> tuple[int, SparseDist | None]:
-        if state.generator is None:
-            return int(probs.argmax()), None
-        # Unseeded: a sample from the truncated q with this service's own generator,
-        # never one the verifier also draws from.
+    def _pick(self, probs: torch.Tensor, state: SequenceState) -> tuple[int, SparseDist]:
+        # Unseeded sampling (greedy and seeded rows are chosen in one pass before): a sample
+        # from the truncated q with this service's own generator, never one the verifier also draws from.
+        assert state.generator is not None
         token, ids, top = sparse_draft(probs, self.max_support, state.generator)
         return token, SparseDist(ids, top)
 

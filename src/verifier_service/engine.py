@@ -139,7 +139,6 @@ class VerifierEngine:
         end = time.time_ns()
         timing.forward_ns += end - start
         timing.phases.append(("forward", start, end))
-        params = [state.params for _, state, task, _ in live for _ in range(len(task.draft_tokens) + 1)]
         # Penalties, bias and the grammar's mask shape p; the logprobs below stay the raw model's.
         adjusted = [
             state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
@@ -158,22 +157,30 @@ class VerifierEngine:
                 # the sequence has failed, so a grammar that cannot even roll back is left as is.
                 with contextlib.suppress(Exception):
                     state.grammar.pop(consumed.pop(task.sequence_id, 0))
-        probs = probabilities(torch.cat(adjusted), params)
-        coupled = self._coupled_tokens(live, probs)
-        offset = 0
+        # The target's own token at every row of the greedy and seeded sequences, each kind in
+        # one pass read back once; p itself only for the unseeded sampled ones.
+        own = self._greedy_tokens(live, adjusted)
+        sampled = [n for n, (_, state, _, _) in enumerate(live) if not state.params.greedy]
+        dists: dict[int, torch.Tensor] = {}
+        if sampled:
+            params = [live[n][1].params for n in sampled for _ in range(len(live[n][2].draft_tokens) + 1)]
+            probs = probabilities(torch.cat([adjusted[n] for n in sampled]), params)
+            offset = 0
+            for n in sampled:
+                dists[n] = probs[offset : offset + adjusted[n].shape[0]]
+                offset += adjusted[n].shape[0]
+            own.update(self._coupled_tokens(live, dists))
         for n, ((i, state, task, q), raw) in enumerate(zip(live, logits, strict=True)):
             k = len(task.draft_tokens)
-            rows_of_task = probs[offset : offset + k + 1]
-            offset += k + 1
             if results[i].error is not None:
                 continue
             try:
-                if state.params.seeded:
-                    # Any draft distributions sent along are not needed: the target's
-                    # own noisy argmax decides, whatever the drafter sampled from.
-                    verdict = coupled_verdict(coupled[task.sequence_id], task.draft_tokens)
+                if n in own:
+                    # Greedy or seeded: the target's own token at each row decides (its argmax,
+                    # or its noisy argmax), whatever the drafter sent along.
+                    verdict = coupled_verdict(own[n], task.draft_tokens)
                 else:
-                    verdict = rejection_sample(rows_of_task, task.draft_tokens, q, state.generator)
+                    verdict = rejection_sample(dists[n], task.draft_tokens, q, state.generator)
                 if state.grammar is not None:
                     # The grammar follows the committed tokens exactly: the accepted drafts
                     # stay consumed, the rejected ones are rolled back, the next token goes on.
@@ -199,35 +206,48 @@ class VerifierEngine:
         return results, timing
 
     @staticmethod
+    def _greedy_tokens(
+        live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]], adjusted: Sequence[torch.Tensor]
+    ) -> dict[int, list[int]]:
+        """The target's argmax at each row of every greedy sequence (ties: the lowest id, as
+        `probabilities`' one-hot rows), by index into `live`: one argmax, one read back."""
+        greedy = [n for n, (_, state, _, _) in enumerate(live) if state.params.greedy]
+        if not greedy:
+            return {}
+        # Argmax per block, not of their concatenation: no copy of every row's logits.
+        tokens = torch.cat([adjusted[n].argmax(dim=-1) for n in greedy]).tolist()
+        out: dict[int, list[int]] = {}
+        start = 0
+        for n in greedy:
+            out[n] = tokens[start : start + adjusted[n].shape[0]]
+            start += adjusted[n].shape[0]
+        return out
+
+    @staticmethod
     def _coupled_tokens(
-        live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]], probs: torch.Tensor
-    ) -> dict[str, list[int]]:
-        """The target's token at each row of every seeded sequence, all rows in one pass.
+        live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]], dists: dict[int, torch.Tensor]
+    ) -> dict[int, list[int]]:
+        """The target's token at each row of every seeded sequence, all rows in one pass, by
+        index into `live`; `dists`: p of each sampled sequence's rows.
 
         Row j of a sequence with n committed tokens decides token n + j, so its
         noise is keyed by that position: the same however the tokens are split
         into rounds, which is what makes a seed reproduce across k.
         """
-        rows: list[int] = []
-        keys: list[torch.Tensor] = []
-        spans: list[tuple[str, int]] = []
-        offset = 0
-        for _, state, task, _ in live:
-            n = len(task.draft_tokens) + 1
-            if state.params.seeded:
-                assert state.params.seed is not None
-                rows.extend(range(offset, offset + n))
-                keys.append(position_keys(state.params.seed, len(state.committed), n, probs.device))
-                spans.append((task.sequence_id, n))
-            offset += n
-        if not rows:
+        seeded = [n for n in dists if live[n][1].params.seeded]
+        if not seeded:
             return {}
-        tokens = gumbel_argmax(probs[torch.tensor(rows, device=probs.device)], torch.cat(keys)).tolist()
-        out: dict[str, list[int]] = {}
+        keys: list[torch.Tensor] = []
+        for n in seeded:
+            state = live[n][1]
+            assert state.params.seed is not None
+            keys.append(position_keys(state.params.seed, len(state.committed), dists[n].shape[0], dists[n].device))
+        tokens = gumbel_argmax(torch.cat([dists[n] for n in seeded]), torch.cat(keys)).tolist()
+        out: dict[int, list[int]] = {}
         start = 0
-        for sequence_id, n in spans:
-            out[sequence_id] = tokens[start : start + n]
-            start += n
+        for n in seeded:
+            out[n] = tokens[start : start + dists[n].shape[0]]
+            start += dists[n].shape[0]
         return out
 
     def kv_bytes(self) -> int:
