@@ -20,6 +20,7 @@ Either way the emitted tokens are distributed exactly as sampling from p alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,19 +136,31 @@ def position_keys(seed: int, start: int, count: int, device: torch.device) -> to
 def gumbel_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """argmax over tokens of log p + g(key, token) for each row of probs [R, V]; keys [R].
 
-    Exactly a sample from each row's p (Gumbel-max), so temperature, top-k and
-    top-p compose by being already in p. Noise is hashed only where p > 0: the
-    other tokens cannot win, and truncated rows (top-k, top-p) then cost little.
+    Exactly a sample from each row's p (Gumbel-max), so temperature, top-k, top-p and
+    min-p compose by being already in p. Noise is hashed only at tokens that could win
+    (hashing the whole vocabulary for every row was most of a seeded round's cost): the
+    noise never exceeds GUMBEL_MAX, so a token whose log p lies more than that below some
+    token's noisy score cannot win, and the row's few most likely tokens give such a
+    score. The argmax, ties included, is the one over every token.
     """
-    support = probs > 0
-    if bool(support.all()):
-        # Full support (no top-k / top-p cut): broadcasting hashes each token id once.
-        tokens = torch.arange(probs.shape[-1], device=probs.device)
-        return (probs.log() + noise.gumbel(keys[:, None], tokens[None, :])).argmax(dim=-1)
-    rows, tokens = support.nonzero(as_tuple=True)
-    scores = torch.full_like(probs, float("-inf"))
-    scores[rows, tokens] = probs[rows, tokens].log() + noise.gumbel(keys[rows], tokens)
+    logp = probs.log()  # -inf where p = 0: those never win
+    hashed = _vocabulary_hashes(probs.shape[-1], probs.device)
+    probes_logp, probes = logp.topk(min(GUMBEL_PROBES, probs.shape[-1]), dim=-1)
+    reached = (probes_logp + noise.gumbel_of(keys[:, None], hashed[probes])).amax(dim=-1)
+    rows, tokens = (logp >= (reached - noise.GUMBEL_MAX)[:, None]).nonzero(as_tuple=True)
+    scores = torch.full_like(logp, float("-inf"))
+    scores[rows, tokens] = logp[rows, tokens] + noise.gumbel_of(keys[rows], hashed[tokens])
     return scores.argmax(dim=-1)
+
+
+# The most likely tokens of a row whose noisy scores bound what the winner's must reach.
+GUMBEL_PROBES = 4
+
+
+@functools.lru_cache(maxsize=8)
+def _vocabulary_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """`noise.token_hashes` of ids 0 .. vocab - 1 (never written to: callers only read it)."""
+    return noise.token_hashes(torch.arange(vocab, device=device))
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,29 @@ def test_tensor_hash_matches_the_reference_definition():
     assert got == expected
 
 
+def reference_lowbias32_inverse(y: int) -> int:
+    """The hash's inverse (it is a bijection): the input that hashes to `y`."""
+    m = 0xFFFFFFFF
+    y ^= y >> 16
+    y = (y * pow(0x846CA68B, -1, 2**32)) & m
+    y ^= (y >> 15) ^ (y >> 30)
+    y = (y * pow(0x7FEB352D, -1, 2**32)) & m
+    return y ^ (y >> 16)
+
+
+@pytest.mark.parametrize("top", [2**32 - 1, 2**32 - 2**8, 2**31 + 2**8 + 1, 0])
+def test_noise_is_finite_and_bounded_at_every_hash(top: int):
+    # The largest 24-bit value's uniform rounded to 1.0 in float32, so its Gumbel noise was
+    # infinite and that token won whatever its probability (about one row in 340 of a 49,152-token
+    # vocabulary). The pair (key 0, a token hash whose hash32 is `top`) reaches each value.
+    hashed = reference_lowbias32_inverse(top)
+    assert reference_lowbias32(hashed) == top
+    g = noise.gumbel_of(torch.tensor([0]), torch.tensor([hashed]))
+    assert torch.isfinite(g).all() and float(g) <= noise.GUMBEL_MAX
+    if top >= 2**32 - 2**8:
+        assert float(g) > noise.GUMBEL_MAX - 0.01  # the bound is tight: the largest hash reaches it
+
+
 def test_known_values_do_not_change():
     # Every seeded output depends on these: a change here changes what every
     # seed produces, which must be a deliberate, documented decision.
@@ -154,6 +177,23 @@ def test_gumbel_argmax_sparse_and_dense_paths_agree():
     cut[probs < probs.gather(1, dense[:, None]) / 4] = 0.0
     assert bool((cut == 0).any())
     assert torch.equal(gumbel_argmax(cut, keys), dense)
+
+
+def brute_force_gumbel_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The definition: the noise at every token of every row, one row at a time."""
+    tokens = torch.arange(probs.shape[-1])
+    return torch.stack([(row.log() + noise.gumbel(key, tokens)).argmax() for row, key in zip(probs, keys, strict=True)])
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0, 30.0])
+def test_gumbel_argmax_hashes_only_what_can_win_and_picks_what_the_definition_picks(temperature: float):
+    gen = torch.Generator().manual_seed(int(temperature * 10))
+    logits = torch.randn(400, 2000, generator=gen) * 4
+    logits[::7, 100:] = -torch.inf  # rows with a cut support
+    logits[::11, 3] = logits[::11, 5] = 50.0  # rows with a tie at the top
+    probs = torch.softmax(logits / temperature, dim=-1)
+    keys = position_keys(9, 0, probs.shape[0], CPU)
+    assert torch.equal(gumbel_argmax(probs, keys), brute_force_gumbel_argmax(probs, keys))
 
 
 def test_gumbel_argmax_of_a_one_hot_row_is_its_token():
