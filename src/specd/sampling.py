@@ -29,6 +29,11 @@ import torch
 from specd import noise
 from specd.params import SamplingParams
 
+# Where top_p_cut looks for a row's nucleus, in turn, before sorting the whole row.
+TOP_P_CANDIDATES = (256, 4096)
+# The most likely tokens of a row whose noisy scores bound what the winner's must reach.
+GUMBEL_PROBES = 4
+
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A fresh, nondeterministically seeded generator for an unseeded sampled sequence.
@@ -69,19 +74,15 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     x = x / temps[:, None]
     top_ks = [params[i].top_k for i in sampled]
     if any(0 < k < vocab for k in top_ks):
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=x.device)
-        kth = torch.sort(x, dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+        ks = [k if 0 < k < vocab else vocab for k in top_ks]
+        # The k-th largest value (ties at it stay, as HF's TopKLogitsWarper keeps them), from a
+        # partial selection: sorting every row of the vocabulary cost far more.
+        kth = x.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=x.device)[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
-    top_ps = [params[i].top_p for i in sampled]
-    if any(p < 1.0 for p in top_ps):
-        sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        # 1 - top_p in Python, then float32, exactly as HF's TopPLogitsWarper compares.
-        cutoff = torch.tensor([1.0 - p for p in top_ps], device=x.device)
-        remove = cum <= cutoff[:, None]
-        remove[:, -1] = False  # always keep the most likely token
-        remove = remove & (cutoff > 0.0)[:, None]
-        x = x.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    nucleus = [r for r, i in enumerate(sampled) if params[i].top_p < 1.0]
+    if nucleus:
+        at = torch.tensor(nucleus, device=x.device)
+        x[at] = top_p_cut(x[at], torch.tensor([params[sampled[r]].top_p for r in nucleus], device=x.device))
     min_ps = [params[i].min_p for i in sampled]
     if any(p > 0.0 for p in min_ps):
         # As HF's MinPLogitsWarper: against the most likely token's probability, which always stays.
@@ -90,6 +91,30 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         x = x.masked_fill(probs < floor, float("-inf"))
     out[si] = x.softmax(dim=-1)
     return out
+
+
+def top_p_cut(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus sampling on logits [N, V] with top_p [N] in (0, 1): a token stays while the
+    probability of the tokens more likely than it is below top_p (so the most likely always
+    stays; HF's TopPLogitsWarper's set, which it reaches from the least likely up).
+
+    Each row's nucleus is looked for among its most likely tokens, TOP_P_CANDIDATES of them
+    and then more; only a row whose candidates hold less than top_p sorts its whole vocabulary.
+    """
+    probs = x.softmax(dim=-1)
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    rows = torch.arange(x.shape[0], device=x.device)
+    for size in (*TOP_P_CANDIDATES, x.shape[-1]):
+        candidates, ids = probs[rows].topk(min(size, x.shape[-1]), dim=-1)
+        mass = candidates.cumsum(dim=-1)
+        stays = (mass - candidates) < top_p[rows, None]
+        keep[rows] = torch.zeros((len(rows), x.shape[-1]), dtype=torch.bool, device=x.device).scatter_(1, ids, stays)
+        if size >= x.shape[-1]:
+            break
+        rows = rows[mass[:, -1] < top_p[rows]]  # the nucleus may reach past these candidates
+        if not len(rows):
+            break
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def truncate(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +149,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a distribution [V]; without a generator, its argmax (greedy)."""
     if generator is None:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # Inverse CDF: one uniform and a binary search (torch.multinomial took a millisecond a row of
+    # the vocabulary). A token of probability 0 adds nothing to the CDF, so the search never
+    # lands on one; only where rounding puts u at the total does it fall past the end.
+    cdf = probs.cumsum(dim=0)
+    u = torch.rand((), generator=generator, device=probs.device) * cdf[-1]
+    token = int(torch.searchsorted(cdf, u[None], right=True))
+    if token >= probs.shape[0]:
+        token = int((probs > 0).nonzero()[-1])
+    return token
 
 
 def position_keys(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
@@ -151,10 +184,6 @@ def gumbel_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     scores = torch.full_like(logp, float("-inf"))
     scores[rows, tokens] = logp[rows, tokens] + noise.gumbel_of(keys[rows], hashed[tokens])
     return scores.argmax(dim=-1)
-
-
-# The most likely tokens of a row whose noisy scores bound what the winner's must reach.
-GUMBEL_PROBES = 4
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 
 from specd.params import SamplingParams, validate_sampling
 from specd.sampling import (
+    TOP_P_CANDIDATES,
     Verdict,
     coupled_verdict,
     gumbel_argmax,
@@ -112,12 +113,34 @@ def test_sampled_rows_match_hf_warpers(params: SamplingParams, tied: bool):
 
 @pytest.mark.parametrize(("vocab", "top_p"), [(5, 0.8), (20, 0.85)])
 def test_top_p_threshold_is_computed_like_hf(vocab: int, top_p: float):
-    # Equal logits: the cumulative probabilities land exactly on 1 - top_p.
+    # Equal logits: the cumulative probabilities land exactly on 1 - top_p, so the boundary's
+    # rounding decides how many stay. Which of the tied tokens stay is arbitrary (HF's sort is
+    # not stable either): the kept probabilities must be HF's, whatever their ids.
     logits = torch.zeros(1, vocab)
     params = SamplingParams(temperature=1.0, top_p=top_p)
     expected = hf_reference(logits[0], params)
     assert int((expected > 0).sum()) < vocab
-    torch.testing.assert_close(probabilities(logits, [params])[0], expected)
+    got = probabilities(logits, [params])[0]
+    torch.testing.assert_close(got.sort().values, expected.sort().values)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 4.0])
+def test_top_p_finds_the_nucleus_among_candidates_or_sorts_the_row(temperature: float):
+    # Low temperatures put the nucleus among the candidates; a high one spreads it past
+    # them, which takes the whole row's sort. Both must give HF's set.
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(16, 5000, generator=gen) * 4
+    params = SamplingParams(temperature=temperature, top_p=0.9)
+    probs = probabilities(logits, [params] * 16)
+    kept = (probs > 0).sum(dim=-1)
+    if temperature < 1:
+        assert (kept < TOP_P_CANDIDATES[0]).all()
+    elif temperature > 1:
+        assert (kept > TOP_P_CANDIDATES[0]).all()
+    for row in range(16):
+        expected = hf_reference(logits[row], params)
+        assert torch.equal(probs[row] > 0, expected > 0)
+        torch.testing.assert_close(probs[row], expected, atol=1e-6, rtol=1e-5)
 
 
 def test_mixed_batch_of_greedy_and_sampled_rows():
@@ -473,3 +496,23 @@ def test_every_sampling_field_crosses_the_wire():
 
     params = SamplingParams(temperature=0.75, top_p=0.875, top_k=12, seed=99, min_p=0.25)
     assert sampling_from_pb(sampling_pb(params)) == params
+
+
+def test_sample_draws_from_p_and_never_a_zero_probability_token():
+    gen = torch.Generator().manual_seed(11)
+    p = torch.rand(60, generator=gen) ** 3
+    p[[0, 7, 30, 58, 59]] = 0.0
+    p /= p.sum()
+    draws = Counter(sample(p, gen) for _ in range(30000))
+    assert not {0, 7, 30, 58, 59} & set(draws)
+    support = (p > 0).nonzero().flatten().tolist()
+    observed = [draws.get(t, 0) for t in support]
+    expected = [float(p[t]) * 30000 for t in support]
+    assert stats.chisquare(observed, [e * sum(observed) / sum(expected) for e in expected]).pvalue > 1e-4
+
+
+def test_sample_at_the_top_of_the_uniform_lands_on_the_last_possible_token(monkeypatch):
+    p = torch.tensor([0.25, 0.5, 0.25, 0.0, 0.0])
+    # The largest uniform below 1, times a total that rounds to it: past the CDF's end.
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0))
+    assert sample(p, torch.Generator()) == 2
