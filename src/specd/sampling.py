@@ -69,7 +69,7 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         out[gi] = 0.0
         out[gi, logits[gi].argmax(dim=-1)] = 1.0
     si = torch.tensor(sampled, device=logits.device)
-    x = logits[si]
+    x = logits[si] if greedy else logits  # no copy of every row when none is greedy
     temps = torch.tensor([params[i].temperature for i in sampled], device=x.device)
     x = x / temps[:, None]
     top_ks = [params[i].top_k for i in sampled]
@@ -80,7 +80,9 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         kth = x.topk(max(ks), dim=-1).values.gather(1, torch.tensor(ks, device=x.device)[:, None] - 1)
         x = x.masked_fill(x < kth, float("-inf"))
     nucleus = [r for r, i in enumerate(sampled) if params[i].top_p < 1.0]
-    if nucleus:
+    if len(nucleus) == len(sampled):
+        x = top_p_cut(x, torch.tensor([params[i].top_p for i in sampled], device=x.device))
+    elif nucleus:
         at = torch.tensor(nucleus, device=x.device)
         x[at] = top_p_cut(x[at], torch.tensor([params[sampled[r]].top_p for r in nucleus], device=x.device))
     min_ps = [params[i].min_p for i in sampled]
@@ -89,6 +91,8 @@ def probabilities(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         probs = x.softmax(dim=-1)
         floor = torch.tensor(min_ps, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
         x = x.masked_fill(probs < floor, float("-inf"))
+    if not greedy:
+        return x.softmax(dim=-1)
     out[si] = x.softmax(dim=-1)
     return out
 

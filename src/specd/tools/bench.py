@@ -68,6 +68,7 @@ async def one_request(
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
+        "top_p": args.top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
         **extra,
@@ -404,6 +405,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature above 0)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens tokens")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--output-dir", default="bench-results", help="where the JSON file and plots go")
@@ -498,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # batch-size-1 server's queueing at N clients follows from its solo timings.
         longest = level_prompts(prompts, args, max(args.levels))
         bar = tqdm(total=len(longest), desc=f"{mode:>9} (serial)", unit="req", file=sys.stderr, leave=False)
-        solo = baseline.run(longest, args.max_tokens, args.temperature, args.ignore_eos, bar)
+        solo = baseline.run(longest, args.max_tokens, args.temperature, args.ignore_eos, bar, top_p=args.top_p)
         bar.close()
         hf_runs[mode] = baseline.name
         del baseline

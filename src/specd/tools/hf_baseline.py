@@ -80,14 +80,16 @@ class HfBaseline:
             return f"HF generate(prompt_lookup_num_tokens={c.k})"
         return f"HF generate(assistant_model={self.quantized}/{c.draft_dtype}, num_assistant_tokens={c.k})"
 
-    def _kwargs(self, max_tokens: int, temperature: float, ignore_eos: bool, seed: int) -> dict[str, Any]:
+    def _kwargs(
+        self, max_tokens: int, temperature: float, ignore_eos: bool, seed: int, top_p: float = 1.0
+    ) -> dict[str, Any]:
         c = self.config
         kwargs: dict[str, Any] = {"max_new_tokens": max_tokens, "pad_token_id": self.tokenizer.eos_token_id}
         if ignore_eos:
             kwargs["min_new_tokens"] = max_tokens
         if temperature > 0:
             torch.manual_seed(seed)
-            kwargs.update(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if c.draft == "ngram":
@@ -102,7 +104,9 @@ class HfBaseline:
             )
         return kwargs
 
-    def generate(self, prompt: str, max_tokens: int, temperature: float, ignore_eos: bool, seed: int) -> RequestResult:
+    def generate(
+        self, prompt: str, max_tokens: int, temperature: float, ignore_eos: bool, seed: int, top_p: float = 1.0
+    ) -> RequestResult:
         rendered = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
@@ -114,7 +118,7 @@ class HfBaseline:
                 ids,
                 attention_mask=torch.ones_like(ids),
                 streamer=clock,
-                **self._kwargs(max_tokens, temperature, ignore_eos, seed),
+                **self._kwargs(max_tokens, temperature, ignore_eos, seed, top_p),
             )
         end = time.perf_counter()
         new = out[0, ids.shape[1] :].tolist()
@@ -125,12 +129,18 @@ class HfBaseline:
         )
 
     def run(
-        self, prompts: Sequence[str], max_tokens: int, temperature: float, ignore_eos: bool, progress: Any = None
+        self,
+        prompts: Sequence[str],
+        max_tokens: int,
+        temperature: float,
+        ignore_eos: bool,
+        progress: Any = None,
+        top_p: float = 1.0,
     ) -> list[RequestResult]:
-        self.generate(prompts[0], 8, temperature, ignore_eos, 0)  # first-call costs stay out of the figures
+        self.generate(prompts[0], 8, temperature, ignore_eos, 0, top_p)  # first-call costs stay out of the figures
         results = []
         for i, prompt in enumerate(prompts):
-            results.append(self.generate(prompt, max_tokens, temperature, ignore_eos, i))
+            results.append(self.generate(prompt, max_tokens, temperature, ignore_eos, i, top_p))
             if progress is not None:
                 progress.update(1)
         return results
