@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +18,8 @@ from specd.params import TokenLogprob
 from specd.sampling import coupled_verdict, gumbel_argmax, position_keys, probabilities, rejection_sample
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
+
+T = TypeVar("T", list[int], torch.Tensor)
 
 # Slack for float32 rounding of probabilities that were normalised on another host.
 PROB_SUM_TOLERANCE = 1e-3
@@ -165,10 +168,7 @@ class VerifierEngine:
         if sampled:
             params = [live[n][1].params for n in sampled for _ in range(len(live[n][2].draft_tokens) + 1)]
             probs = probabilities(torch.cat([adjusted[n] for n in sampled]), params)
-            offset = 0
-            for n in sampled:
-                dists[n] = probs[offset : offset + adjusted[n].shape[0]]
-                offset += adjusted[n].shape[0]
+            dists = _by_block(probs, {n: adjusted[n].shape[0] for n in sampled})
             own.update(self._coupled_tokens(live, dists))
         for n, ((i, state, task, q), raw) in enumerate(zip(live, logits, strict=True)):
             k = len(task.draft_tokens)
@@ -216,12 +216,7 @@ class VerifierEngine:
             return {}
         # Argmax per block, not of their concatenation: no copy of every row's logits.
         tokens = torch.cat([adjusted[n].argmax(dim=-1) for n in greedy]).tolist()
-        out: dict[int, list[int]] = {}
-        start = 0
-        for n in greedy:
-            out[n] = tokens[start : start + adjusted[n].shape[0]]
-            start += adjusted[n].shape[0]
-        return out
+        return _by_block(tokens, {n: adjusted[n].shape[0] for n in greedy})
 
     @staticmethod
     def _coupled_tokens(
@@ -243,12 +238,7 @@ class VerifierEngine:
             assert state.params.seed is not None
             keys.append(position_keys(state.params.seed, len(state.committed), dists[n].shape[0], dists[n].device))
         tokens = gumbel_argmax(torch.cat([dists[n] for n in seeded]), torch.cat(keys)).tolist()
-        out: dict[int, list[int]] = {}
-        start = 0
-        for n in seeded:
-            out[n] = tokens[start : start + dists[n].shape[0]]
-            start += dists[n].shape[0]
-        return out
+        return _by_block(tokens, {n: dists[n].shape[0] for n in seeded})
 
     def kv_bytes(self) -> int:
         return self.table.kv_bytes()
@@ -268,3 +258,13 @@ def check_sparse(dist: SparseDist, vocab_size: int) -> None:
     # The rule is exact only if q is the distribution the draft was sampled from.
     if abs(sum(dist.probs) - 1.0) > PROB_SUM_TOLERANCE:
         raise invalid(f"sparse distribution sums to {sum(dist.probs):.6f}, not 1")
+
+
+def _by_block(rows: T, sizes: dict[int, int]) -> dict[int, T]:
+    """Consecutive rows of a batch (a list or a tensor), cut into each sequence's block, in order."""
+    out: dict[int, T] = {}
+    start = 0
+    for n, size in sizes.items():
+        out[n] = rows[start : start + size]
+        start += size
+    return out
