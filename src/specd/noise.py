@@ -33,6 +33,9 @@ _TOP_BIT32 = 1 << 31
 # is at most GUMBEL_MAX.
 _UNIFORM_BITS = 24
 _BELOW_ONE = 1.0 - 2.0**-24
+# The largest value `gumbel` returns: -log(-log(u)) at the largest u, 16.6355 (float32);
+# what bounds a token's noisy score from above, with a margin for another device's logs.
+GUMBEL_MAX = 16.64
 
 # Streams separate independent uses of one seed at one position. The drafter and
 # the verifier share TOKEN on purpose: that shared noise is the coupling.
@@ -110,8 +113,3 @@ def gumbel(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def gumbel_of(keys: torch.Tensor, hashed_tokens: torch.Tensor) -> torch.Tensor:
     """`gumbel` from the tokens' `token_hashes` (left unchanged)."""
     return _uniform_of(hash32_of(keys, hashed_tokens)).log_().neg_().log_().neg_()
-
-
-# The largest value `gumbel` returns: -log(-log(u)) at the largest u, 16.6355 (float32);
-# what bounds a token's noisy score from above, with a margin for another device's logs.
-GUMBEL_MAX = 16.64

@@ -56,3 +56,11 @@ def test_sampled_requests_are_reproducible_and_differ_by_seed(model_dirs):
     # Request i is seeded with i: the same prompt under two seeds gives two samples.
     same_prompt = [peer.generate(PROMPTS[0], TOKENS, 1.0, True, seed).text for seed in (0, 1)]
     assert same_prompt[0] != same_prompt[1]
+
+
+def test_sampled_requests_take_the_benchs_top_p(model_dirs):
+    peer = HfBaseline(HfConfig(target=str(model_dirs["target"]), draft="none"))
+    assert peer._kwargs(TOKENS, 1.0, False, 0, top_p=0.5)["top_p"] == 0.5
+    # A nucleus of one token is the greedy choice, at any temperature.
+    greedy = peer.generate(PROMPTS[0], TOKENS, 0.0, True, 0).text
+    assert peer.generate(PROMPTS[0], TOKENS, 2.0, True, 3, top_p=1e-6).text == greedy
