@@ -57,6 +57,12 @@ class GatewayMetrics:
             "Draft tokens drafted ahead (or for a cohort) and discarded before verification",
             registry=r,
         )
+        self.ahead_guesses = Counter(
+            "specd_spec_decode_ahead_guesses",
+            "Draft-ahead guesses at the verifier's own token after a block accepted whole, by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.rounds = Counter("specd_rounds", "Draft/verify rounds run", registry=r)
         self.pipeline_rounds = Counter(
             "specd_pipeline_rounds",

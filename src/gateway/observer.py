@@ -76,6 +76,8 @@ class RoundOutcome:
     ahead_drafted: list[int] = field(default_factory=list)
     # Prompt tokens the drafter opened beside the verify (sequences joining it).
     joined_tokens: int = 0
+    # Draft-ahead blocks whose assumed block was accepted whole: was the guess after it right?
+    guesses: list[tuple[Any, bool]] = field(default_factory=list)
 
     @property
     def drafted(self) -> list[int]:
@@ -128,6 +130,9 @@ class RoundObserver:
                     if acceptance is not None:
                         acceptance.observe(v.drafted, v.accepted)
                     self.policy.overall.observe(v.drafted, v.accepted)
+        for seq, hit in outcome.guesses:
+            self.policy.observe_guess(getattr(seq, "guess", None), hit)
+            self.metrics.ahead_guesses.labels(outcome="right" if hit else "wrong").inc()
         choice = self.policy.last_choice
         observed_gain = None
         if not outcome.prefill_tokens:
@@ -162,7 +167,15 @@ class RoundObserver:
                 }
             )
             if choice is not None:
-                span.set_attribute("specd.predicted_gain", choice.predicted_gain)
+                # What the policy believed: a trace reader can tell a wrong cost from a wrong acceptance.
+                span.set_attributes(
+                    {
+                        "specd.predicted_gain": choice.predicted_gain,
+                        "specd.predicted_tokens_per_s": choice.predicted_rate,
+                        "specd.baseline_tokens_per_s": choice.baseline_rate,
+                        "specd.overlap_estimate": self.policy.overlap.value,
+                    }
+                )
             if observed_gain is not None:
                 span.set_attribute("specd.observed_gain", observed_gain)
         self.metrics.observe_round(proposals, len(outcome.verdicts), times)

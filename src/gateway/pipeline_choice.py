@@ -16,9 +16,10 @@ Two exchanges x and y run concurrently take max(x, y) + (1-e)·min(x, y). Per pi
 
 - sequential: o + D(B, max k) + V(Σ(k+1) padded);
 - draft-ahead: o + (1-P)·D(misses) + both(V, D(B, max k + 1)), with P = Π_s h_s the chance
-  that every sequence's ahead block stands, h_s = P(its k drafts accepted) · P(its drafter's
-  next token equals the verifier's), the latter taken as the acceptance at position k+1;
-  a sequence whose block missed drafts before the verify;
+  that every sequence's ahead block stands, h_s = P(its k drafts accepted) · g_s, g_s the
+  rate at which its drafter's guess at the verifier's next token has been right (learnt
+  per sequence: for sampled requests far below the acceptance); a sequence whose block
+  missed drafts before the verify;
 - cohort: two phases, each verifying one cohort (and the sequences that do not draft)
   while the other cohort drafts: o + both(V(cohort A), D(cohort B)), then the swap; the
   sequences that do not draft are verified (one token each) in both phases.
@@ -99,7 +100,8 @@ class RoundModel:
     """Expected tokens and time of one round (one cycle of two phases for cohort) per pipeline.
 
     `tables[i][k]` is sequence i's expected tokens when it drafts k; `rates[i]` its
-    per-position acceptance; `cohorts[i]` the cohort it belongs to (0 or 1).
+    per-position acceptance; `cohorts[i]` the cohort it belongs to (0 or 1); `guesses[i]`
+    P(its draft-ahead guess at the verifier's token is right).
     """
 
     costs: CostModel
@@ -107,6 +109,7 @@ class RoundModel:
     tables: Sequence[Sequence[float]]
     rates: Sequence[Sequence[float]]
     cohorts: Sequence[int]
+    guesses: Sequence[float]
 
     def rate(self, mode: str, ks: Sequence[int]) -> float:
         """Expected output tokens per second of the batch with these ks under `mode`."""
@@ -137,7 +140,7 @@ class RoundModel:
 
     def _ahead(self, ks: Sequence[int]) -> tuple[float, float]:
         drafting = [i for i, k in enumerate(ks) if k > 0]
-        stands = [self._reach(i, ks[i]) * self._guess(i, ks[i]) for i in drafting]
+        stands = [self._reach(i, ks[i]) * self.guesses[i] for i in drafting]
         all_stand = math.prod(stands)
         # A missed block is drafted again before the verify; the exchange is as long as the longest.
         misses = sum(1.0 - h for h in stands)
@@ -160,8 +163,3 @@ class RoundModel:
     def _reach(self, i: int, k: int) -> float:
         """P(all k drafts of sequence i accepted)."""
         return math.prod(self.rates[i][:k])
-
-    def _guess(self, i: int, k: int) -> float:
-        """P(the drafter's token after k accepted drafts equals the verifier's), as acceptance there."""
-        rates = self.rates[i]
-        return rates[min(k, len(rates) - 1)] if rates else 0.0

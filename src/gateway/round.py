@@ -197,6 +197,28 @@ class Verdict:
     hidden_start: int = 0
 
 
+def read_guesses(
+    blocks: Sequence[tuple[RoundSequence, Block]], verdicts: Sequence[Verdict]
+) -> list[tuple[RoundSequence, bool]]:
+    """Draft-ahead blocks whose assumption held (the block verified meanwhile accepted whole),
+    and whether their guess at the verifier's own token after it was right too.
+
+    A block that missed its assumption says nothing about the guess; a guess that missed is
+    what keeps a draft-ahead block from standing although every draft was accepted.
+    """
+    by_id = {v.seq.id: v for v in verdicts}
+    outcomes = []
+    for seq, block in blocks:
+        v = by_id.get(seq.id)
+        assumed = len(block.tail) - 1  # the tail is the assumed drafts, then the guess
+        if v is None or v.error is not None or v.drafts_refused or assumed < 0:
+            continue
+        if v.accepted != assumed or v.drafted != assumed or len(v.tokens) <= assumed:
+            continue
+        outcomes.append((seq, v.tokens[assumed] == block.tail[-1]))
+    return outcomes
+
+
 class ProtocolError(Exception):
     """A backend's reply that does not answer the request it was given."""
 

@@ -41,10 +41,11 @@ from gateway.round import (
     draft_request,
     plan_prefill,
     read_drafts,
+    read_guesses,
     read_verdicts,
     verify_request,
 )
-from gateway.speculation import Acceptance, Candidate, PolicyConfig, SpeculationPolicy
+from gateway.speculation import Acceptance, Candidate, HitRate, PolicyConfig, SpeculationPolicy
 from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
 from specd.serving import add_penalties_pb, logprobs_request_pb, sampling_pb, token_logprob_from_pb
@@ -125,6 +126,7 @@ class _Sequence:
     last_emit_ns: int = 0
     span: Any = None  # the request's trace span, when traced
     acceptance: Acceptance | None = None  # its own per-position acceptance, for choosing its k
+    guess: HitRate | None = None  # how often its draft-ahead guesses at the verifier's token were right
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # from the verifier's open, when asked for
     # Chunked prefill: prompt tokens the verifier, and the drafter, have still to cache. A sequence
     # is verified once the first is 0, and drafts once the second is.
@@ -587,8 +589,16 @@ class Scheduler:
             spec = "auto" if self.speculative_mode == "auto" else cap
         if seq.acceptance is None:
             seq.acceptance = self.policy.new_sequence()
+        if seq.guess is None:
+            seq.guess = self.policy.new_guess_rate()
         fixed = None if spec == "auto" else min(int(spec), cap)
-        return Candidate(cap=cap, rates=seq.acceptance.rates(), fixed=fixed, cohort=seq.cohort)
+        return Candidate(
+            cap=cap,
+            rates=seq.acceptance.rates(),
+            fixed=fixed,
+            cohort=seq.cohort,
+            guess=self.policy.guess_rate(seq.guess),
+        )
 
     def _choose_ks(
         self, seqs: list[_Sequence], batch_size: int, measurable: bool = True
@@ -783,6 +793,10 @@ class Scheduler:
         for v in everything:
             self._apply(v)
         verdicts = [v for v in everything if v.prefill_pending is None]
+        guesses = read_guesses(
+            [(item.seq, item.seq.block) for item in ahead_items if item.seq.block is not None and item.seq.block.tail],
+            verdicts,
+        )
         wasted += self._drop_stale_blocks([item.seq for item in ahead_items])
 
         # 4. Observe, then retire.
@@ -792,7 +806,17 @@ class Scheduler:
         ahead_drafted = [item.num_draft_tokens for item in ahead_items if not item.prefill] if ahead else []
         self.observer.observe(
             RoundOutcome(
-                round_id, verdicts, times, pipeline, wasted, spans, prefilled, pre_drafted, ahead_drafted, joined_tokens
+                round_id,
+                verdicts,
+                times,
+                pipeline,
+                wasted,
+                spans,
+                prefilled,
+                pre_drafted,
+                ahead_drafted,
+                joined_tokens,
+                guesses,
             )
         )
         await self._retire([s for s in seqs if s.done])

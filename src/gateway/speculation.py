@@ -79,6 +79,25 @@ class Acceptance:
         return self.tried[0] if self.k_max else 0.0
 
 
+class HitRate:
+    """How often something happens (a Bernoulli rate), forgetting old observations by `decay`
+    per observation, and smoothed with `prior_weight` pseudo-observations of a prior given
+    when the rate is read (so a prior that is itself an estimate can move)."""
+
+    def __init__(self, prior_weight: float, decay: float = 1.0) -> None:
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.tried = 0.0
+        self.hits = 0.0
+
+    def observe(self, hit: bool) -> None:
+        self.tried = self.tried * self.decay + 1.0
+        self.hits = self.hits * self.decay + (1.0 if hit else 0.0)
+
+    def value(self, prior: float) -> float:
+        return (self.hits + self.prior_weight * prior) / (self.tried + self.prior_weight)
+
+
 def expected_tokens(rates: Sequence[float], k: int) -> float:
     """Tokens a sequence emits in expectation when it drafts k: 1 + sum of P(first i accepted)."""
     return expected_tokens_table(rates, k)[k]
@@ -240,6 +259,9 @@ class Candidate:
     rates: Sequence[float]  # its per-position acceptance estimates
     fixed: int | None = None  # a k the request asked for, not to be chosen
     cohort: int = 0  # which of the two cohorts it is verified with (cohort pipeline)
+    # P(its drafter's guess at the verifier's own token after a wholly accepted block is right):
+    # what a draft-ahead block needs besides acceptance to stand (0: it never stands).
+    guess: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -324,7 +346,12 @@ def choose_round(
     half has no block ready; a draft-ahead block may be left unused).
     """
     model = RoundModel(
-        costs, overlap, _tables(candidates), [c.rates for c in candidates], [c.cohort for c in candidates]
+        costs,
+        overlap,
+        _tables(candidates),
+        [c.rates for c in candidates],
+        [c.cohort for c in candidates],
+        [c.guess for c in candidates],
     )
     choices = []
     for mode in pipelines:
@@ -358,6 +385,12 @@ class SpeculationPolicy:
         self.config = config
         self.k_max = config.k_max
         self.overall = Acceptance(config.k_max, config.prior_acceptance, prior_weight=2.0, decay=0.999)
+        # How often a draft-ahead block's guess at the verifier's token is right, once the block
+        # it assumed was accepted whole. Not the acceptance there: a sampled request's token and
+        # the drafter's guess are two draws, which agree far less often than a draft is accepted.
+        # Until guesses are seen they are taken to be right as often as a first draft is accepted:
+        # optimistic (as the overlap's prior) so that draft-ahead is tried and its guesses learnt.
+        self.overall_guess = HitRate(prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
         self.overlap = Overlap()
         self._rounds_without_drafts = 0
@@ -378,6 +411,20 @@ class SpeculationPolicy:
 
     def new_sequence(self) -> Acceptance:
         return Acceptance(self.k_max, self.overall.rates(), self.config.sequence_prior_weight)
+
+    def new_guess_rate(self) -> HitRate:
+        """A sequence's own guess rate; read with `guess_rate`, it starts from the overall one."""
+        return HitRate(self.config.sequence_prior_weight)
+
+    def guess_rate(self, rate: HitRate) -> float:
+        """P(a sequence's next draft-ahead guess is right), from its own guesses and everyone's."""
+        return rate.value(self.overall_guess.value(self.overall.rate(0) if self.k_max else 0.0))
+
+    def observe_guess(self, rate: HitRate | None, hit: bool) -> None:
+        """A draft-ahead guess after a wholly accepted block: right (`hit`) or not."""
+        self.overall_guess.observe(hit)
+        if rate is not None:
+            rate.observe(hit)
 
     def choose(
         self,

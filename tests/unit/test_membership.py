@@ -8,7 +8,17 @@ import pytest
 
 from gateway.hidden_log import HiddenLog
 from gateway.membership import MAX_REJOINS, DrafterMembership, DrafterState, MembershipError
-from gateway.round import Block, DraftItem, ProtocolError, draft_request, read_drafts, read_verdicts, verify_request
+from gateway.round import (
+    Block,
+    DraftItem,
+    ProtocolError,
+    Verdict,
+    draft_request,
+    read_drafts,
+    read_guesses,
+    read_verdicts,
+    verify_request,
+)
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 
@@ -119,6 +129,21 @@ def test_read_drafts_sorts_lost_refused_and_bad_proposals() -> None:
     assert [s.id for s, _ in v.refused] == ["c", "d"]
     reply.proposals[0].sequence_id = "z"
     assert read_drafts(items, reply).protocol_error
+
+
+def test_read_guesses_counts_only_blocks_whose_assumption_held() -> None:
+    a, b, c, d, e = (Seq(x, [1, 2]) for x in "abcde")
+    # Each ahead block assumed drafts 5, 6 accepted, then guessed 7 for the verifier's token.
+    blocks = [(s, Block([8], [], base=5, tail=(5, 6, 7))) for s in (a, b, c, d, e)]
+    verdicts = [
+        Verdict(a, drafted=2, accepted=2, tokens=(5, 6, 7)),  # all accepted, guess right
+        Verdict(b, drafted=2, accepted=2, tokens=(5, 6, 4)),  # all accepted, guess wrong
+        Verdict(c, drafted=2, accepted=1, tokens=(5, 4)),  # a draft rejected: nothing said of the guess
+        Verdict(d, drafted=2, drafts_refused=True),
+    ]  # e: no verdict at all
+    assert [(s.id, hit) for s, hit in read_guesses(blocks, verdicts)] == [("a", True), ("b", False)]
+    # A block drafted after the committed tokens alone (a cohort's) holds no guess.
+    assert read_guesses([(a, Block([8], [], base=2))], verdicts[:1]) == []
 
 
 def test_read_verdicts() -> None:

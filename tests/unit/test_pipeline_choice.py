@@ -7,6 +7,7 @@ test, and again under planted wrong formulas, where at least one of them must fa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import pytest
 from synthetic_costs import MS, costs
@@ -17,6 +18,7 @@ from gateway.speculation import (
     Candidate,
     Choice,
     CostModel,
+    HitRate,
     PolicyConfig,
     SpeculationPolicy,
     choose_round,
@@ -26,7 +28,7 @@ from gateway.speculation import (
 
 def batch(n: int, rate: float, cap: int = 4) -> list[Candidate]:
     """n sequences with the same acceptance, in alternating cohorts (as the scheduler assigns them)."""
-    return [Candidate(cap=cap, rates=[rate] * 4, cohort=i % 2) for i in range(n)]
+    return [Candidate(cap=cap, rates=[rate] * 4, cohort=i % 2, guess=rate) for i in range(n)]
 
 
 def choose(
@@ -37,7 +39,14 @@ def choose(
 
 def round_model(model: CostModel, candidates: Sequence[Candidate], overlap: float = 1.0) -> RoundModel:
     tables = [expected_tokens_table(c.rates, c.cap) for c in candidates]
-    return RoundModel(model, overlap, tables, [c.rates for c in candidates], [c.cohort for c in candidates])
+    return RoundModel(
+        model,
+        overlap,
+        tables,
+        [c.rates for c in candidates],
+        [c.cohort for c in candidates],
+        [c.guess for c in candidates],
+    )
 
 
 # GPU-like verify: its fixed cost dominates; a drafter whose 4 steps cost as much as one verify.
@@ -50,6 +59,18 @@ def check_expensive_drafter_with_good_acceptance_overlaps() -> None:
     assert one.pipeline == "ahead" and one.ks[0] > 0
     four = choose(expensive_drafter(), batch(4, 0.95))
     assert four.pipeline in ("ahead", "cohort") and all(four.ks)
+
+
+def check_guesses_that_miss_keep_ahead_blocks_from_standing() -> None:
+    # Drafts accepted as often as ever, but the guess at the verifier's token mostly wrong
+    # (a sampled request): most ahead blocks are drafted again before the verify. With
+    # two services that slow each other a little, that loses to drafting in turn.
+    right = batch(1, 0.95)
+    wrong = [replace(c, guess=0.3) for c in right]
+    assert choose(expensive_drafter(), right, overlap=0.8).pipeline == "ahead"
+    assert choose(expensive_drafter(), wrong, overlap=0.8).pipeline == "sequential"
+    model = expensive_drafter()
+    assert round_model(model, wrong).cycle("ahead", [4])[1] > round_model(model, right).cycle("ahead", [4])[1]
 
 
 def check_shared_compute_runs_sequential() -> None:
@@ -83,6 +104,7 @@ CHECKS: list[Callable[[], None]] = [
     check_shared_compute_runs_sequential,
     check_large_batch_prefers_cohort_to_ahead,
     check_negligible_draft_cost_keeps_sequential,
+    check_guesses_that_miss_keep_ahead_blocks_from_standing,
 ]
 
 
@@ -104,6 +126,19 @@ def _ahead_never_misses(self: RoundModel, ks: Sequence[int]) -> tuple[float, flo
     return sum(self.tables[i][k] for i, k in enumerate(ks)), ns
 
 
+def _guess_taken_as_acceptance(self: RoundModel, ks: Sequence[int]) -> tuple[float, float]:
+    """Wrong: the guess at the verifier's token assumed right as often as the next draft is accepted."""
+    real = self.guesses
+    try:
+        object.__setattr__(self, "guesses", [r[min(k, len(r) - 1)] for r, k in zip(self.rates, ks, strict=True)])
+        return REAL_AHEAD(self, ks)
+    finally:
+        object.__setattr__(self, "guesses", real)
+
+
+REAL_AHEAD = RoundModel._ahead
+
+
 def _overlap_assumed_perfect(a: float, b: float, overlap: float) -> float:
     """Wrong: the measured overlap ignored, two exchanges at once always take the longer's time."""
     return max(a, b)
@@ -112,6 +147,7 @@ def _overlap_assumed_perfect(a: float, b: float, overlap: float) -> float:
 MUTATIONS = [
     (RoundModel, "_ahead", _ahead_is_free),
     (RoundModel, "_ahead", _ahead_never_misses),
+    (RoundModel, "_ahead", _guess_taken_as_acceptance),
     (pipeline_choice, "concurrent", _overlap_assumed_perfect),
 ]
 
@@ -153,7 +189,10 @@ def test_round_models_agree_on_target_only_and_on_their_formulas() -> None:
 
 def test_cohort_needs_drafting_sequences_in_both_cohorts() -> None:
     model = expensive_drafter()
-    alone = [Candidate(cap=4, rates=[0.95] * 4, cohort=0), Candidate(cap=4, rates=[0.95] * 4, cohort=0)]
+    alone = [
+        Candidate(cap=4, rates=[0.95] * 4, cohort=0, guess=0.95),
+        Candidate(cap=4, rates=[0.95] * 4, cohort=0, guess=0.95),
+    ]
     m = round_model(model, alone)
     assert not m.paired([4, 4])
     assert m.rate("cohort", [4, 4]) == m.rate("sequential", [4, 4])
@@ -223,11 +262,40 @@ def test_policy_learns_the_overlap_without_polluting_the_verify_cost() -> None:
     assert policy.last_pipeline == "sequential"
 
 
+def test_policy_learns_how_often_a_sequences_guess_is_right() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = expensive_drafter()
+    policy.overlap = Overlap(prior=0.8)
+    for _ in range(20):
+        policy.overall.observe(4, 4)  # drafts nearly always accepted
+    rates = policy.overall.rates()
+
+    def one(guess: HitRate) -> list[Candidate]:
+        return [Candidate(cap=4, rates=rates, guess=policy.guess_rate(guess))]
+
+    greedy, sampled = policy.new_guess_rate(), policy.new_guess_rate()
+    # Before any guess is seen: right as often as a first draft is accepted, so ahead is tried.
+    assert policy.guess_rate(sampled) == pytest.approx(rates[0])
+    policy.choose(one(sampled), 1, MODES)
+    assert policy.last_pipeline == "ahead"
+    for i in range(12):
+        policy.observe_guess(greedy, True)
+        policy.observe_guess(sampled, i % 4 == 0)
+    assert policy.guess_rate(sampled) < 0.45 < 0.9 < policy.guess_rate(greedy)
+    policy.choose(one(sampled), 1, MODES)
+    assert policy.last_pipeline == "sequential"
+    policy.choose(one(greedy), 1, MODES)
+    assert policy.last_pipeline == "ahead"
+    # A new sequence starts from what all sequences' guesses did.
+    overall = policy.guess_rate(policy.new_guess_rate())
+    assert 0.45 < overall < 0.9
+
+
 def test_policy_keeps_a_single_offered_pipeline() -> None:
     policy = SpeculationPolicy(PolicyConfig(k_max=4))
     policy.costs = expensive_drafter()
     policy.choose(batch(1, 0.95), 1, ("cohort",))
     assert policy.last_pipeline == "cohort"  # the request named it; the policy chose k only
-    fixed = [Candidate(cap=4, rates=[0.95] * 4, fixed=3)]
+    fixed = [Candidate(cap=4, rates=[0.95] * 4, fixed=3, guess=0.95)]
     assert policy.choose(fixed, 1, MODES) == [3]
     assert policy.last_pipeline == "ahead" and policy.last_choice is None
