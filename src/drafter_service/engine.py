@@ -67,8 +67,8 @@ class _DrafterBase:
                     raise invalid(f"num_draft_tokens must be >= 0, got {task.num_draft_tokens}")
                 if task.num_draft_tokens > self.max_draft_tokens:
                     raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
-                if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed):
-                    raise invalid("a prefill task drafts nothing and assumes nothing")
+                if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed or task.guess_first):
+                    raise invalid("a prefill task drafts nothing, assumes nothing and guesses nothing")
                 self.table.check_tokens(task.new_tokens, "new tokens")
                 self.table.check_tokens(task.assumed, "assumed tokens")
                 total = len(state.committed) + len(task.new_tokens)
@@ -241,6 +241,10 @@ class ModelDrafter(_DrafterBase):
                     token = chosen[row_i]
                 else:
                     token, dist = self._pick(dists[row_i], state)
+                    if step == 0 and tasks[i].guess_first:
+                        # A guess at the verifier's token is right with the target's probability of
+                        # it: the likeliest under q is the best guess, a sample from q a worse one.
+                        token = dist.token_ids[max(range(len(dist.probs)), key=dist.probs.__getitem__)]
                 if row_i in ended:
                     continue  # its grammar allows nothing more (or failed): the block ends here
                 proposals[i].tokens.append(token)

@@ -73,6 +73,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                     t.prefill_tokens,
                     t.hidden_states,
                     t.hidden_start,
+                    t.guess_first,
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]

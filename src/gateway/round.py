@@ -109,6 +109,8 @@ def draft_request(
             num_draft_tokens=item.num_draft_tokens,
             assumed_token_ids=item.assumed or (),
             prefill_tokens=item.prefill,
+            # A draft-ahead's first token guesses the verifier's own token after the block it assumes.
+            guess_first=item.assumed is not None and not item.prefill,
         )
         if s.hidden is not None:
             task.hidden_start, task.hidden_states = s.hidden.since(s.drafter.hidden_sent)

@@ -50,6 +50,8 @@ class DraftTask:
     # specd.hidden_states' encoding (a feature drafter reads them; empty: none sent).
     hidden_states: bytes = b""
     hidden_start: int = 0
+    # The first token is a guess at the verifier's own token after `assumed`: the likeliest, not a sample.
+    guess_first: bool = False
 
 
 @dataclass

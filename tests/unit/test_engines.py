@@ -457,6 +457,26 @@ def test_model_drafter_unseeded_proposals_carry_their_distributions(make_drafter
     assert state.cached == state.committed[: len(state.cached)]
 
 
+def test_a_draft_ahead_guess_is_the_drafters_likeliest_token_and_the_drafts_after_it_are_sampled(make_drafter):
+    drafter = make_drafter(max_support=64)
+    hot = SamplingParams(temperature=1.5)  # unseeded, and far from one-hot on a random model
+    open_ok(drafter, SequenceSpec("a", PROMPT, hot))
+    assumed = (7, 8)
+    guessed, sampled = [], []
+    for _ in range(12):  # the same context each time: the drafter rolls back to the committed tokens
+        (guess,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 3, assumed, guess_first=True)])
+        (plain,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 3, assumed)])
+        likeliest = max(zip(guess.dists[0].probs, guess.dists[0].token_ids, strict=True))[1]
+        assert guess.tokens[0] == likeliest and len(guess.tokens) == len(guess.dists) == 3
+        guessed.append(guess.tokens[0])
+        sampled.append((plain.tokens[0], guess.tokens[1]))
+    assert len(set(guessed)) == 1
+    firsts, seconds = zip(*sampled, strict=True)
+    assert len(set(firsts)) > 1 and len(set(seconds)) > 1  # without the flag, and after the guess: samples
+    (refused,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 0, prefill_tokens=4, guess_first=True)])
+    assert refused.error is not None and refused.error.kind == ErrorKind.INVALID_ARGUMENT
+
+
 # -- the memory bound --------------------------------------------------------------------
 
 

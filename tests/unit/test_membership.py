@@ -109,6 +109,7 @@ def test_requests_carry_what_each_sequence_needs() -> None:
     assert [list(t.new_token_ids) for t in req.tasks] == [[3, 4], []]
     assert [t.num_committed for t in req.tasks] == [4, 2]
     assert [list(t.assumed_token_ids) for t in req.tasks] == [[], [9, 9]]
+    assert [t.guess_first for t in req.tasks] == [False, True]  # a draft-ahead guesses first
     assert dict(req.tasks[1].trace_context) == {"traceparent": "x"}
     blocks = {"a": Block([11, 12, 13], [], base=4)}
     vreq = verify_request(7, [a, b], blocks, {"a": 2, "b": 0}, {})

@@ -56,7 +56,7 @@ class CloseDraftSequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids", "prefill_tokens", "hidden_states", "hidden_start")
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids", "prefill_tokens", "hidden_states", "hidden_start", "guess_first")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class DraftTask(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
+    GUESS_FIRST_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_committed: int
@@ -82,7 +83,8 @@ class DraftTask(_message.Message):
     prefill_tokens: int
     hidden_states: bytes
     hidden_start: int
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ...) -> None: ...
+    guess_first: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ..., guess_first: _Optional[bool] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("round_id", "tasks", "lease_owner")
