@@ -13,7 +13,7 @@ verify for as long as the drafter takes over it.
 
 from __future__ import annotations
 
-from gateway.speculation import Ewma
+from gateway.speculation import Ewma, LinearCost
 
 # Before anything is measured: a chunk small enough to cost little, large enough to time.
 FIRST_CHUNK = 32
@@ -22,17 +22,22 @@ MIN_CHUNK = 8
 
 
 class DrafterPrefillBudget:
+    """A prefill exchange's time is a fixed cost plus one per token (`LinearCost`, fitted to every
+    prefill-only exchange, so the budget keeps following the drafter whatever the chunks' sizes);
+    the budget is the tokens whose time fits in a verify's. Until the chunks have varied in size
+    the fit has no slope, and each token is charged the mean time per token, fixed cost included:
+    a smaller budget, whose chunks then vary. The budget grows at most twofold past what the
+    mean fits, so it reaches sizes the fit has not seen a step at a time."""
+
     def __init__(self, cap: int) -> None:
         self.cap = cap  # --prefill-chunk-tokens; 0: no cap, only what fits behind a verify
-        self.ns_per_token = Ewma(0.3)
+        self.cost = LinearCost(forget=0.9)
         self.verify_ns = Ewma(0.3)
 
     def observe_prefill(self, tokens: int, elapsed_ns: float) -> None:
-        """A drafter exchange that only prefilled `tokens` prompt tokens, and how long it took.
-
-        Exchanges of a few tokens are left out: their fixed cost would read as a per-token one."""
-        if tokens >= FIRST_CHUNK and elapsed_ns > 0:
-            self.ns_per_token.observe(elapsed_ns / tokens)
+        """A drafter exchange that only prefilled `tokens` prompt tokens, and how long it took."""
+        if tokens > 0 and elapsed_ns > 0:
+            self.cost.observe(tokens, elapsed_ns)
 
     def observe_verify(self, elapsed_ns: float) -> None:
         """A verifier exchange, which the drafter's chunk should fit behind."""
@@ -41,9 +46,17 @@ class DrafterPrefillBudget:
 
     def fits(self) -> int:
         """Prompt tokens the drafter can prefill in the time of one verify (FIRST_CHUNK until both are timed)."""
-        if self.ns_per_token.value is None or self.verify_ns.value is None:
+        verify = self.verify_ns.value
+        if self.cost.samples == 0 or verify is None:
             return FIRST_CHUNK
-        return max(MIN_CHUNK, int(self.verify_ns.value / self.ns_per_token.value))
+        mean_tokens, mean_ns = self.cost.means()
+        at_mean = verify / (mean_ns / mean_tokens)  # no fixed cost: every token charged the mean
+        fixed, per_token = self.cost.coefficients()
+        if per_token <= 0:
+            return max(MIN_CHUNK, int(at_mean))
+        # At most twice the mean's: a slope fitted to chunks of nearly one size can be far too
+        # flat, and one chunk too large stalls a round; a larger chunk measured raises the mean.
+        return max(MIN_CHUNK, int(min((verify - fixed) / per_token, 2 * at_mean)))
 
     def tokens(self) -> int:
         """This round's budget of drafter prefill tokens (what fits behind a verify, within the cap if one is set)."""

@@ -164,6 +164,10 @@ class LinearCost:
         w0, w1 = self.coefficients()
         return w0 + w1 * x
 
+    def means(self) -> tuple[float, float]:
+        """The (forgetting) means of x and y observed; (0, 0) before any."""
+        return (self.sx / self.n, self.sy / self.n) if self.n else (0.0, 0.0)
+
 
 class SizedCost:
     """Cost against size: a line (`LinearCost`) for every size, corrected at each size measured.

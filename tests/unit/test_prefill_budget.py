@@ -23,14 +23,43 @@ def test_a_slow_drafter_prefills_what_fits_behind_a_verify():
     assert fast.tokens() == 512
 
 
-def test_a_very_slow_drafter_still_makes_progress_and_few_token_exchanges_are_not_costs():
+def test_a_very_slow_drafter_still_makes_progress():
     budget = DrafterPrefillBudget(512)
     budget.observe_verify(10 * MS)
     budget.observe_prefill(100, 10_000 * MS)
     assert budget.tokens() == MIN_CHUNK
-    before = budget.tokens()
-    budget.observe_prefill(2, 50 * MS)  # a short prompt's open: mostly fixed cost, not measured
-    assert budget.tokens() == before
+
+
+def test_the_exchange_fixed_cost_is_not_charged_per_token():
+    budget = DrafterPrefillBudget(512)
+    budget.observe_verify(200 * MS)
+    budget.observe_prefill(32, (50 + 32) * MS)  # 50 ms an exchange, 1 ms a token
+    # One size seen: no slope yet, so every token is charged the mean, fixed cost included.
+    assert budget.tokens() == int(200 / (82 / 32))
+    budget.observe_prefill(64, (50 + 64) * MS)
+    assert budget.tokens() == 150  # (200 - 50) / 1
+
+
+def test_a_flat_slope_from_chunks_of_nearly_one_size_grows_the_budget_a_step_at_a_time():
+    budget = DrafterPrefillBudget(0)
+    budget.observe_verify(200 * MS)
+    budget.observe_prefill(40, 100 * MS)
+    budget.observe_prefill(41, 100.01 * MS)  # noise: a slope of 0.01 ms a token
+    # The slope alone would allow (200 - 100) / 0.01 = 10,000; twice what the mean (2.5 ms a token) fits is 160.
+    assert 150 <= budget.tokens() <= 170
+
+
+def test_the_budget_keeps_following_a_drafter_whose_chunks_are_small():
+    """Chunks of any size are measured: a drafter that slows down after its budget fell below the
+    first chunk's size gets a smaller budget, not the one its first chunk measured."""
+    budget = DrafterPrefillBudget(512)
+    budget.observe_verify(40 * MS)
+    budget.observe_prefill(FIRST_CHUNK, 2 * FIRST_CHUNK * MS)  # 2 ms a token: 20 fit
+    assert budget.tokens() == 20
+    for _ in range(30):
+        n = budget.tokens()
+        budget.observe_prefill(n, 4 * n * MS)  # now 4 ms a token
+    assert budget.tokens() == 10
 
 
 def test_without_a_chunk_cap_the_drafter_still_prefills_only_what_fits_behind_a_verify():
