@@ -26,8 +26,8 @@ class DrafterPrefillBudget:
     prefill-only exchange, so the budget keeps following the drafter whatever the chunks' sizes);
     the budget is the tokens whose time fits in a verify's. Until the chunks have varied in size
     the fit has no slope, and each token is charged the mean time per token, fixed cost included:
-    a smaller budget, whose chunks then vary. The budget grows at most twofold past what the
-    mean fits, so it reaches sizes the fit has not seen a step at a time."""
+    a smaller budget, whose chunks then vary. The budget stays between what the mean fits and
+    twice that, so it reaches sizes the fit has not seen a step at a time."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap  # --prefill-chunk-tokens; 0: no cap, only what fits behind a verify
@@ -50,13 +50,14 @@ class DrafterPrefillBudget:
         if self.cost.samples == 0 or verify is None:
             return FIRST_CHUNK
         mean_tokens, mean_ns = self.cost.means()
-        at_mean = verify / (mean_ns / mean_tokens)  # no fixed cost: every token charged the mean
+        at_mean = verify / (mean_ns / mean_tokens)  # every token charged the mean, fixed cost included
         fixed, per_token = self.cost.coefficients()
-        if per_token <= 0:
-            return max(MIN_CHUNK, int(at_mean))
-        # At most twice the mean's: a slope fitted to chunks of nearly one size can be far too
-        # flat, and one chunk too large stalls a round; a larger chunk measured raises the mean.
-        return max(MIN_CHUNK, int(min((verify - fixed) / per_token, 2 * at_mean)))
+        fit = (verify - fixed) / per_token if per_token > 0 else at_mean
+        # Never below the mean's: where the exchange's fixed cost takes most of a verify, the fit
+        # leaves almost nothing, yet that cost is paid whatever the chunk, so small chunks only
+        # make more rounds pay it. At most twice the mean's: a slope fitted to chunks of nearly
+        # one size can be far too flat, and one chunk too large stalls a round.
+        return max(MIN_CHUNK, int(min(max(fit, at_mean), 2 * at_mean)))
 
     def tokens(self) -> int:
         """This round's budget of drafter prefill tokens (what fits behind a verify, within the cap if one is set)."""

@@ -65,9 +65,11 @@ def test_every_request_is_one_trace_across_three_services(traced):
         # Every round verified; the first is target-only (the drafter joins after the first token).
         verifies = [s for s in trace if s["name"] == "verifier.verify"]
         assert len(verifies) == len(rounds)
-        drafts = [s for s in trace if s["name"] == "drafter.draft"]
+        exchanges = [s for s in trace if s["name"] == "drafter.draft"]
+        # Some exchanges may only prefill a chunk of the prompt (k 0) beside a verify.
+        drafts = [s for s in exchanges if s["attributes"]["specd.k"] > 0]
         assert len(drafts) == sum(1 for r in rounds if r["attributes"]["specd.k"] > 0) >= 1
-        for s in verifies + drafts:
+        for s in verifies + exchanges:
             assert by_id[s["parent_span_id"]]["name"] == "specd.round"
         for name, parent in (
             ("verifier.forward", "verifier.verify"),

@@ -40,6 +40,16 @@ def test_the_exchange_fixed_cost_is_not_charged_per_token():
     assert budget.tokens() == 150  # (200 - 50) / 1
 
 
+def test_an_exchange_dearer_than_a_verify_still_prefills_a_fair_chunk():
+    """A fixed cost above the verify's time is paid whatever the chunk: the budget is the mean's,
+    not the minimum, which would only make more rounds pay it."""
+    budget = DrafterPrefillBudget(0)
+    budget.observe_verify(3 * MS)
+    budget.observe_prefill(32, (4 + 32 * 0.01) * MS)
+    budget.observe_prefill(16, (4 + 16 * 0.01) * MS)
+    assert budget.tokens() >= 16
+
+
 def test_a_flat_slope_from_chunks_of_nearly_one_size_grows_the_budget_a_step_at_a_time():
     budget = DrafterPrefillBudget(0)
     budget.observe_verify(200 * MS)
