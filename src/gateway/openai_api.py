@@ -21,6 +21,7 @@ from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
+from gateway.tool_calls import ToolChoice
 from gateway.validation import InvalidParameter, choices, encode_prompt
 from specd.params import TokenLogprob
 
@@ -231,9 +232,12 @@ class OpenAIApi:
             params, wanted = self._params(body)
         except InvalidParameter as exc:
             return invalid(exc)
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in body.messages]
+        tools = body.tool_choice_spec()  # checked with the other parameters above
+        messages = [m.for_template() for m in body.messages]
         try:
-            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tools=body.template_tools(), add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # a template may reject some role orders
             return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
         # The template already wrote the special tokens.
@@ -268,11 +272,27 @@ class OpenAIApi:
             }
 
         if body.stream:
+            held: dict[int, tuple[list[str], list[TokenLogprob]]] = {}
 
             def stream_chunk(
                 index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None
-            ) -> dict[str, Any]:
-                return chunk(index, text if text or finish is None else None, finish, lps)
+            ) -> dict[str, Any] | list[dict[str, Any]] | None:
+                if tools is None or not tools.forced:
+                    return chunk(index, text if text or finish is None else None, finish, lps)
+                if not text and finish is None and not lps:
+                    return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
+                # Forced calls: the output is JSON to parse, sent as tool_calls once it is whole.
+                texts, kept = held.setdefault(index, ([], []))
+                texts.append(text)
+                kept.extend(lps or [])
+                if finish is None:
+                    return None
+                calls = tools.calls("".join(texts))
+                if calls is None:  # cut short: the text as it is
+                    return [chunk(index, "".join(texts), None, kept), chunk(index, None, finish)]
+                delta = chunk(index, None, None, kept)
+                delta["choices"][0]["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
+                return [delta, chunk(index, None, tool_finish(tools, finish))]
 
             def role(index: int) -> dict[str, Any]:
                 return chunk(index, "", None, first=True)
@@ -288,12 +308,7 @@ class OpenAIApi:
                 "created": created,
                 "model": self.model_name,
                 "choices": [
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": outcome.text},
-                        "logprobs": logprobs(outcome.logprobs),
-                        "finish_reason": outcome.finished.reason,
-                    }
+                    {"index": index, **message(tools, outcome), "logprobs": logprobs(outcome.logprobs)}
                     for index, outcome in enumerate(best(outcomes, wanted))
                 ],
                 "usage": usage(outcomes),
@@ -325,11 +340,17 @@ class OpenAIApi:
         self,
         seqs: list[_Sequence],
         request: Request,
-        chunk: Callable[..., dict[str, Any]],
+        chunk: Callable[..., dict[str, Any] | list[dict[str, Any]] | None],
         first_chunk: Callable[[int], dict[str, Any]] | None,
         include_usage: bool,
     ) -> StreamingResponse:
         """Every choice's chunks as they come, interleaved, each tagged with its index."""
+
+        def sent(payload: dict[str, Any] | list[dict[str, Any]] | None) -> bytes:
+            """A chunk callable may hold a choice's text back (None) or send several chunks at once."""
+            if payload is None:
+                return b""
+            return b"".join(sse(p) for p in (payload if isinstance(payload, list) else [payload]))
 
         async def body() -> AsyncIterator[bytes]:
             events = merged(self.scheduler, seqs)
@@ -345,13 +366,16 @@ class OpenAIApi:
                     if isinstance(event, Delta):
                         # Tokens whose text is held back (a partial character, a possible
                         # stop string) still bring their logprobs.
-                        if event.text or event.logprobs:
-                            yield sse(chunk(i, event.text, None, event.logprobs))
+                        if (event.text or event.logprobs) and (
+                            data := sent(chunk(i, event.text, None, event.logprobs))
+                        ):
+                            yield data
                     elif isinstance(event, Finished):
                         done[i] = event
-                        yield sse(chunk(i, "", event.reason))
+                        yield sent(chunk(i, "", event.reason))
                         if include_usage and len(done) == len(seqs):
                             last = chunk(0, "", None)
+                            assert isinstance(last, dict)  # an empty delta is never held back
                             last["choices"] = []
                             last["usage"] = usage([done[j] for j in range(len(seqs))])
                             yield sse(last)
@@ -364,6 +388,22 @@ class OpenAIApi:
                 await events.aclose()
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def tool_finish(tools: ToolChoice, reason: str) -> str:
+    """OpenAI's finish_reason for whole forced calls: "tool_calls" when the model was made to call
+    (required), "stop" for a named function, as OpenAI answers one."""
+    return "tool_calls" if tools.mode == "required" and reason == "stop" else reason
+
+
+def message(tools: ToolChoice | None, outcome: Outcome) -> dict[str, Any]:
+    """A choice's message and finish_reason: forced calls as tool_calls, text otherwise (and when cut short)."""
+    if tools is not None and tools.forced and (calls := tools.calls(outcome.text)) is not None:
+        return {
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": tool_finish(tools, outcome.finished.reason),
+        }
+    return {"message": {"role": "assistant", "content": outcome.text}, "finish_reason": outcome.finished.reason}
 
 
 def invalid(exc: InvalidParameter) -> JSONResponse:

@@ -10,20 +10,19 @@ misspelt `temprature` must not silently sample at temperature 1.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from gateway.scheduler import GenerationParams
+from gateway.tool_calls import ToolChoice, tool_choice
 from gateway.validation import InvalidParameter, RequestedParams, generation_params
 
 # Refused unless absent, null, or the neutral value listed; the reason is in the 400.
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not implemented", ([],)),
-    "tool_choice": ("tool calling is not implemented", ("none",)),
-    "functions": ("function calling is not implemented", ([],)),
-    "function_call": ("function calling is not implemented", ("none",)),
-    "parallel_tool_calls": ("tool calling is not implemented", ()),
+    "functions": ("deprecated by OpenAI for tools, which specd implements", ([],)),
+    "function_call": ("deprecated by OpenAI for tool_choice, which specd implements", ("none",)),
     "audio": ("audio output is not implemented", ()),
     "modalities": ('only text output is implemented: ["text"]', (["text"],)),
     "prediction": ("predicted outputs are not implemented", ()),
@@ -165,17 +164,62 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as the assistant wrote it
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     # Accepted and ignored: the chat template has no place for a participant's name.
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def problem(self, i: int) -> InvalidParameter | None:
+        if self.tool_calls is not None and self.role != "assistant":
+            return InvalidParameter(f"messages.{i}.tool_calls", "only an assistant message carries tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            return InvalidParameter(
+                f"messages.{i}.tool_call_id", "a tool message, and only a tool message, names its tool_call_id"
+            )
+        return None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (HF's format: arguments as an object)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments  # as written: the template shows it as text
 
 
 class ChatCompletionRequest(_Request):
@@ -183,12 +227,13 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # REFUSED but response_format (their types are the SDK's; any value but the neutral one is a 400).
+    # Checked by gateway.tool_calls (their types are the SDK's).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # REFUSED but response_format (any value but the neutral one is a 400).
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by gateway.validation.
     response_format: dict[str, Any] | None = None
     audio: Any = None
@@ -208,15 +253,35 @@ class ChatCompletionRequest(_Request):
                 "disagree: set one of them",
             )
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        response_format = self.response_format
+        tools = self.tool_choice_spec()
+        if tools is not None and tools.forced:
+            if response_format is not None and response_format != {"type": "text"}:
+                raise InvalidParameter(
+                    "response_format", "response_format cannot be combined with a tool_choice that forces calls"
+                )
+            if self.guided_regex is not None or self.guided_choice is not None:
+                raise InvalidParameter(
+                    "tool_choice", "a tool_choice that forces calls takes no guided_regex or guided_choice"
+                )
+            response_format = tools.response_format()
         return dataclasses.replace(
             super().requested(),
             max_tokens=max_tokens,
             logprobs=bool(self.logprobs),
             top_logprobs=self.top_logprobs,
-            response_format=self.response_format,
+            response_format=response_format,
         )
+
+    def tool_choice_spec(self) -> ToolChoice | None:
+        """The tools and the calls the request forces; raises InvalidParameter."""
+        return tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def messages_problem(self) -> InvalidParameter | None:
         if not self.messages:
             return InvalidParameter("messages", "messages must hold at least one message")
-        return None
+        return next((p for i, m in enumerate(self.messages) if (p := m.problem(i)) is not None), None)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (what the model may be shown), or None."""
+        return [dict(t) for t in self.tools] if self.tools else None

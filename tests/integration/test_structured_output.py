@@ -357,3 +357,75 @@ def test_grpc_guided_regex_and_choice(close_stack):
         with pytest.raises(grpc.RpcError) as caught:
             stub.Generate(gateway_pb2.GenerateRequest(prompt="x", params=bad), timeout=60)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "guided_choice" in caught.value.details()
+
+
+# -- tool calling: calls forced by grammar -------------------------------------------------
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "paint", "description": "Pick a colour", "parameters": SCHEMAS[2]}},
+    {"type": "function", "function": {"name": "point", "parameters": SCHEMAS[13]}},
+]
+
+
+def test_openai_sdk_named_and_required_tool_calls_stream_and_not(close_stack):
+    client = openai.OpenAI(base_url=close_stack.base_url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Paint something."}]
+    common: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    named = {"type": "function", "function": {"name": "paint"}}
+    for k in (0, 4):
+        reply = client.chat.completions.create(
+            **common, tools=TOOLS, tool_choice=named, extra_body={"num_speculative_tokens": k}
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None  # as OpenAI answers a named call
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "paint" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[2])
+        if k == 0:
+            arguments = call.function.arguments
+        assert call.function.arguments == arguments  # greedy: the same with speculation
+    chunks = [c for c in client.chat.completions.create(**common, tools=TOOLS, tool_choice=named, stream=True)]
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [("paint", arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+    for parallel in (False, True):
+        reply = client.chat.completions.create(
+            **common, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        calls = choice.message.tool_calls
+        assert calls and (parallel or len(calls) == 1)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        stream = client.chat.completions.create(
+            **common, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, stream=True
+        )
+        streamed = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [
+            (c.function.name, c.function.arguments) for c in calls
+        ]
+
+
+def test_a_tool_result_goes_back_to_the_model(close_stack):
+    """The call, and what the tool answered, are part of the next request's conversation."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "paint", "arguments": '{"color": "red"}'}}
+    messages = [
+        {"role": "user", "content": "Paint something."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "painted"},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "tools": TOOLS}
+    replies = []
+    for tool_result in ("painted", "the paint ran out"):
+        messages[2]["content"] = tool_result
+        r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body | {"tool_choice": "none"}, timeout=60)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert "tool_calls" not in message
+        replies.append(r.json()["usage"]["prompt_tokens"])
+    assert replies[0] != replies[1]  # the tool's answer is in the prompt
+    r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"  # "auto": no parser

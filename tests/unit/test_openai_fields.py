@@ -17,11 +17,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 # A value each refused field could carry from a client that relies on it.
 REFUSED_SAMPLES: dict[str, Any] = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto",
     "functions": [{"name": "f", "parameters": {}}],
     "function_call": "auto",
-    "parallel_tool_calls": True,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
@@ -105,7 +102,7 @@ def test_neutral_values_of_refused_fields_are_accepted(tok):
             {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
             "messages.0.tool_calls",
         ),
-        (CHAT, {"messages": [{"role": "tool", "content": "42", "tool_call_id": "1"}]}, "messages.0.role"),
+        (CHAT, {"messages": [{"role": "critic", "content": "42"}]}, "messages.0.role"),
     ],
 )
 def test_unknown_parameters_are_refused_by_name(tok, endpoint, fields, param):

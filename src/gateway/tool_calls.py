@@ -1,0 +1,168 @@
+"""OpenAI tool calling: which calls a request forces, the JSON the output must be, and the calls in it.
+
+The served model's chat template decides whether the model sees the tools (`tools=` is passed
+to it, as vLLM does); what specd guarantees is the shape of the output. A call is forced
+by grammar, the way vLLM serves `tool_choice` "required" or a named function:
+
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
+  function's arguments, a JSON object matching its `parameters`; the reply carries one call;
+- "required": the output is a JSON array of `{"name": ..., "parameters": {...}}`, one item
+  per call (one at most with `parallel_tool_calls: false`), each item matching its tool;
+- "none": the tools are shown to the template, and the output is text.
+
+"auto" lets the model choose between text and calls, which needs a parser for the call syntax
+the model was trained to write; the embedded model was trained on none, and specd has no
+parsers, so "auto" is a 400 that says what to send instead (as vLLM answers "auto" without
+--tool-call-parser). OpenAI's default for a request with tools is "auto", so such a request
+must name its tool_choice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.validation import InvalidParameter
+from specd.grammar import canonical, schema_problem
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+# A function declared without parameters takes an object, as in OpenAI's API.
+NO_PARAMETERS: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """What a chat request asks of tools: `mode` "none", "named" or "required"."""
+
+    mode: str
+    tools: tuple[Tool, ...]
+    name: str = ""  # the function a named choice forces
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode != "none"
+
+    def schema(self) -> dict[str, Any]:
+        """The JSON Schema the output must match."""
+        if self.mode == "named":
+            return dict(next(t.parameters for t in self.tools if t.name == self.name))
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t.name}, "parameters": dict(t.parameters)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in self.tools
+        ]
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return array
+
+    def response_format(self) -> dict[str, Any]:
+        """The schema as a response_format, the form structured output takes it in."""
+        return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": self.schema(), "strict": True}}
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The reply's tool_calls for an output `text`; None where the text is not whole JSON (cut short)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return None
+        if self.mode == "named":
+            return [call(self.name, text)] if isinstance(value, dict) else None
+        if not isinstance(value, list):
+            return None
+        return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+
+
+def call(name: str, arguments: str) -> dict[str, Any]:
+    function = {"name": name, "arguments": arguments}
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+
+
+def tool_choice(tools: Sequence[Any] | None, choice: Any, parallel: bool | None) -> ToolChoice | None:
+    """The request's tool choice, checked; None when it has no tools. Raises InvalidParameter."""
+    declared = _tools(tools or [])
+    if not declared:
+        if choice not in (None, "none"):
+            raise InvalidParameter("tool_choice", "tool_choice needs tools to choose from")
+        if parallel is not None:
+            raise InvalidParameter("parallel_tool_calls", "parallel_tool_calls needs tools")
+        return None
+    allow_many = True if parallel is None else parallel
+    if choice is None or choice == "auto":
+        raise InvalidParameter(
+            "tool_choice",
+            'tool_choice "auto" (the default when tools are given) needs a parser for the tool-call syntax '
+            'the served model was trained to write, and specd has none: send tool_choice "required" or '
+            '{"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
+        )
+    if choice == "none":
+        return ToolChoice(choice, declared, parallel=allow_many)
+    if choice == "required":
+        return _compiles(ToolChoice(choice, declared, parallel=allow_many))
+    if (
+        isinstance(choice, Mapping)
+        and set(choice) == {"type", "function"}
+        and choice["type"] == "function"
+        and isinstance(choice["function"], Mapping)
+        and set(choice["function"]) == {"name"}
+    ):
+        name = choice["function"]["name"]
+        if name not in {t.name for t in declared}:
+            raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        return _compiles(ToolChoice("named", declared, name, allow_many))
+    raise InvalidParameter(
+        "tool_choice",
+        'tool_choice must be "none", "required", "auto" or {"type": "function", "function": {"name": ...}}',
+    )
+
+
+def _compiles(choice: ToolChoice) -> ToolChoice:
+    """The choice, if the grammar engine takes the JSON its calls must be; else a 400 naming tools."""
+    if problem := schema_problem(canonical(choice.schema())):
+        raise InvalidParameter("tools", f"the tools' parameters are not a JSON Schema the grammar supports: {problem}")
+    return choice
+
+
+def _tools(tools: Sequence[Any]) -> tuple[Tool, ...]:
+    if not isinstance(tools, list):
+        raise InvalidParameter("tools", "tools must be a list")
+    declared: list[Tool] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or set(tool) != {"type", "function"} or tool["type"] != "function":
+            raise InvalidParameter("tools", f'{where} must be {{"type": "function", "function": {{...}}}}')
+        function = tool["function"]
+        if not isinstance(function, Mapping) or not set(function) <= FUNCTION_FIELDS:
+            raise InvalidParameter("tools", f"{where}.function may hold only {', '.join(sorted(FUNCTION_FIELDS))}")
+        name = function.get("name")
+        if not isinstance(name, str) or not NAME.match(name):
+            raise InvalidParameter("tools", f"{where}.function.name must be 1-64 letters, digits, _ or -")
+        if name in {t.name for t in declared}:
+            raise InvalidParameter("tools", f"{where}: the function name {name!r} is declared twice")
+        if "description" in function and not isinstance(function["description"], str):
+            raise InvalidParameter("tools", f"{where}.function.description must be a string")
+        if "strict" in function and not isinstance(function["strict"], bool | None):
+            raise InvalidParameter("tools", f"{where}.function.strict must be a boolean")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = NO_PARAMETERS
+        if not isinstance(parameters, Mapping):
+            raise InvalidParameter("tools", f"{where}.function.parameters must be a JSON Schema object")
+        declared.append(Tool(name, parameters))
+    return tuple(declared)

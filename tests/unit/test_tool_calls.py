@@ -1,0 +1,147 @@
+"""Tool calling: the choice a request makes, the JSON its output must be, and the calls read back."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+from api_harness import CHAT, body_for, http_post
+
+from gateway.tool_calls import NO_PARAMETERS, tool_choice
+from gateway.validation import InvalidParameter
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"],
+}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "weather", "description": "Weather now", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "time"}},
+]
+
+
+def named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+def test_a_named_function_forces_its_arguments():
+    choice = tool_choice(TOOLS, named("weather"), None)
+    assert choice is not None and choice.forced and choice.schema() == WEATHER
+    (call,) = choice.calls('{"city": "Oslo"}')
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert choice.calls('{"city": "Os') is None  # cut short: no call to read
+    assert tool_choice(TOOLS, named("time"), None).schema() == NO_PARAMETERS
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_required_forces_an_array_of_calls_to_the_declared_tools(parallel):
+    choice = tool_choice(TOOLS, "required", parallel)
+    assert choice is not None and choice.mode == "required"
+    schema = choice.schema()
+    one = [{"name": "weather", "parameters": {"city": "Oslo", "unit": "c"}}]
+    two = [*one, {"name": "time", "parameters": {}}]
+    jsonschema.validate(one, schema)
+    for bad in ([], [{"name": "weather", "parameters": {"unit": "c"}}], [{"name": "nope", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    if parallel is False:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(two, schema)
+    else:
+        jsonschema.validate(two, schema)
+    calls = choice.calls(json.dumps(two))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo", "unit": "c"}),
+        ("time", {}),
+    ]
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_none_shows_the_tools_and_forces_nothing():
+    choice = tool_choice(TOOLS, "none", None)
+    assert choice is not None and not choice.forced
+    assert tool_choice(None, None, None) is None and tool_choice([], "none", None) is None
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "parallel", "param"),
+    [
+        (TOOLS, None, None, "tool_choice"),  # OpenAI's default with tools is "auto": no parser here
+        (TOOLS, "auto", None, "tool_choice"),
+        (TOOLS, named("nope"), None, "tool_choice"),
+        (TOOLS, {"type": "function", "function": {"name": "time", "x": 1}}, None, "tool_choice"),
+        (TOOLS, "always", None, "tool_choice"),
+        (None, "required", None, "tool_choice"),
+        (None, None, True, "parallel_tool_calls"),
+        ([{"type": "function", "function": {"name": "has space"}}], "required", None, "tools"),
+        ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], "required", None, "tools"),
+        ([{"type": "function", "function": {"name": "f", "extra": 1}}], "required", None, "tools"),
+        ([{"type": "code", "function": {"name": "f"}}], "required", None, "tools"),
+        ([TOOLS[1], TOOLS[1]], "required", None, "tools"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}], named("f"), None, "tools"),
+    ],
+)
+def test_bad_tool_requests_name_the_parameter(tools, choice, parallel, param):
+    with pytest.raises(InvalidParameter) as raised:
+        tool_choice(tools, choice, parallel)
+    assert raised.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": TOOLS}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "12 C"}]}, "messages.0.tool_call_id"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]}, "messages.0.tool_call_id"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": "hi",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    }
+                ]
+            },
+            "messages.0.tool_calls",
+        ),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_bad_tool_requests_over_http_are_400_naming_the_parameter(tok, fields, param):
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, fields))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert not scheduler.submitted
+
+
+def test_forced_calls_reach_the_scheduler_as_their_json_schema(tok):
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"tools": TOOLS, "tool_choice": named("weather")}))
+    assert r.status_code == 200, r.text
+    (params,) = scheduler.submitted
+    assert json.loads(params.json_schema) == WEATHER
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"tools": TOOLS, "tool_choice": "none"}))
+    assert r.status_code == 200 and scheduler.submitted[0].json_schema == ""
+
+
+def test_a_conversation_with_calls_and_their_results_is_accepted(tok):
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C"},
+    ]
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"messages": messages, "tools": TOOLS, "tool_choice": "none"}))
+    assert r.status_code == 200, r.text
+    assert scheduler.submitted
