@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import tool_calls
 from gateway.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
@@ -281,7 +282,9 @@ class OpenAIApi:
                     return chunk(index, text if text or finish is None else None, finish, lps)
                 if not text and finish is None and not lps:
                     return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
-                # Forced calls: the output is JSON to parse, sent as tool_calls once it is whole.
+                if tools.mode == "named":
+                    return named_call_chunk(index, text, finish, lps)
+                # Required calls: a JSON array to parse, sent as tool_calls once it is whole.
                 texts, kept = held.setdefault(index, ([], []))
                 texts.append(text)
                 kept.extend(lps or [])
@@ -293,6 +296,27 @@ class OpenAIApi:
                 delta = chunk(index, None, None, kept)
                 delta["choices"][0]["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
                 return [delta, chunk(index, None, tool_finish(tools, finish))]
+
+            calls_begun: dict[int, dict[str, Any]] = {}
+
+            def named_call_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
+            ) -> dict[str, Any] | list[dict[str, Any]]:
+                """A named call's output is its arguments, streamed as they come, as OpenAI streams them:
+                the call's id and name with the first piece, then pieces of the arguments alone."""
+                assert tools is not None
+                parts = []
+                if text or index not in calls_begun:
+                    delta = chunk(index, None, None, lps)
+                    if index in calls_begun:
+                        piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                    else:
+                        piece = calls_begun[index] = {"index": 0, **tool_calls.call(tools.name, text)}
+                    delta["choices"][0]["delta"]["tool_calls"] = [piece]
+                    parts.append(delta)
+                if finish is not None:
+                    parts.append(chunk(index, None, finish))
+                return parts
 
             def role(index: int) -> dict[str, Any]:
                 return chunk(index, "", None, first=True)
@@ -397,7 +421,8 @@ def tool_finish(tools: ToolChoice, reason: str) -> str:
 
 
 def message(tools: ToolChoice | None, outcome: Outcome) -> dict[str, Any]:
-    """A choice's message and finish_reason: forced calls as tool_calls, text otherwise (and when cut short)."""
+    """A choice's message and finish_reason: forced calls as tool_calls, text otherwise; a named call
+    cut short keeps its partial arguments (as OpenAI's do), required calls cut short are text."""
     if tools is not None and tools.forced and (calls := tools.calls(outcome.text)) is not None:
         return {
             "message": {"role": "assistant", "content": None, "tool_calls": calls},

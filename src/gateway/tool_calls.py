@@ -77,13 +77,15 @@ class ToolChoice:
         return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": self.schema(), "strict": True}}
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The reply's tool_calls for an output `text`; None where the text is not whole JSON (cut short)."""
+        """The reply's tool_calls for an output `text`. A named call's arguments are the text, whole
+        or not (cut short by max_tokens, as OpenAI's can be); required calls are None unless the
+        text is a whole JSON array."""
+        if self.mode == "named":
+            return [call(self.name, text)]
         try:
             value = json.loads(text)
         except ValueError:
             return None
-        if self.mode == "named":
-            return [call(self.name, text)] if isinstance(value, dict) else None
         if not isinstance(value, list):
             return None
         return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
