@@ -233,7 +233,7 @@ class OpenAIApi:
             params, wanted = self._params(body)
         except InvalidParameter as exc:
             return invalid(exc)
-        tools = body.tool_choice_spec()  # checked with the other parameters above
+        tools = body.tool_choice_spec  # checked with the other parameters above
         messages = [m.for_template() for m in body.messages]
         try:
             rendered = self.tokenizer.apply_chat_template(
@@ -297,7 +297,7 @@ class OpenAIApi:
                 delta["choices"][0]["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
                 return [delta, chunk(index, None, tool_finish(tools, finish))]
 
-            calls_begun: dict[int, dict[str, Any]] = {}
+            calls_begun: set[int] = set()  # choices whose call's id and name were sent
 
             def named_call_chunk(
                 index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
@@ -311,7 +311,8 @@ class OpenAIApi:
                     if index in calls_begun:
                         piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                     else:
-                        piece = calls_begun[index] = {"index": 0, **tool_calls.call(tools.name, text)}
+                        piece = {"index": 0, **tool_calls.call(tools.name, text)}
+                        calls_begun.add(index)
                     delta["choices"][0]["delta"]["tool_calls"] = [piece]
                     parts.append(delta)
                 if finish is not None:

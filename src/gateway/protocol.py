@@ -10,6 +10,7 @@ misspelt `temprature` must not silently sample at temperature 1.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Literal
 
@@ -254,7 +255,7 @@ class ChatCompletionRequest(_Request):
             )
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         response_format = self.response_format
-        tools = self.tool_choice_spec()
+        tools = self.tool_choice_spec
         if tools is not None and tools.forced:
             if response_format is not None and response_format != {"type": "text"}:
                 raise InvalidParameter(
@@ -273,8 +274,10 @@ class ChatCompletionRequest(_Request):
             response_format=response_format,
         )
 
+    @functools.cached_property
     def tool_choice_spec(self) -> ToolChoice | None:
-        """The tools and the calls the request forces; raises InvalidParameter."""
+        """The tools and the calls the request forces; raises InvalidParameter. Kept once checked:
+        checking compiles the calls' grammar, and the parameters are read more than once."""
         return tool_choice(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def messages_problem(self) -> InvalidParameter | None:
