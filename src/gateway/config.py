@@ -62,6 +62,13 @@ class GatewayConfig:
     )
     request_timeout_s: float = field(600.0, "a request not finished by then fails (HTTP 504); 0 disables")
     max_n: int = field(8, "most choices one request may ask for (n) or generate (best_of); each is its own sequence")
+    tool_call_parser: str = field(
+        "",
+        "reads tool calls out of the model's text, which tool_choice \"auto\" (OpenAI's default with tools) needs: "
+        'hermes: <tool_call> blocks of JSON, as Qwen2.5, Qwen3 and Hermes 2 Pro write them; empty: "auto" is a 400 '
+        '(a named function and "required" are forced by grammar and need no parser)',
+        ["", "hermes"],
+    )
     max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
     http_max_body_bytes: int = field(
         8 * 1024 * 1024, "largest HTTP request body; a larger one gets 413 before it is read (or as soon as it is)"

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import tool_calls
+from gateway import tool_calls, tool_parsers
 from gateway.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
@@ -45,8 +45,11 @@ class OpenAIApi:
         health: Any,
         limiter: RateLimiter | None = None,
         max_n: int = 8,
+        tool_parser: str = "",
     ) -> None:
         self.scheduler = scheduler
+        # Reads the calls of tool_choice "auto" out of the model's text; "" refuses "auto".
+        self.tool_parser = tool_parser
         # The most choices (n, best_of) one request may ask for: each is a sequence of its own.
         self.max_n = max_n
         self.limiter = limiter or RateLimiter(0)
@@ -234,6 +237,16 @@ class OpenAIApi:
         except InvalidParameter as exc:
             return invalid(exc)
         tools = body.tool_choice_spec  # checked with the other parameters above
+        if tools is not None and tools.mode == "auto" and not self.tool_parser:
+            return invalid(
+                InvalidParameter(
+                    "tool_choice",
+                    'tool_choice "auto" (the default when tools are given) reads calls out of the text the '
+                    "model writes, and this gateway was started without --tool-call-parser (hermes: "
+                    '<tool_call> blocks, as Qwen2.5, Qwen3 and Hermes 2 Pro write them): send tool_choice "required" '
+                    'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
+                )
+            )
         messages = [m.for_template() for m in body.messages]
         try:
             rendered = self.tokenizer.apply_chat_template(
@@ -278,6 +291,8 @@ class OpenAIApi:
             def stream_chunk(
                 index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None
             ) -> dict[str, Any] | list[dict[str, Any]] | None:
+                if tools is not None and tools.mode == "auto":
+                    return written_calls_chunk(index, text, finish, lps)
                 if tools is None or not tools.forced:
                     return chunk(index, text if text or finish is None else None, finish, lps)
                 if not text and finish is None and not lps:
@@ -319,6 +334,39 @@ class OpenAIApi:
                     parts.append(chunk(index, None, finish))
                 return parts
 
+            streams: dict[int, tool_parsers.CallStream] = {}
+            unsent: dict[int, list[TokenLogprob]] = {}  # logprobs of text held by a choice's stream
+
+            def written_calls_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
+            ) -> dict[str, Any] | list[dict[str, Any]] | None:
+                """tool_choice "auto": content as soon as it cannot begin a call, each call when its
+                block closes (its id, name and whole arguments in one delta)."""
+                assert tools is not None
+                if not text and finish is None and not lps:
+                    return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
+                stream = streams.get(index)
+                if stream is None:
+                    stream = streams[index] = tool_parsers.call_stream(self.tool_parser, tools)
+                kept = unsent.setdefault(index, [])
+                kept.extend(lps or [])
+                pieces = stream.feed(text) + (stream.finish() if finish is not None else [])
+                parts = []
+                n = stream.calls - sum(p.call is not None for p in pieces)  # the calls sent before these
+                for piece in pieces:
+                    if piece.call is None:
+                        parts.append(chunk(index, piece.text, None, kept))
+                    else:
+                        delta = chunk(index, None, None, kept)
+                        delta["choices"][0]["delta"]["tool_calls"] = [{"index": n, **piece.call}]
+                        n += 1
+                        parts.append(delta)
+                    kept = unsent[index] = []
+                if finish is not None:
+                    reason = "tool_calls" if stream.calls and finish == "stop" else finish
+                    parts.append(chunk(index, None, reason, kept or None))
+                return parts or None
+
             def role(index: int) -> dict[str, Any]:
                 return chunk(index, "", None, first=True)
 
@@ -333,7 +381,11 @@ class OpenAIApi:
                 "created": created,
                 "model": self.model_name,
                 "choices": [
-                    {"index": index, **message(tools, outcome), "logprobs": logprobs(outcome.logprobs)}
+                    {
+                        "index": index,
+                        **message(tools, outcome, self.tool_parser),
+                        "logprobs": logprobs(outcome.logprobs),
+                    }
                     for index, outcome in enumerate(best(outcomes, wanted))
                 ],
                 "usage": usage(outcomes),
@@ -421,9 +473,15 @@ def tool_finish(tools: ToolChoice, reason: str) -> str:
     return "tool_calls" if tools.mode == "required" and reason == "stop" else reason
 
 
-def message(tools: ToolChoice | None, outcome: Outcome) -> dict[str, Any]:
+def message(tools: ToolChoice | None, outcome: Outcome, parser: str) -> dict[str, Any]:
     """A choice's message and finish_reason: forced calls as tool_calls, text otherwise; a named call
-    cut short keeps its partial arguments (as OpenAI's do), required calls cut short are text."""
+    cut short keeps its partial arguments (as OpenAI's do), required calls cut short are text; with
+    "auto", the calls the parser reads in the text and the text around them."""
+    if tools is not None and tools.mode == "auto":
+        content, calls = tool_parsers.read_calls(parser, tools, outcome.text)
+        if calls:
+            reason = "tool_calls" if outcome.finished.reason == "stop" else outcome.finished.reason
+            return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": reason}
     if tools is not None and tools.forced and (calls := tools.calls(outcome.text)) is not None:
         return {
             "message": {"role": "assistant", "content": None, "tool_calls": calls},

@@ -16,7 +16,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway import http_limits
+from gateway import http_limits, tool_parsers
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 async def run(config: GatewayConfig) -> None:
     tokenizer = checkpoints.load_tokenizer(config.tokenizer)
+    if config.tool_call_parser:
+        tool_parsers.check_tokenizer(config.tool_call_parser, tokenizer)
     model_name = config.served_model_name or checkpoints.display_name(config.tokenizer)
     # Credentials first: a bad certificate path is a startup error, before any wait.
     backend_tls = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
@@ -112,7 +114,15 @@ async def run(config: GatewayConfig) -> None:
                 status["drafter_error"] = link.last_error
         return status
 
-    api = OpenAIApi(scheduler, tokenizer, model_name, health_status, RateLimiter(config.rate_limit), config.max_n)
+    api = OpenAIApi(
+        scheduler,
+        tokenizer,
+        model_name,
+        health_status,
+        RateLimiter(config.rate_limit),
+        config.max_n,
+        config.tool_call_parser,
+    )
     grpc_server = None
     if config.grpc_port:
         # Innermost last: the key is checked before anything else looks at the request.
@@ -201,7 +211,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     setup_logging(config.log_level)
     try:
         asyncio.run(run(config))
-    except (BackendError, checkpoints.ModelLoadError, tls.TlsConfigError, backend_auth.BackendAuthError) as exc:
+    except (
+        BackendError,
+        checkpoints.ModelLoadError,
+        tls.TlsConfigError,
+        backend_auth.BackendAuthError,
+        tool_parsers.ParserUnusable,
+    ) as exc:
         log.error("%s", exc)
         sys.exit(2)
 

@@ -10,11 +10,10 @@ by grammar, the way vLLM serves `tool_choice` "required" or a named function:
   per call (one at most with `parallel_tool_calls: false`), each item matching its tool;
 - "none": the tools are shown to the template, and the output is text.
 
-"auto" lets the model choose between text and calls, which needs a parser for the call syntax
-the model was trained to write; the embedded model was trained on none, and specd has no
-parsers, so "auto" is a 400 that says what to send instead (as vLLM answers "auto" without
---tool-call-parser). OpenAI's default for a request with tools is "auto", so such a request
-must name its tool_choice.
+- "auto" (OpenAI's default when tools are given): nothing is forced; the model chooses between
+  text and calls, written in the syntax it was trained on, which the gateway's
+  `--tool-call-parser` reads out of its text (gateway.tool_parsers). Without a parser "auto" is
+  a 400 that says what to send instead, as vLLM answers it without --tool-call-parser.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ class Tool:
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """What a chat request asks of tools: `mode` "none", "named" or "required"."""
+    """What a chat request asks of tools: `mode` "none", "auto", "named" or "required"."""
 
     mode: str
     tools: tuple[Tool, ...]
@@ -52,7 +51,13 @@ class ToolChoice:
 
     @property
     def forced(self) -> bool:
-        return self.mode != "none"
+        """The calls are forced by grammar (a named function, or "required")."""
+        return self.mode in ("named", "required")
+
+    @property
+    def most_calls(self) -> int | None:
+        """The most calls a reply may carry (parallel_tool_calls: false allows one)."""
+        return None if self.parallel else 1
 
     def schema(self) -> dict[str, Any]:
         """The JSON Schema the output must match."""
@@ -107,12 +112,7 @@ def tool_choice(tools: Sequence[Any] | None, choice: Any, parallel: bool | None)
         return None
     allow_many = True if parallel is None else parallel
     if choice is None or choice == "auto":
-        raise InvalidParameter(
-            "tool_choice",
-            'tool_choice "auto" (the default when tools are given) needs a parser for the tool-call syntax '
-            'the served model was trained to write, and specd has none: send tool_choice "required" or '
-            '{"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
-        )
+        return ToolChoice("auto", declared, parallel=allow_many)
     if choice == "none":
         return ToolChoice(choice, declared, parallel=allow_many)
     if choice == "required":

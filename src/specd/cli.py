@@ -124,6 +124,12 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
+        "--tool-call-parser",
+        choices=["", "hermes"],
+        default="",
+        help='see specd gateway --help; tool_choice "auto" needs one (a target that writes <tool_call> blocks: hermes)',
+    )
+    p.add_argument(
         "--prefill-chunk-tokens",
         type=int,
         default=0,
@@ -284,6 +290,7 @@ def up(argv: Sequence[str]) -> None:
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
+        "--tool-call-parser", args.tool_call_parser,
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),
         "--backend-timeout-s", str(args.backend_timeout_s),

@@ -435,3 +435,44 @@ def test_a_tool_result_goes_back_to_the_model(close_stack):
     assert replies[0] != replies[1]  # the tool's answer is in the prompt
     r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"  # "auto": no parser
+
+
+def test_auto_tool_calls_are_read_from_what_the_model_writes(close_stack, model_dirs, log_dir):
+    """A second gateway over the same services, with the hermes parser. The random-weight target
+    writes a call only when made to, so a regex makes its text one hermes block after a sentence;
+    the gateway must read the call out of it, whole and streamed, with speculation on and off."""
+    args = ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--tool-call-parser", "hermes"]
+    gateway = st.start_gateway(close_stack.verifier, close_stack.drafter, args, log_dir)
+    try:
+        client = openai.OpenAI(base_url=st.base_url(gateway) + "/v1", api_key="unused", max_retries=0)
+        block = r'<tool_call>\{"name": "paint", "arguments": \{"color": "(red|green|blue)", "hex": "#[0-9a-f]{6}"\}\}'
+        common: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Paint something."}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "tools": TOOLS,  # no tool_choice: OpenAI's default with tools, "auto"
+        }
+        forced = {"guided_regex": r"Let me paint\.\n" + block + "</tool_call>"}
+        arguments = None
+        for k in (0, 4):
+            reply = client.chat.completions.create(**common, extra_body=forced | {"num_speculative_tokens": k})
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me paint."
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "paint" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[2])
+            arguments = arguments or call.function.arguments
+            assert call.function.arguments == arguments  # greedy: the same with speculation
+        chunks = list(client.chat.completions.create(**common, stream=True, extra_body=forced))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(d.content or "" for d in deltas) == "Let me paint."
+        streamed = [tc for d in deltas for tc in (d.tool_calls or [])]
+        assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == [(0, "paint", arguments)]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        # Text with no whole block stays text, as the model wrote it.
+        cut = client.chat.completions.create(**common, extra_body={"guided_regex": "Maybe " + block})
+        assert cut.choices[0].finish_reason == "stop" and not cut.choices[0].message.tool_calls
+        assert cut.choices[0].message.content.startswith('Maybe <tool_call>{"name": "paint"')
+    finally:
+        gateway.stop()

@@ -13,7 +13,7 @@ import httpx
 
 from gateway.grpc_api import GatewayServicer
 from gateway.openai_api import OpenAIApi
-from gateway.scheduler import Finished, GenerationParams
+from gateway.scheduler import Delta, Finished, GenerationParams
 from specd.proto.speculative.v1 import gateway_pb2
 
 MODEL = "target"
@@ -40,15 +40,30 @@ class RefusingScheduler:
         yield Finished("length", 1, 0)
 
 
+class ScriptedScheduler(RefusingScheduler):
+    """Also answers every sequence with the same text, in the pieces given, then `reason`."""
+
+    def __init__(self, pieces: list[str], reason: str = "stop") -> None:
+        super().__init__()
+        self.pieces, self.reason = pieces, reason
+
+    async def events(self, seq: Any):
+        for piece in self.pieces:
+            yield Delta(piece, [0])
+        yield Finished(self.reason, 1, len(self.pieces))
+
+
 def body_for(endpoint: str, fields: dict[str, Any]) -> dict[str, Any]:
     base: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
     base |= {"prompt": "Hello"} if endpoint == COMPLETIONS else {"messages": [{"role": "user", "content": "Hi"}]}
     return base | fields
 
 
-def http_post(tok, path: str, body: dict[str, Any]) -> tuple[httpx.Response, RefusingScheduler]:
-    scheduler = RefusingScheduler()
-    app = OpenAIApi(scheduler, tok, MODEL, health=None).app()  # type: ignore[arg-type]
+def http_post(
+    tok, path: str, body: dict[str, Any], scheduler: RefusingScheduler | None = None, tool_parser: str = ""
+) -> tuple[httpx.Response, RefusingScheduler]:
+    scheduler = scheduler or RefusingScheduler()
+    app = OpenAIApi(scheduler, tok, MODEL, health=None, tool_parser=tool_parser).app()  # type: ignore[arg-type]
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

@@ -69,11 +69,16 @@ def test_none_shows_the_tools_and_forces_nothing():
     assert tool_choice(None, None, None) is None and tool_choice([], "none", None) is None
 
 
+@pytest.mark.parametrize("choice", [None, "auto"])  # OpenAI's default with tools is "auto"
+def test_auto_forces_nothing_and_leaves_the_calls_to_the_model(choice):
+    read = tool_choice(TOOLS, choice, False)
+    assert read is not None and read.mode == "auto" and not read.forced
+    assert read.most_calls == 1 and tool_choice(TOOLS, choice, None).most_calls is None  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("tools", "choice", "parallel", "param"),
     [
-        (TOOLS, None, None, "tool_choice"),  # OpenAI's default with tools is "auto": no parser here
-        (TOOLS, "auto", None, "tool_choice"),
         (TOOLS, named("nope"), None, "tool_choice"),
         (TOOLS, {"type": "function", "function": {"name": "time", "x": 1}}, None, "tool_choice"),
         (TOOLS, "always", None, "tool_choice"),

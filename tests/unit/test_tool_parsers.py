@@ -1,0 +1,165 @@
+"""tool_choice "auto": calls read out of the model's text (the hermes parser), whole and streamed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from typing import Any
+
+import pytest
+from api_harness import CHAT, ScriptedScheduler, body_for, http_post
+
+from gateway.tool_calls import tool_choice
+from gateway.tool_parsers import CallStream, ParserUnusable, check_tokenizer, read_calls
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "time"}},
+]
+AUTO = tool_choice(TOOLS, "auto", None)
+ONE = tool_choice(TOOLS, "auto", False)
+WEATHER = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
+
+
+def read(text: str, choice=AUTO) -> tuple[str | None, list[tuple[str, Any]]]:
+    content, calls = read_calls("hermes", choice, text)
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain text.",
+        "  leading and trailing space \n\n",
+        "",
+        "a < b, and <tool is not a tag",
+        "cut short: <tool_ca",
+        'cut short inside: <tool_call>{"name": "weather", "argu',
+        "<tool_call>not json</tool_call> and after",
+        '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',  # not a declared tool
+        '<tool_call>{"name": "weather", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"arguments": {}}</tool_call>',
+        "<tool_call>[]</tool_call>",
+    ],
+)
+def test_text_without_a_whole_call_is_kept_exactly(text):
+    assert read(text) == (text, [])
+
+
+def test_a_call_alone_has_no_content():
+    assert read(WEATHER) == (None, [("weather", {"city": "Oslo"})])
+    _, calls = read_calls("hermes", AUTO, WEATHER)
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+
+
+def test_text_before_and_between_calls_is_content_and_separators_are_not():
+    text = f"Let me look that up.\n\n{WEATHER}\n{TIME}\n"
+    assert read(text) == ("Let me look that up.", [("weather", {"city": "Oslo"}), ("time", {})])
+    assert read(f"{WEATHER}\nDone: {TIME}") == ("Done:", [("weather", {"city": "Oslo"}), ("time", {})])
+
+
+def test_other_shapes_of_a_call():
+    items = '[{"name": "time", "arguments": {}}, {"name": "weather", "parameters": {"city": "Rome"}}]'
+    array = f"<tool_call>{items}</tool_call>"
+    assert read(array) == (None, [("time", {}), ("weather", {"city": "Rome"})])
+    as_string = '<tool_call>{"name": "weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>'
+    assert read(as_string) == (None, [("weather", {"city": "Oslo"})])
+    assert read('<tool_call>{"name": "time"}</tool_call>') == (None, [("time", {})])
+
+
+def test_parallel_tool_calls_false_lets_one_call_out_and_keeps_the_rest_as_text():
+    assert read(f"{WEATHER}\n{TIME}", ONE) == (TIME, [("weather", {"city": "Oslo"})])
+    two = '<tool_call>[{"name": "time"}, {"name": "time"}]</tool_call>'
+    assert read(two, ONE) == (two, [])
+
+
+SAMPLES = [
+    f"Checking.\n{WEATHER}\n{TIME}",
+    f"{WEATHER}  trailing words <tool_c",
+    "no calls < <tool_call <tool_call> unclosed",
+    f"<tool_call>bad</tool_call>{TIME}\n\n",
+    "  spaces\n then text \n",
+]
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_a_stream_cut_anywhere_reads_as_the_whole_text_does(text):
+    whole = read(text)
+    rng = random.Random(len(text))
+    for trial in range(60):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(12, len(text) - 1))))
+        if trial == 0:
+            cuts = list(range(1, len(text)))  # one character at a time
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        stream = CallStream(["weather", "time"])
+        out = [p for piece in pieces for p in stream.feed(piece)] + stream.finish()
+        content = "".join(p.text for p in out)
+        calls = [(p.call["function"]["name"], json.loads(p.call["function"]["arguments"])) for p in out if p.call]
+        assert ((content or None) if calls else content, calls) == whole, pieces
+
+
+def test_a_stream_lets_content_out_as_soon_as_it_cannot_begin_a_call():
+    stream = CallStream(["time"])
+    assert [p.text for p in stream.feed("Hello <to")] == ["Hello"]  # the space waits for what follows
+    assert [p.text for p in stream.feed("ol")] == []
+    assert [p.text for p in stream.feed("s are fine")] == [" <tools are fine"]
+
+
+def test_the_tokenizer_must_give_the_tags_back_as_text(tok):
+    check_tokenizer("hermes", tok)  # the embedded tokenizer spells them out
+    special = copy.deepcopy(tok)
+    special.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    with pytest.raises(ParserUnusable, match="tool_call"):
+        check_tokenizer("hermes", special)
+
+
+AUTO_BODY = {"tools": TOOLS, "max_tokens": 64}
+
+
+def test_auto_without_a_parser_is_a_400_that_names_the_flag(tok):
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in r.json()["error"]["message"] and not scheduler.submitted
+
+
+def test_auto_replies_carry_the_calls_the_model_wrote(tok):
+    pieces = ["I will check.", "\n<tool", '_call>\n{"name": "weather", ']
+    pieces.append('"arguments": {"city": "Oslo"}}\n</tool_call>')
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY), ScriptedScheduler(pieces), "hermes")
+    assert r.status_code == 200, r.text
+    assert scheduler.submitted[0].json_schema == ""  # nothing forced
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "I will check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    r, _ = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY), ScriptedScheduler(["Just text."]), "hermes")
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "Just text."}
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    cut = ScriptedScheduler(["<tool_call>", '{"name": "wea'], reason="length")
+    r, _ = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY), cut, "hermes")
+    assert r.json()["choices"][0]["message"]["content"] == '<tool_call>{"name": "wea'
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def sse_chunks(text: str) -> list[dict[str, Any]]:
+    lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_auto_streams_content_then_each_call_when_its_block_closes(tok):
+    pieces = ["Sure", ".\n<tool_", 'call>{"name": "time"}</tool_call>\n', "<tool_call>", WEATHER[len("<tool_call>") :]]
+    r, _ = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY | {"stream": True}), ScriptedScheduler(pieces), "hermes")
+    assert r.status_code == 200, r.text
+    deltas = [c["choices"][0]["delta"] for c in sse_chunks(r.text)]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (0, "time", "{}"),
+        (1, "weather", '{"city": "Oslo"}'),
+    ]
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert sse_chunks(r.text)[-1]["choices"][0]["finish_reason"] == "tool_calls"
