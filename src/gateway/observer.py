@@ -174,6 +174,8 @@ class RoundObserver:
                         "specd.predicted_tokens_per_s": choice.predicted_rate,
                         "specd.baseline_tokens_per_s": choice.baseline_rate,
                         "specd.overlap_estimate": self.policy.overlap.value,
+                        # Realised over modelled tokens of this pipeline's recent rounds (1: as modelled).
+                        "specd.pipeline_calibration": self.policy.calibration.factor(choice.pipeline),
                     }
                 )
             if observed_gain is not None:

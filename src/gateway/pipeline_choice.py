@@ -27,6 +27,10 @@ Two exchanges x and y run concurrently take max(x, y) + (1-e)·min(x, y). Per pi
 All k = 0 is target-only in every pipeline, the same cost; a pipeline that cannot apply
 (cohort without drafting sequences in both cohorts, draft-ahead without drafts) is
 costed as what the scheduler then runs: sequential.
+
+What the models leave out shows in what the rounds deliver: `Calibration` keeps, per
+pipeline, the tokens its rounds emitted over those its model promised, and the policy
+scales that pipeline's predictions by it.
 """
 
 from __future__ import annotations
@@ -93,6 +97,46 @@ class Overlap:
     @property
     def value(self) -> float:
         return (self.total + self.prior_weight * self.prior) / (self.weight + self.prior_weight)
+
+
+class Calibration:
+    """Per pipeline, the tokens its rounds emitted over the tokens its model predicted for them.
+
+    The round models price what the gateway measures alone (a verify, a draft exchange, their
+    overlap); what they leave out (a drafter catching up on a cohort's verdicts, two services
+    slowing each other through shared memory, the gateway's own work) shows only in what the
+    rounds deliver. A pipeline's predictions are multiplied by its factor here, so a pipeline
+    that delivers less than its model promised stops winning the choice on that promise.
+    Target-only rounds are not calibrated: their model is the verify alone, learnt directly.
+
+    The factor is (realised + w) / (predicted + w), with w pseudo-tokens at factor 1: a
+    pipeline is trusted until its rounds say otherwise. It only ever lowers a prediction: a
+    pipeline that beats its model would otherwise crowd out those not yet tried, whose factor
+    is still the prior's. Sums age by rounds, not by samples
+    (`age`, as `Overlap` does), so a pipeline no longer chosen regains its prior slowly and
+    is tried, and measured, again.
+    """
+
+    def __init__(self, prior_tokens: float = 32.0, forget: float = 0.99, bounds: tuple[float, float] = (0.2, 1.0)):
+        self.prior_tokens = prior_tokens
+        self.forget = forget
+        self.bounds = bounds
+        self._sums: dict[str, tuple[float, float]] = {}  # pipeline -> (realised, predicted) tokens
+
+    def observe(self, pipeline: str, realised: float, predicted: float) -> None:
+        if predicted <= 0 or not (math.isfinite(realised) and math.isfinite(predicted)):
+            return
+        r, p = self._sums.get(pipeline, (0.0, 0.0))
+        self._sums[pipeline] = (r + realised, p + predicted)
+
+    def age(self) -> None:
+        """One round has passed."""
+        self._sums = {m: (r * self.forget, p * self.forget) for m, (r, p) in self._sums.items()}
+
+    def factor(self, pipeline: str) -> float:
+        r, p = self._sums.get(pipeline, (0.0, 0.0))
+        low, high = self.bounds
+        return min(high, max(low, (r + self.prior_tokens) / (p + self.prior_tokens)))
 
 
 @dataclass(frozen=True)

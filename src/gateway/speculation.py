@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.pipeline_choice import Overlap, RoundModel, verified_positions
+from gateway.pipeline_choice import Calibration, Overlap, RoundModel, verified_positions
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
 
@@ -274,6 +274,9 @@ class Choice:
     predicted_rate: float  # expected tokens per second of the round with ks
     baseline_rate: float  # expected tokens per second of the same round target-only
     pipeline: str = "sequential"  # the pipeline the rate was predicted for
+    # The pipeline's round model's rate before its calibration (`Calibration`): what the
+    # round's outcome is measured against. 0: not calibrated (target-only, or a fixed round).
+    model_rate: float = 0.0
 
     @property
     def predicted_gain(self) -> float:
@@ -340,11 +343,13 @@ def choose_round(
     pipelines: Sequence[str] = ("sequential",),
     current: str = "sequential",
     switch_margin: float = 0.0,
+    calibration: Calibration | None = None,
 ) -> Choice:
     """The pipeline among `pipelines`, and its ks, with the most expected tokens per second.
 
-    Each pipeline gets its own best ks (`choose_ks` under its round model). A round where
-    no sequence drafts is target-only whatever the pipeline, and is labelled sequential.
+    Each pipeline gets its own best ks (`choose_ks` under its round model, times the
+    pipeline's `calibration` factor where anything is drafted). A round where no sequence
+    drafts is target-only whatever the pipeline, and is labelled sequential.
     `current` (the pipeline of the last round) is kept unless another beats it by
     `switch_margin`: switching costs a round the models do not see (a cohort's first
     half has no block ready; a draft-ahead block may be left unused).
@@ -357,12 +362,17 @@ def choose_round(
         [c.cohort for c in candidates],
         [c.guess for c in candidates],
     )
+
+    def rate(mode: str, ks: list[int]) -> float:
+        raw = model.rate(mode, ks)
+        return raw * calibration.factor(_ran(model, mode, ks)) if calibration is not None and any(ks) else raw
+
     choices = []
     for mode in pipelines:
-        choice = choose_ks(candidates, costs, k_max, lambda ks, mode=mode: model.rate(mode, ks))
-        if (mode == "cohort" and not model.paired(choice.ks)) or not any(choice.ks):
-            mode = "sequential"  # what the scheduler runs then
-        choices.append(Choice(choice.ks, choice.predicted_rate, choice.baseline_rate, mode))
+        choice = choose_ks(candidates, costs, k_max, lambda ks, mode=mode: rate(mode, ks))
+        ran = _ran(model, mode, choice.ks)
+        raw = model.rate(mode, choice.ks) if any(choice.ks) else 0.0
+        choices.append(Choice(choice.ks, choice.predicted_rate, choice.baseline_rate, ran, raw))
     best = max(choices, key=lambda c: c.predicted_rate)  # the first of equals: `pipelines` order
     if not any(best.ks):
         return best  # target-only is predicted fastest: no margin may keep drafts that lose to it
@@ -370,6 +380,13 @@ def choose_round(
         if choice.pipeline == current and choice.predicted_rate * (1 + switch_margin) >= best.predicted_rate:
             return choice
     return best
+
+
+def _ran(model: RoundModel, mode: str, ks: Sequence[int]) -> str:
+    """The pipeline the scheduler runs for `mode` with these ks: sequential where `mode` cannot apply."""
+    if not any(ks) or (mode == "cohort" and not model.paired(ks)):
+        return "sequential"
+    return mode
 
 
 @dataclass(frozen=True)
@@ -397,6 +414,7 @@ class SpeculationPolicy:
         self.overall_guess = HitRate(prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
         self.overlap = Overlap()
+        self.calibration = Calibration()
         self._rounds_without_drafts = 0
         self.last_choice: Choice | None = None
         # The pipeline chosen for this round among those offered (the only one offered, if one).
@@ -457,7 +475,14 @@ class SpeculationPolicy:
             # draft the full k, sequentially, to measure the drafter and the verifier alone.
             return [c.fixed if c.fixed is not None else c.cap for c in candidates]
         choice = choose_round(
-            candidates, self.costs, self.k_max, self.overlap.value, pipelines, previous, cfg.switch_margin
+            candidates,
+            self.costs,
+            self.k_max,
+            self.overlap.value,
+            pipelines,
+            previous,
+            cfg.switch_margin,
+            self.calibration,
         )
         self.last_pipeline = choice.pipeline if len(pipelines) > 1 else pipelines[0]
         if all_fixed:
@@ -477,7 +502,9 @@ class SpeculationPolicy:
                 probe = next((i for i, c in enumerate(candidates) if c.fixed is None and c.cap > 0), None)
                 if probe is not None:
                     ks[probe] = 1
-        self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate, choice.pipeline)
+        # A probe's round is not the choice's: it is not measured against the model.
+        model_rate = choice.model_rate if ks == choice.ks else 0.0
+        self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate, choice.pipeline, model_rate)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
 
@@ -544,6 +571,7 @@ class SpeculationPolicy:
         """
         pre = list(ks) if pre_drafted is None else list(pre_drafted)
         self.overlap.age()
+        self.calibration.age()
         ahead = [n for n in ahead_drafted if n > 0]
         if joined_tokens:
             slowed = 0.0
@@ -570,4 +598,6 @@ class SpeculationPolicy:
         gain = tokens_emitted / round_ns * 1e9 / choice.baseline_rate
         if math.isfinite(gain):
             self.observed_gain.observe(gain)
+        if choice.model_rate > 0:
+            self.calibration.observe(choice.pipeline, tokens_emitted, choice.model_rate * round_ns / 1e9)
         return gain

@@ -13,7 +13,7 @@ import pytest
 from synthetic_costs import MS, costs
 
 from gateway import pipeline_choice
-from gateway.pipeline_choice import MODES, Overlap, RoundModel, concurrent
+from gateway.pipeline_choice import MODES, Calibration, Overlap, RoundModel, concurrent
 from gateway.speculation import (
     Candidate,
     Choice,
@@ -299,3 +299,39 @@ def test_policy_keeps_a_single_offered_pipeline() -> None:
     fixed = [Candidate(cap=4, rates=[0.95] * 4, fixed=3, guess=0.95)]
     assert policy.choose(fixed, 1, MODES) == [3]
     assert policy.last_pipeline == "ahead" and policy.last_choice is None
+
+
+def test_calibration_lowers_a_pipeline_that_delivers_less_than_its_model_and_forgets_slowly() -> None:
+    calibration = Calibration(prior_tokens=32.0, forget=0.99)
+    assert calibration.factor("cohort") == 1.0  # trusted until measured
+    for _ in range(40):
+        calibration.observe("cohort", 12.0, 20.0)  # its rounds emit 0.6 of what the model said
+        calibration.observe("ahead", 30.0, 20.0)  # better than its model: never raised above it
+        calibration.age()
+    assert calibration.factor("cohort") == pytest.approx(0.6, abs=0.05)
+    assert calibration.factor("ahead") == 1.0 and calibration.factor("sequential") == 1.0
+    for _ in range(500):
+        calibration.age()  # rounds in which cohort is not chosen
+    assert 0.9 < calibration.factor("cohort") < 1.0  # tried again, a few hundred rounds on
+
+
+def test_a_pipeline_whose_rounds_fall_short_of_its_model_stops_being_chosen() -> None:
+    """The floor under auto: whatever a round model leaves out, rounds that deliver less than
+    target-only teach the policy to leave the pipeline, here for target-only."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = costs(verify_fixed_ms=8, verify_per_token_ms=0.2, step_ms=5)
+    candidates = batch(16, 0.8)
+    assert any(policy.choose(candidates, 16, MODES)) and policy.last_pipeline == "cohort"
+    first = policy.last_choice
+    assert first is not None and first.model_rate == pytest.approx(first.predicted_rate)
+    for _ in range(60):
+        choice = policy.last_choice
+        if choice is None or not any(choice.ks):
+            break
+        # The round took as long as modelled but emitted no more than a target-only round would.
+        round_ns = 40 * MS
+        emitted = int(choice.baseline_rate * round_ns / 1e9 * 0.9)
+        policy.observe_round(choice.ks, round_ns, 0, round_ns, 0, emitted, [0] * 16, choice.ks)
+        policy.choose(candidates, 16, MODES)
+    assert not any(policy.choose(candidates, 16, MODES))
+    assert policy.calibration.factor("cohort") < first.baseline_rate / first.model_rate
