@@ -286,7 +286,7 @@ class OpenAIApi:
             }
 
         if body.stream:
-            held: dict[int, tuple[list[str], list[TokenLogprob]]] = {}
+            unsent: dict[int, list[TokenLogprob]] = {}  # a choice's logprobs that no chunk has carried yet
 
             def stream_chunk(
                 index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None
@@ -299,18 +299,31 @@ class OpenAIApi:
                     return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
                 if tools.mode == "named":
                     return named_call_chunk(index, text, finish, lps)
-                # Required calls: a JSON array to parse, sent as tool_calls once it is whole.
-                texts, kept = held.setdefault(index, ([], []))
-                texts.append(text)
+                return required_calls_chunk(index, text, finish, lps)
+
+            arrays: dict[int, tool_calls.CallArrayStream] = {}
+
+            def required_calls_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
+            ) -> list[dict[str, Any]] | None:
+                """Required calls as they are generated: each call's id and name once its name is
+                whole, then its arguments piece by piece; the output as text if it never named one."""
+                assert tools is not None
+                stream = arrays.setdefault(index, tool_calls.CallArrayStream())
+                kept = unsent.setdefault(index, [])
                 kept.extend(lps or [])
-                if finish is None:
-                    return None
-                calls = tools.calls("".join(texts))
-                if calls is None:  # cut short: the text as it is
-                    return [chunk(index, "".join(texts), None, kept), chunk(index, None, finish)]
-                delta = chunk(index, None, None, kept)
-                delta["choices"][0]["delta"]["tool_calls"] = [{"index": j, **c} for j, c in enumerate(calls)]
-                return [delta, chunk(index, None, tool_finish(tools, finish))]
+                parts = []
+                for piece in stream.feed(text):
+                    delta = chunk(index, None, None, kept)
+                    delta["choices"][0]["delta"]["tool_calls"] = [piece]
+                    parts.append(delta)
+                    kept = unsent[index] = []
+                if finish is not None:
+                    if stream.index < 0:  # cut short before a call was named: what was written, as text
+                        parts.append(chunk(index, stream.text, None, kept))
+                        kept = []
+                    parts.append(chunk(index, None, tool_finish(tools, finish), kept or None))
+                return parts or None
 
             calls_begun: set[int] = set()  # choices whose call's id and name were sent
 
@@ -335,7 +348,6 @@ class OpenAIApi:
                 return parts
 
             streams: dict[int, tool_parsers.CallStream] = {}
-            unsent: dict[int, list[TokenLogprob]] = {}  # logprobs of text held by a choice's stream
 
             def written_calls_chunk(
                 index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None

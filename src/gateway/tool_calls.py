@@ -18,7 +18,6 @@ by grammar, the way vLLM serves `tool_choice` "required" or a named function:
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -82,18 +81,112 @@ class ToolChoice:
         return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": self.schema(), "strict": True}}
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The reply's tool_calls for an output `text`. A named call's arguments are the text, whole
-        or not (cut short by max_tokens, as OpenAI's can be); required calls are None unless the
-        text is a whole JSON array."""
+        """The reply's tool_calls for an output `text`. A call's arguments are the text the model
+        wrote for them, whole or not (cut short by max_tokens, as OpenAI's can be): a named call's
+        are the whole text, required calls' the `parameters` of each item begun; None when no
+        required call's name was written."""
         if self.mode == "named":
             return [call(self.name, text)]
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        if not isinstance(value, list):
-            return None
-        return [call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value]
+        stream = CallArrayStream()
+        pieces = stream.feed(text)
+        calls: list[dict[str, Any]] = []
+        for piece in pieces:
+            if "id" in piece:
+                calls.append({k: v for k, v in piece.items() if k != "index"})
+            else:
+                calls[-1]["function"]["arguments"] += piece["function"]["arguments"]
+        return calls or None
+
+
+class CallArrayStream:
+    """Reads "required" output as it is generated: `[{"name": "f", "parameters": {...}}, ...]`,
+    laid out as the grammar forces it (the schema's key order, ", " and ": " between items and
+    keys, no other whitespace; see specd.grammar). `feed` returns the tool_calls delta pieces
+    the new text completes, as OpenAI streams them: a call's index, id, type and name once its
+    name is whole (arguments ""), then pieces of its arguments, the raw text of its `parameters`.
+    Text that breaks the layout ends the reading; what was read stands."""
+
+    HEAD, NAMED = '{"name": "', '", "parameters": '
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.at = 0  # how far `text` is read
+        self.state = "open"  # open, item, name, arguments, after, done, broken
+        self.index = -1
+        self.depth = 0  # brackets open inside the arguments
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        self.text += text
+        out: list[dict[str, Any]] = []
+        while self.at < len(self.text) and self.state not in ("done", "broken"):
+            if not self._step(out):
+                break  # wants more text
+        return out
+
+    def _literal(self, *options: str) -> str | None:
+        """The option the text continues with here (consumed); None if more text is needed."""
+        rest = self.text[self.at :]
+        for option in options:
+            if rest.startswith(option):
+                self.at += len(option)
+                return option
+        if not any(option.startswith(rest) for option in options):
+            self.state = "broken"
+        return None
+
+    def _step(self, out: list[dict[str, Any]]) -> bool:
+        if self.state == "open":
+            if self._literal("[") is None:
+                return False
+            self.state = "item"
+        elif self.state == "item":
+            if self._literal(self.HEAD) is None:
+                return False
+            self.state = "name"
+        elif self.state == "name":
+            end = self.at
+            while end < len(self.text) and (self.text[end].isalnum() or self.text[end] in "_-"):
+                end += 1
+            rest = self.text[end:]
+            if not rest.startswith(self.NAMED):
+                if not self.NAMED.startswith(rest):
+                    self.state = "broken"
+                return False  # the name, or what follows it, goes on
+            self.index += 1
+            out.append({"index": self.index, **call(self.text[self.at : end], "")})
+            self.at = end + len(self.NAMED)
+            self.state, self.depth, self.in_string, self.escaped = "arguments", 0, False, False
+        elif self.state == "arguments":
+            start = self.at
+            while self.at < len(self.text):
+                c = self.text[self.at]
+                if self.in_string:
+                    self.in_string = self.escaped or c != '"'
+                    self.escaped = not self.escaped and c == "\\"
+                elif c == '"':
+                    self.in_string = True
+                elif c in "{[":
+                    self.depth += 1
+                elif c in "}]":
+                    if self.depth == 0:
+                        self.state = "after"  # the item's own closing brace
+                        break
+                    self.depth -= 1
+                self.at += 1
+            if self.at > start:
+                out.append({"index": self.index, "function": {"arguments": self.text[start : self.at]}})
+            return self.state == "after"
+        elif self.state == "after":
+            separator = self._literal("}, ", "}]")
+            if separator is None:
+                return False
+            self.state = "item" if separator == "}, " else "done"
+        return True
+
+    @property
+    def whole(self) -> bool:
+        return self.state == "done"
 
 
 def call(name: str, arguments: str) -> dict[str, Any]:

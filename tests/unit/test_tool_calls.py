@@ -7,9 +7,9 @@ from typing import Any
 
 import jsonschema
 import pytest
-from api_harness import CHAT, body_for, http_post
+from api_harness import CHAT, ScriptedScheduler, body_for, http_post
 
-from gateway.tool_calls import NO_PARAMETERS, tool_choice
+from gateway.tool_calls import NO_PARAMETERS, CallArrayStream, tool_choice
 from gateway.validation import InvalidParameter
 
 WEATHER = {
@@ -61,6 +61,56 @@ def test_required_forces_an_array_of_calls_to_the_declared_tools(parallel):
         ("time", {}),
     ]
     assert len({c["id"] for c in calls}) == 2
+
+
+# Laid out as the grammar forces it (specd.grammar.JSON_OPTIONS): ", " and ": ", no other spaces.
+ARRAY = (
+    '[{"name": "weather", "parameters": {"city": "Os\\"lo} [", "unit": "c"}}, '
+    '{"name": "time", "parameters": {}}, {"name": "weather", "parameters": {"nested": [{"a": [1, {}]}], "s": "]}"}}]'
+)
+
+
+def merged(pieces: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    calls: list[list[str]] = []
+    for piece in pieces:
+        if "id" in piece:
+            assert piece["index"] == len(calls) and piece["type"] == "function" and piece["id"].startswith("call_")
+            calls.append([piece["function"]["name"], piece["function"]["arguments"]])
+        else:
+            assert piece["index"] == len(calls) - 1 and set(piece["function"]) == {"arguments"}
+            calls[-1][1] += piece["function"]["arguments"]
+    return [(name, arguments) for name, arguments in calls]
+
+
+def test_required_calls_stream_as_generated_and_read_as_the_whole_text_does():
+    items = json.loads(ARRAY)
+    want = [(item["name"], json.dumps(item["parameters"])) for item in items]
+    whole = CallArrayStream()
+    assert merged(whole.feed(ARRAY)) == want and whole.whole
+    choice = tool_choice(TOOLS, "required", None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice.calls(ARRAY)] == want
+    for step in (1, 2, 3, 7):
+        stream = CallArrayStream()
+        pieces = [p for i in range(0, len(ARRAY), step) for p in stream.feed(ARRAY[i : i + step])]
+        assert merged(pieces) == want and stream.whole
+        # The id and name come as soon as the name is whole, before any of its arguments.
+        assert "id" in pieces[0] and pieces[0]["function"]["arguments"] == ""
+
+
+def test_required_calls_cut_short_keep_what_was_written():
+    cut = ARRAY[: ARRAY.index('"time"') + 30]
+    stream = CallArrayStream()
+    assert merged(stream.feed(cut)) == [("weather", '{"city": "Os\\"lo} [", "unit": "c"}'), ("time", "{}")]
+    assert not stream.whole
+    choice = tool_choice(TOOLS, "required", None)
+    assert [c["function"]["name"] for c in choice.calls(cut)] == ["weather", "time"]
+    assert choice.calls('[{"name": "wea') is None  # no call named yet: the output stays text
+
+
+def test_required_calls_stop_reading_where_the_layout_breaks():
+    stream = CallArrayStream()
+    assert merged(stream.feed('[{"name": "time", "parameters": {}}; {"name": "x"')) == [("time", "{}")]
+    assert stream.state == "broken" and not stream.whole and stream.feed(', "parameters": {}}]') == []
 
 
 def test_none_shows_the_tools_and_forces_nothing():
@@ -152,3 +202,24 @@ def test_a_conversation_with_calls_and_their_results_is_accepted(tok):
     r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"messages": messages, "tools": TOOLS, "tool_choice": "none"}))
     assert r.status_code == 200, r.text
     assert scheduler.submitted
+
+
+def sse_deltas(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:])["choices"] for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_required_calls_stream_over_http_piece_by_piece(tok):
+    pieces = [ARRAY[i : i + 5] for i in range(0, len(ARRAY), 5)]
+    body = body_for(CHAT, {"tools": TOOLS, "tool_choice": "required", "stream": True, "max_tokens": 200})
+    r, _ = http_post(tok, CHAT, body, ScriptedScheduler(pieces))
+    assert r.status_code == 200, r.text
+    choices = [c[0] for c in sse_deltas(r.text) if c]
+    streamed = [tc for c in choices for tc in c["delta"].get("tool_calls", [])]
+    assert merged(streamed) == [(item["name"], json.dumps(item["parameters"])) for item in json.loads(ARRAY)]
+    assert len(streamed) > 6 and choices[-1]["finish_reason"] == "tool_calls"
+    assert not any(c["delta"].get("content") for c in choices)
+    cut = ScriptedScheduler(['[{"name": "wea'], reason="length")  # no call named: the text as it is
+    r, _ = http_post(tok, CHAT, body, cut)
+    choices = [c[0] for c in sse_deltas(r.text) if c]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == '[{"name": "wea'
+    assert choices[-1]["finish_reason"] == "length"
