@@ -45,6 +45,12 @@ class GatewayConfig:
         "with k, from measured costs)",
         ["sequential", "cohort", "ahead", "auto"],
     )
+    drafter_overlap: bool = field(
+        True,
+        "run the drafter's exchanges of a round (draft-ahead, the other cohort's drafts, its prefill of joining "
+        "sequences) while the verifier works; false: after it, for a drafter and a verifier that share cores, "
+        "whose threads would otherwise fight over them (specd up sets it for its shared placement)",
+    )
     speculative_disable_by_batch_size: int = field(
         0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"
     )
@@ -118,6 +124,10 @@ class GatewayConfig:
             raise ValueError("--verifier needs at least one endpoint")
         if self.max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if not self.drafter_overlap and self.pipeline in ("cohort", "ahead"):
+            raise ValueError(
+                f"--pipeline {self.pipeline} overlaps the drafter with the verifier: it needs --drafter-overlap"
+            )
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -174,6 +174,7 @@ class Scheduler:
         request_timeout_s: float = 0.0,
         pipeline: str = "sequential",
         prefill_chunk_tokens: int = 0,
+        drafter_overlap: bool = True,
     ) -> None:
         if pipeline not in PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
@@ -213,6 +214,11 @@ class Scheduler:
         self.metrics.bind_policy(self.policy)
         self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
         self.pipeline = pipeline
+        # Whether the drafter's exchanges of a round (draft-ahead, the other cohort's drafts, its
+        # prefill of joining sequences) run while the verifier works, or after it: two services
+        # that share cores slow each other far more than the overlap wins (their threads fight
+        # over the same cores), so there every exchange runs alone.
+        self.drafter_overlap = drafter_overlap
         self._auto_pipeline = "sequential"  # what `auto` resolves to this round
         self.max_waiting = max_waiting
         self.request_timeout_s = request_timeout_s
@@ -747,13 +753,25 @@ class Scheduler:
             if item.seq.drafter.drafting and not item.seq.done
         ]
         request = verify_request(round_id, plan.verify, blocks, ks, contexts, plan.prefill)
-        ahead_task = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
         filling = [item.seq for item in plan.ahead if item.prefill]
-        join_task = (
-            asyncio.create_task(self._join_drafter(plan.join, filling, alone=not ahead_items)) if plan.join else None
-        )
+        ahead_task: asyncio.Task[Any] | None = None
+        join_task: asyncio.Task[int] | None = None
+
+        def drafter_work() -> tuple[asyncio.Task[Any] | None, asyncio.Task[int] | None]:
+            ahead = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
+            join = (
+                asyncio.create_task(self._join_drafter(plan.join, filling, alone=not ahead_items))
+                if plan.join
+                else None
+            )
+            return ahead, join
+
+        if self.drafter_overlap:
+            ahead_task, join_task = drafter_work()
         try:
             reply = await self.verifier.verify(request)
+            if not self.drafter_overlap:
+                ahead_task, join_task = drafter_work()
         finally:
             # Settled whatever the verify did, so no exchange outlives its round.
             ahead_failure = await _settle(ahead_task)

@@ -88,6 +88,7 @@ async def run(config: GatewayConfig) -> None:
         request_timeout_s=config.request_timeout_s,
         pipeline=config.pipeline,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
+        drafter_overlap=config.drafter_overlap,
     )
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)

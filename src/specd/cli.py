@@ -116,6 +116,14 @@ def _up_parser() -> argparse.ArgumentParser:
         "most 1.25x its time on all of them (measured once per machine and cached), else shared. Explicit "
         "--*-cpus/--*-threads, a GPU, or no model drafter: as given",
     )
+    p.add_argument(
+        "--drafter-overlap",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the drafter's exchanges (its prefill of joining sequences, draft-ahead, the other cohort) while "
+        "the verifier works; auto: off where a model drafter and the verifier share the CPU's cores (shared "
+        "placement), whose threads would fight over them, else on",
+    )
     p.add_argument("--drafter-threads", type=int, default=0, help="drafter's torch threads; 0: torch's default")
     p.add_argument("--verifier-threads", type=int, default=0, help="verifier's torch threads; 0: torch's default")
     p.add_argument("--drafter-cpus", default="", help="pin the drafter to these CPUs, e.g. 1; empty: no pinning")
@@ -205,6 +213,17 @@ def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
     return replace(placement, reason=placement.reason + (" (measured earlier on this machine)" if cached else ""))
 
 
+def drafter_overlap(args: argparse.Namespace, placement: CpuPlacement, drafter: str, explicit: bool) -> bool:
+    """Whether the drafter works while the verifier does (see --drafter-overlap): not where a model
+    drafter shares the verifier's cores, unless the cores were named."""
+    if args.drafter_overlap != "auto":
+        return bool(args.drafter_overlap == "on")
+    if args.pipeline in ("cohort", "ahead"):
+        return True  # named: those pipelines are overlap
+    on_cpu = args.drafter_device == "cpu" and args.verifier_device == "cpu"
+    return placement.split or explicit or not on_cpu or drafter in ("ngram", "none")
+
+
 def apply_placement(args: argparse.Namespace, placement: CpuPlacement) -> None:
     """Give the services the placement's cores and threads; with cores of their own, the pipeline
     that overlaps them (auto) unless one was named."""
@@ -231,15 +250,18 @@ def up(argv: Sequence[str]) -> None:
     backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
     drafter_dtype = args.drafter_dtype or ("float32" if drafter == "distilled" else "bfloat16")
+    explicit = bool(args.drafter_cpus or args.verifier_cpus)
     try:
         placement = resolve_placement(args, drafter)
     except ValueError as exc:
         parser.error(str(exc))
     apply_placement(args, placement)
+    overlap = drafter_overlap(args, placement, drafter, explicit)
     where = f" (verifier on CPUs {placement.verifier_cpus}, drafter on {placement.drafter_cpus})"
     why = f": {placement.reason}" if placement.reason else ""
     print(
-        f"specd up: placement {'split' + where if placement.split else 'shared'}, pipeline {args.pipeline}{why}",
+        f"specd up: placement {'split' + where if placement.split else 'shared'}, pipeline {args.pipeline}"
+        f"{'' if overlap else ', the drafter working only while the verifier does not'}{why}",
         file=sys.stderr,
         flush=True,
     )
@@ -291,6 +313,7 @@ def up(argv: Sequence[str]) -> None:
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
         "--tool-call-parser", args.tool_call_parser,
+        "--drafter-overlap", "true" if overlap else "false",
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),
         "--backend-timeout-s", str(args.backend_timeout_s),

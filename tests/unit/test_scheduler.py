@@ -113,6 +113,19 @@ def test_draft_ahead_overlaps_and_uses_its_blocks() -> None:
     assert sched.metrics.wasted_draft_tokens._value.get() <= 5  # only the last block, past max_tokens
 
 
+def test_without_drafter_overlap_the_services_never_work_at_once() -> None:
+    """Shared cores: the drafter's prefill of joining sequences waits for the verify, and the output is the same."""
+    verifier, drafter = FakeVerifier(delay_s=0.03), FakeDrafter()
+    drafter.open_delay_s = 0.06
+    verifier.other, drafter.other = drafter, verifier
+    sched = scheduler(verifier, drafter, "sequential")
+    sched.drafter_overlap = False
+    results = generate(sched, PROMPTS[:3], max_tokens=30)
+    assert [ids for ids, _ in results] == [reference(p, 30) for p in PROMPTS[:3]]
+    assert drafter.opens and verifier.max_busy_with_other == 0 and drafter.max_busy_with_other == 0
+    assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+
+
 def test_a_sequence_joins_the_drafter_beside_the_verify() -> None:
     """The drafter's prefill of a new sequence is off the critical path, even in the sequential pipeline."""
     verifier, drafter = FakeVerifier(delay_s=0.03), FakeDrafter()

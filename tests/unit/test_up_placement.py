@@ -103,6 +103,29 @@ def test_a_placement_sets_the_services_cores_and_the_pipeline(argv: list[str], s
     assert (args.verifier_cpus, args.drafter_cpus, args.verifier_threads, args.drafter_threads, args.pipeline) == want
 
 
+@pytest.mark.parametrize(
+    ("argv", "split", "drafter", "want"),
+    [
+        ([], True, "model", True),  # cores of their own
+        ([], False, "model", False),  # two models on the same cores: one at a time
+        ([], False, "ngram", True),  # prompt lookup computes next to nothing
+        (["--drafter-device", "cuda"], False, "model", True),
+        (["--verifier-cpus", "0", "--drafter-cpus", "1"], False, "model", True),  # cores named: as given
+        (["--pipeline", "ahead"], False, "model", True),  # a pipeline that is overlap, asked for
+        (["--drafter-overlap", "on"], False, "model", True),
+        (["--drafter-overlap", "off"], True, "model", False),
+    ],
+)
+def test_the_drafter_overlaps_the_verifier_unless_they_share_cores(
+    argv: list[str], split: bool, drafter: str, want: bool
+) -> None:
+    args = cli._up_parser().parse_args(argv)
+    explicit = bool(args.drafter_cpus or args.verifier_cpus)
+    chosen = split_placement([0, 1]) if split else placement.CpuPlacement(False)
+    cli.apply_placement(args, chosen)
+    assert cli.drafter_overlap(args, chosen, drafter, explicit) is want
+
+
 def test_cpu_model_names_the_cpu_beyond_its_family(tmp_path):
     info = tmp_path / "cpuinfo"
     block = "processor\t: {}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
