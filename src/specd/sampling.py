@@ -151,17 +151,22 @@ def sparse_draft(
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a distribution [V]; without a generator, its argmax (greedy)."""
+    return int(sample_tensor(probs, generator))
+
+
+def sample_tensor(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """`sample`, as a 0-d tensor on the probabilities' device: nothing is read back to the host."""
     if generator is None:
-        return int(probs.argmax())
+        return probs.argmax()
     # Inverse CDF: one uniform and a binary search (torch.multinomial took a millisecond a row of
     # the vocabulary). A token of probability 0 adds nothing to the CDF, so the search never
-    # lands on one; only where rounding puts u at the total does it fall past the end.
+    # lands on one; only where rounding puts u at the total does it fall past the end, and then
+    # the last token of nonzero probability is taken.
     cdf = probs.cumsum(dim=0)
     u = torch.rand((), generator=generator, device=probs.device) * cdf[-1]
-    token = int(torch.searchsorted(cdf, u[None], right=True))
-    if token >= probs.shape[0]:
-        token = int((probs > 0).nonzero()[-1])
-    return token
+    token = torch.searchsorted(cdf, u[None], right=True)[0]
+    last = probs.shape[0] - 1 - (probs > 0).flip(0).to(torch.float32).argmax()
+    return torch.where(token >= probs.shape[0], last, token)
 
 
 def position_keys(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
@@ -204,7 +209,7 @@ class Verdict:
 
 def rejection_sample(
     target_probs: torch.Tensor,
-    draft_tokens: Sequence[int],
+    draft_tokens: Sequence[int] | torch.Tensor,
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None,
 ) -> Verdict:
@@ -217,44 +222,73 @@ def rejection_sample(
     generator:    the sequence's generator; None for greedy sequences, whose p is
                   one-hot, so acceptance and the correction need no randomness.
     """
+    num, token = deferred_verdict(target_probs, draft_tokens, draft_probs, generator).tolist()
+    return Verdict(num, token)
+
+
+def deferred_verdict(
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int] | torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """`rejection_sample`'s verdict as a tensor [num_accepted, next_token] on the probabilities'
+    device, computed without reading anything back to the host: a batch's verdicts are read back
+    together, once. `draft_tokens` may already be a tensor on that device (a list is copied there)."""
     k = len(draft_tokens)
     if target_probs.shape[0] != k + 1:
         raise ValueError(f"target_probs has {target_probs.shape[0]} rows for {k} draft tokens")
+    device = target_probs.device
+    idx = _ids(draft_tokens, device)
     if k:
-        idx = torch.tensor(draft_tokens, device=target_probs.device)
         p = target_probs[:k].gather(1, idx[:, None]).squeeze(1)
         q = draft_probs[:k].gather(1, idx[:, None]).squeeze(1) if draft_probs is not None else torch.ones_like(p)
         if generator is None:
             # u = 0: accept iff p(x) > 0, which for a one-hot p means x is the argmax.
             accept = p > 0
         else:
-            u = torch.rand(k, generator=generator, device=target_probs.device)
+            u = torch.rand(k, generator=generator, device=device)
             accept = u * q < p  # u < p/q without dividing by a tiny q
-        num = int(accept.to(torch.int64).cumprod(0).sum())
+        num = accept.to(torch.int64).cumprod(0).sum()
     else:
-        num = 0
-    if num < k:
-        return Verdict(num, sample(residual(target_probs, draft_tokens, draft_probs, num), generator))
-    return Verdict(k, sample(target_probs[k], generator))
+        num = torch.zeros((), dtype=torch.int64, device=device)
+    # At the first rejection the correction; with every draft accepted (num = k) the bonus, from p.
+    return torch.stack([num, sample_tensor(residual(target_probs, idx, draft_probs, num), generator)])
 
 
 def residual(
-    target_probs: torch.Tensor, draft_tokens: Sequence[int], draft_probs: torch.Tensor | None, position: int
+    target_probs: torch.Tensor,
+    draft_tokens: Sequence[int] | torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    position: int | torch.Tensor,
 ) -> torch.Tensor:
-    """norm(max(0, p - q)) at the rejected `position`: where the correction is drawn from.
+    """norm(max(0, p - q)) at the rejected `position`: where the correction is drawn from; at
+    position k, past the last draft, p itself (the bonus token's distribution).
 
     A function of its own so that tests can swap in a wrong position and check
-    that the statistical tests notice.
+    that the statistical tests notice. `position` may be a 0-d tensor, so that
+    nothing is read back to the host.
     """
+    k = target_probs.shape[0] - 1
     out = target_probs[position].clone()
     if draft_probs is not None:
-        out = (out - draft_probs[position]).clamp_(min=0.0)
+        rows = torch.cat([draft_probs[:k], torch.zeros_like(target_probs[:1])])  # no q past the drafts
+        out = (out - rows[position]).clamp_(min=0.0)
     else:
-        out[draft_tokens[position]] = 0.0
+        ids = _ids(draft_tokens, target_probs.device)
+        padded = torch.cat([ids, ids.new_zeros(1)])
+        drafted = torch.arange(out.shape[0], device=out.device) == padded[position]
+        out = out.masked_fill(drafted & (torch.as_tensor(position, device=out.device) < k), 0.0)
     total = out.sum()
     # Only when p == q exactly can the residual vanish, and then rejection had
     # probability 0; fall back to p rather than divide by zero.
-    return out / total if total > 0 else target_probs[position]
+    return torch.where(total > 0, out / torch.where(total > 0, total, 1.0), target_probs[position])
+
+
+def _ids(tokens: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(tokens, torch.Tensor):
+        return tokens.to(device=device, dtype=torch.long)
+    return torch.tensor(list(tokens), dtype=torch.long, device=device)
 
 
 def coupled_verdict(target_tokens: Sequence[int], draft_tokens: Sequence[int]) -> Verdict:

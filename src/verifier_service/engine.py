@@ -15,7 +15,7 @@ from specd.grammar import GrammarCompiler, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
 from specd.logprobs import token_logprobs
 from specd.params import TokenLogprob
-from specd.sampling import coupled_verdict, gumbel_argmax, position_keys, probabilities, rejection_sample
+from specd.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, position_keys, probabilities
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
 
@@ -170,17 +170,15 @@ class VerifierEngine:
             probs = probabilities(torch.cat([adjusted[n] for n in sampled]), params)
             dists = _by_block(probs, {n: adjusted[n].shape[0] for n in sampled})
             own.update(self._coupled_tokens(live, dists))
-        for n, ((i, state, task, q), raw) in enumerate(zip(live, logits, strict=True)):
+        drawn = self._drawn_verdicts(live, dists, own, results)
+        for n, ((i, state, task, _), raw) in enumerate(zip(live, logits, strict=True)):
             k = len(task.draft_tokens)
             if results[i].error is not None:
                 continue
             try:
-                if n in own:
-                    # Greedy or seeded: the target's own token at each row decides (its argmax,
-                    # or its noisy argmax), whatever the drafter sent along.
-                    verdict = coupled_verdict(own[n], task.draft_tokens)
-                else:
-                    verdict = rejection_sample(dists[n], task.draft_tokens, q, state.generator)
+                # Greedy or seeded: the target's own token at each row decides (its argmax, or its
+                # noisy argmax), whatever the drafter sent along; unseeded sampled: the rejection rule.
+                verdict = coupled_verdict(own[n], task.draft_tokens) if n in own else drawn[n]
                 if state.grammar is not None:
                     # The grammar follows the committed tokens exactly: the accepted drafts
                     # stay consumed, the rejected ones are rolled back, the next token goes on.
@@ -204,6 +202,36 @@ class VerifierEngine:
             results[i].next_token = verdict.next_token
         timing.phases.append(("rejection_sampling", end, time.time_ns()))
         return results, timing
+
+    @staticmethod
+    def _drawn_verdicts(
+        live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]],
+        dists: dict[int, torch.Tensor],
+        own: dict[int, list[int]],
+        results: list[VerifyResult],
+    ) -> dict[int, Verdict]:
+        """The rejection rule's verdict for every unseeded sampled sequence (by index into `live`):
+        each drawn from its own generator, all read back at once. A sequence whose verdict cannot
+        be drawn gets its error instead."""
+        drawn = [n for n in dists if n not in own]
+        if not drawn:
+            return {}
+        device = dists[drawn[0]].device
+        # Every block's drafts copied to the device at once, not once per sequence.
+        drafts = torch.tensor(
+            [t for n in drawn for t in live[n][2].draft_tokens], dtype=torch.long, device=device
+        ).split([len(live[n][2].draft_tokens) for n in drawn])
+        verdicts: dict[int, torch.Tensor] = {}
+        for n, ids in zip(drawn, drafts, strict=True):
+            i, state, _, q = live[n]
+            try:
+                verdicts[n] = deferred_verdict(dists[n], ids, q, state.generator)
+            except Exception as exc:  # one sequence's failure must not corrupt the others
+                results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
+        if not verdicts:
+            return {}
+        read = torch.stack(list(verdicts.values())).tolist()
+        return {n: Verdict(num, token) for n, (num, token) in zip(verdicts, read, strict=True)}
 
     @staticmethod
     def _greedy_tokens(

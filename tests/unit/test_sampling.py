@@ -19,11 +19,13 @@ from specd.sampling import (
     TOP_P_CANDIDATES,
     Verdict,
     coupled_verdict,
+    deferred_verdict,
     gumbel_argmax,
     make_generator,
     position_keys,
     probabilities,
     rejection_sample,
+    residual,
     sample,
     truncate,
 )
@@ -243,6 +245,23 @@ def test_greedy_pipeline_from_logits():
     wrong = (argmax[1] + 1) % 30
     assert rejection_sample(probs, [argmax[0], wrong, argmax[2]], None, None) == Verdict(1, argmax[1])
     assert rejection_sample(probs, argmax[:3], None, None) == Verdict(3, argmax[3])
+
+
+def test_a_deferred_verdict_is_the_verdict_left_on_the_device():
+    """What the verifier reads back once per batch: the same verdict, drawn from the same generator."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(4, 12, generator=gen), dim=-1)
+    q = torch.softmax(torch.randn(3, 12, generator=gen), dim=-1)
+    draft = [1, 7, 3]
+    for seed in range(20):
+        deferred = deferred_verdict(p, torch.tensor(draft), q, torch.Generator().manual_seed(seed))
+        assert isinstance(deferred, torch.Tensor) and deferred.shape == (2,)
+        assert Verdict(*deferred.tolist()) == rejection_sample(p, draft, q, torch.Generator().manual_seed(seed))
+    # Past the last draft (every draft accepted) the residual is p itself: the bonus token's distribution.
+    assert torch.allclose(residual(p, draft, q, torch.tensor(3)), p[3])
+    assert torch.allclose(residual(p, draft, None, 3), p[3])
+    one_hot = residual(p, draft, None, torch.tensor(1))
+    assert one_hot[7] == 0 and torch.allclose(one_hot.sum(), torch.tensor(1.0))
 
 
 # -- rejection_sample: exactness in distribution ---------------------------------------
