@@ -31,7 +31,7 @@ class RoundTimes:
 
     round_ns: int
     draft_ns: int
-    verify_ns: int
+    verify_ns: int  # the verify, and the wait for any draft exchange run beside it
     drafter_ns: int
     verifier_ns: int
     drafter_forward_ns: int
@@ -39,6 +39,11 @@ class RoundTimes:
     overlap_ns: int = 0
     # The round's wait, after the verify, for the drafter to open the sequences joining it.
     join_ns: int = 0
+    # The verify exchange alone, from its request to its reply: without the wait for a draft
+    # exchange beside it, which `verify_ns` includes. 0: not timed apart.
+    verify_reply_ns: int = 0
+    # The drafter's forward passes in the draft exchange beside the verify (`overlap_ns` is the exchange).
+    overlap_forward_ns: int = 0
 
     @property
     def overhead_ns(self) -> int:
@@ -51,11 +56,13 @@ class RoundTimes:
             "specd.round_ms": self.round_ns / 1e6,
             "specd.draft_ms": self.draft_ns / 1e6,
             "specd.verify_ms": self.verify_ns / 1e6,
+            "specd.verify_reply_ms": self.verify_reply_ns / 1e6,
             "specd.drafter_ms": self.drafter_ns / 1e6,
             "specd.verifier_ms": self.verifier_ns / 1e6,
             "specd.drafter_forward_ms": self.drafter_forward_ns / 1e6,
             "specd.verifier_forward_ms": self.verifier_forward_ns / 1e6,
             "specd.overlap_ms": self.overlap_ns / 1e6,
+            "specd.overlap_forward_ms": self.overlap_forward_ns / 1e6,
             "specd.join_ms": self.join_ns / 1e6,
             "specd.overhead_ms": self.overhead_ns / 1e6,
         }
@@ -150,6 +157,9 @@ class RoundObserver:
                 outcome.ahead_drafted,
                 outcome.joined_tokens,
                 times.join_ns,
+                times.verify_reply_ns,
+                times.overlap_ns,
+                times.overlap_forward_ns,
             )
         attributes = times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)

@@ -5,8 +5,13 @@ per second of the batch under sequential, cohort and draft-ahead scheduling, eac
 its own best k per sequence. This module holds the per-pipeline round models; every
 cost in them is one the gateway measures as it runs:
 
-- V(n): the verify exchange for n verified positions (rows padded to the longest block);
-- D(B, s): a draft exchange of s steps for B sequences, d0 + s·step(B);
+- V(n): the verify exchange for n verified positions (rows padded to the longest block),
+  timed in rounds that run it alone; V'(n) the same timed beside a draft exchange (request to
+  reply), in the overlapped pipelines' own rounds, so that their block sizes are priced as
+  measured, not extrapolated from the sizes sequential rounds ran (V before any such round);
+- D(B, s): a draft exchange of s steps for B sequences, d0 + s·step(B); D'(B, s) the same with
+  step'(B), timed in the exchanges that ran beside a verify: there a cohort's drafting also
+  catches up on the verdicts of its last verify, and shared cores slow it (step before any);
 - o: the round's overhead outside both exchanges;
 - e: the share of the shorter of two concurrent exchanges that hides behind the longer
   (`Overlap`): 1 on two devices that do not interfere, 0 when they share compute and
@@ -15,13 +20,13 @@ cost in them is one the gateway measures as it runs:
 Two exchanges x and y run concurrently take max(x, y) + (1-e)·min(x, y). Per pipeline:
 
 - sequential: o + D(B, max k) + V(Σ(k+1) padded);
-- draft-ahead: o + (1-P)·D(misses) + both(V, D(B, max k + 1)), with P = Π_s h_s the chance
+- draft-ahead: o + (1-P)·D(misses) + both(V', D'(B, max k + 1)), with P = Π_s h_s the chance
   that every sequence's ahead block stands, h_s = P(its k drafts accepted) · g_s, g_s the
   rate at which its drafter's guess at the verifier's next token has been right (learnt
   per sequence: for sampled requests far below the acceptance); a sequence whose block
   missed drafts before the verify;
 - cohort: two phases, each verifying one cohort (and the sequences that do not draft)
-  while the other cohort drafts: o + both(V(cohort A), D(cohort B)), then the swap; the
+  while the other cohort drafts: o + both(V'(cohort A), D'(cohort B)), then the swap; the
   sequences that do not draft are verified (one token each) in both phases.
 
 All k = 0 is target-only in every pipeline, the same cost; a pipeline that cannot apply
@@ -59,10 +64,13 @@ def concurrent(a: float, b: float, overlap: float) -> float:
 class Overlap:
     """The overlap e achieved between a verify and a draft exchange run at once, as measured.
 
-    Each overlapped round gives one sample: (V + A - phase) / min(V, A), with V and A the
-    verify and draft exchanges predicted from rounds where each ran alone, and `phase` the
-    time the two took together; clipped to [0, 1]. The estimate is the samples' mean,
-    pulled toward `prior` by `prior_weight` pseudo-samples.
+    Each overlapped round gives one sample: (V + A - phase) / min(V, A), with V and A the verify
+    and draft exchanges' own times in that round (request to reply), and `phase` the time the
+    two took together; clipped to [0, 1]. What each service's work beside the other costs is
+    in V' and D' (`CostModel.verify_beside`, `CostModel.step_beside`); what is left here is
+    the round's wait on top of the longer exchange (one starting after the other, the gateway
+    reading both replies). The estimate is the samples' mean, pulled toward `prior` by
+    `prior_weight` pseudo-samples.
 
     The prior is optimistic (1: perfect overlap) and light on purpose: with a pessimistic
     one an overlapped pipeline never looks better than sequential, so it is never tried
@@ -102,11 +110,11 @@ class Overlap:
 class Calibration:
     """Per pipeline, the tokens its rounds emitted over the tokens its model predicted for them.
 
-    The round models price what the gateway measures alone (a verify, a draft exchange, their
-    overlap); what they leave out (a drafter catching up on a cohort's verdicts, two services
-    slowing each other through shared memory, the gateway's own work) shows only in what the
-    rounds deliver. A pipeline's predictions are multiplied by its factor here, so a pipeline
-    that delivers less than its model promised stops winning the choice on that promise.
+    The round models price what the gateway measures (a verify and a draft exchange, alone and
+    beside each other, and their overlap); what they leave out (the gateway's own work, costs
+    that change with the mix of sequences in the batch) shows only in what the rounds
+    deliver. A pipeline's predictions are multiplied by its factor here, so a pipeline that
+    delivers less than its model promised stops winning the choice on that promise.
     Target-only rounds are not calibrated: their model is the verify alone, learnt directly.
 
     The factor is (realised + w) / (predicted + w), with w pseudo-tokens at factor 1: a
@@ -174,13 +182,19 @@ class RoundModel:
     def _tokens(self, indices: Sequence[int] | range, ks: Sequence[int]) -> float:
         return sum(self.tables[i][ks[i]] for i in indices)
 
-    def _draft_ns(self, sequences: float, steps: int) -> float:
+    def _draft_ns(self, sequences: float, steps: int, beside: bool = False) -> float:
+        """A draft exchange of `steps` for `sequences`; `beside`: with a verify running beside it."""
         if steps <= 0 or sequences <= 0:
             return 0.0
-        return self.costs.draft_fixed.get() + steps * self.costs.step.predict(sequences)
+        step = self.costs.step_beside_ns(sequences) if beside else self.costs.step.predict(sequences)
+        return self.costs.draft_fixed.get() + steps * step
 
-    def _verify_ns(self, ks: Sequence[int]) -> float:
-        return self.costs.verify.predict(verified_positions(ks)) if ks else 0.0
+    def _verify_ns(self, ks: Sequence[int], beside: bool = False) -> float:
+        """The verify exchange for these blocks; `beside`: with a draft exchange running beside it."""
+        if not ks:
+            return 0.0
+        positions = verified_positions(ks)
+        return self.costs.verify_beside_ns(positions) if beside else self.costs.verify.predict(positions)
 
     def _ahead(self, ks: Sequence[int]) -> tuple[float, float]:
         drafting = [i for i, k in enumerate(ks) if k > 0]
@@ -189,8 +203,12 @@ class RoundModel:
         # A missed block is drafted again before the verify; the exchange is as long as the longest.
         misses = sum(1.0 - h for h in stands)
         pre = self._draft_ns(misses / (1.0 - all_stand), max(ks)) if all_stand < 1.0 else 0.0
-        ahead = self._draft_ns(len(drafting), max(ks) + 1)  # the guess at the verifier's token, then k
-        ns = self.costs.overhead.get() + (1.0 - all_stand) * pre + concurrent(self._verify_ns(ks), ahead, self.overlap)
+        ahead = self._draft_ns(len(drafting), max(ks) + 1, beside=True)  # the guess at the verifier's token, then k
+        ns = (
+            self.costs.overhead.get()
+            + (1.0 - all_stand) * pre
+            + concurrent(self._verify_ns(ks, beside=True), ahead, self.overlap)
+        )
         return self._tokens(range(len(ks)), ks), ns
 
     def _cohort(self, ks: Sequence[int]) -> tuple[float, float]:
@@ -198,8 +216,8 @@ class RoundModel:
         for turn in (0, 1):
             verified = [i for i, k in enumerate(ks) if k == 0 or self.cohorts[i] == turn]
             drafting = [i for i, k in enumerate(ks) if k > 0 and self.cohorts[i] != turn]
-            draft = self._draft_ns(len(drafting), max(ks[i] for i in drafting))
-            verify = self._verify_ns([ks[i] for i in verified])
+            draft = self._draft_ns(len(drafting), max(ks[i] for i in drafting), beside=True)
+            verify = self._verify_ns([ks[i] for i in verified], beside=draft > 0)
             ns += self.costs.overhead.get() + concurrent(verify, draft, self.overlap)
             tokens += self._tokens(verified, ks)
         return tokens, ns

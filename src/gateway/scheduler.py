@@ -770,6 +770,7 @@ class Scheduler:
             ahead_task, join_task = drafter_work()
         try:
             reply = await self.verifier.verify(request)
+            replied = time.perf_counter_ns()
             if not self.drafter_overlap:
                 ahead_task, join_task = drafter_work()
         finally:
@@ -798,12 +799,14 @@ class Scheduler:
             round_ns=now - started,
             draft_ns=draft_done - started,
             verify_ns=verified - draft_done,
+            verify_reply_ns=replied - draft_done,
             join_ns=joined - verified,
             drafter_ns=pre.timings.total_ns if pre else 0,
             verifier_ns=reply.timings.total_ns,
             drafter_forward_ns=pre.timings.forward_ns if pre else 0,
             verifier_forward_ns=reply.timings.forward_ns,
             overlap_ns=ahead.elapsed_ns if ahead else 0,
+            overlap_forward_ns=ahead.timings.forward_ns if ahead else 0,
         )
 
         # 3. Apply the verdicts, each sequence on its own; draft-ahead blocks that missed are dropped.

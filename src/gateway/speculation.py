@@ -181,13 +181,19 @@ class SizedCost:
     `prior_weight` pseudo-samples so that one slow round does not reprice a size. Sizes never
     measured get the line. Sizes above `EXACT_UP_TO` share quarter-octave buckets (the bucket
     keeps the mean of its sizes too), which bounds the table.
+
+    `explore`: a size never measured costs at most what the nearest smaller size measured
+    costs. That is the optimistic guess (a larger size is never cheaper), so the policy tries
+    the size and learns its cost, where the line through a few sizes, steep between them,
+    might price it out for good (on a CPU a verify of 3 positions can cost more than one of 4).
     """
 
     EXACT_UP_TO = 32
 
-    def __init__(self, forget: float = 0.98, prior_weight: float = 1.0) -> None:
+    def __init__(self, forget: float = 0.98, prior_weight: float = 1.0, explore: bool = False) -> None:
         self.line = LinearCost(forget)
         self.prior_weight = prior_weight
+        self.explore = explore
         self._sizes: dict[int, tuple[float, float, float]] = {}  # key -> forgetting sums of (1, x, y)
 
     @classmethod
@@ -213,9 +219,18 @@ class SizedCost:
 
     def predict(self, x: float) -> float:
         w0, w1 = self.line.coefficients()  # once: the policy predicts many times a round
-        n, sx, sy = self._sizes.get(self.key(x), (0.0, 0.0, 0.0))
-        if n <= 0:
-            return w0 + w1 * x
+        key = self.key(x)
+        if key in self._sizes:
+            return self._at(key, x, w0, w1)
+        smaller = [k for k in self._sizes if k < key] if self.explore else []
+        if smaller:
+            n, sx, _ = self._sizes[max(smaller)]
+            return min(w0 + w1 * x, self._at(max(smaller), sx / n, w0, w1))
+        return w0 + w1 * x
+
+    def _at(self, key: int, x: float, w0: float, w1: float) -> float:
+        """The prediction at x of a size measured: the line moved toward that size's own mean."""
+        n, sx, sy = self._sizes[key]
         # The size's mean cost against the line at the mean of its sizes (equal sizes below the buckets).
         off_line = sy / n - (w0 + w1 * sx / n)
         return max(0.0, w0 + w1 * x + off_line * n / (n + self.prior_weight))
@@ -238,9 +253,27 @@ class CostModel:
     """Round cost in ns as measured by the gateway."""
 
     verify: SizedCost = field(default_factory=SizedCost)  # verify exchange ns vs positions checked
+    # The same, timed in rounds where a draft exchange ran beside it (cohort, draft-ahead), from
+    # its request to its reply. Those rounds run the block sizes their pipelines choose, which
+    # rounds alone may never run; on cores the two services share, it also holds the slowdown.
+    # Sizes not run yet are priced optimistically, so that they are tried (`SizedCost.explore`).
+    verify_beside: SizedCost = field(default_factory=lambda: SizedCost(explore=True))
     step: SizedCost = field(default_factory=SizedCost)  # drafter ns per draft step vs sequences drafted for
+    # The same, timed in draft exchanges that ran beside a verify (cohort, draft-ahead).
+    step_beside: SizedCost = field(default_factory=SizedCost)
     draft_fixed: Ewma = field(default_factory=Ewma)  # drafter exchange ns outside its steps
     overhead: Ewma = field(default_factory=Ewma)  # round ns outside both exchanges
+
+    def verify_beside_ns(self, positions: int) -> float:
+        """A verify exchange of `positions` beside a draft exchange: as timed beside one, or,
+        before any such round, as timed alone."""
+        table = self.verify_beside if self.verify_beside.samples else self.verify
+        return table.predict(positions)
+
+    def step_beside_ns(self, sequences: float) -> float:
+        """A draft step for `sequences` beside a verify: as timed beside one, or, before any, alone."""
+        table = self.step_beside if self.step_beside.samples else self.step
+        return table.predict(sequences)
 
     def round_ns(self, ks: Sequence[int]) -> float:
         longest = max(ks, default=0)
@@ -293,13 +326,14 @@ def choose_ks(
     costs: CostModel,
     k_max: int,
     rate: Callable[[list[int]], float] | None = None,
+    verify: SizedCost | None = None,
 ) -> Choice:
     """Per-sequence k maximising expected tokens per second of one round.
 
     `rate` predicts the round's tokens per second for given ks (default: the sequential
-    round). The search prices verified tokens at the verify's marginal cost, which is
-    exact for a sequential round and a heuristic for the others; every candidate it
-    finds is scored by `rate` itself.
+    round). The search prices verified tokens at the marginal cost of `verify` (default:
+    the verify timed alone), which is exact for a sequential round and a heuristic for
+    the others; every candidate it finds is scored by `rate` itself.
     """
     tables = _tables(candidates)
 
@@ -312,7 +346,7 @@ def choose_ks(
     base = [c.fixed if c.fixed is not None else 0 for c in candidates]
     baseline_rate = evaluate([0] * len(candidates))
     best_ks, best_rate = base, evaluate(base)
-    _, marginal = costs.verify.coefficients()
+    _, marginal = (verify or costs.verify).coefficients()
     for m in range(1, k_max + 1):
         rate, ks = best_rate, base
         for _ in range(4):
@@ -330,8 +364,9 @@ def choose_ks(
             if trial == ks:
                 break
             ks, rate = trial, evaluate(trial)
-        if rate > best_rate * (1 + 1e-9):
-            best_ks, best_rate = ks, rate
+            # The best seen, not the last: under a price that is off the iteration can swing.
+            if rate > best_rate * (1 + 1e-9):
+                best_ks, best_rate = ks, rate
     return Choice(best_ks, best_rate, baseline_rate)
 
 
@@ -367,9 +402,12 @@ def choose_round(
         raw = model.rate(mode, ks)
         return raw * calibration.factor(_ran(model, mode, ks)) if calibration is not None and any(ks) else raw
 
+    # The overlapped pipelines' verifies run beside a draft exchange: priced as timed there.
+    beside = costs.verify_beside if costs.verify_beside.samples else costs.verify
     choices = []
     for mode in pipelines:
-        choice = choose_ks(candidates, costs, k_max, lambda ks, mode=mode: rate(mode, ks))
+        verify = costs.verify if mode == "sequential" else beside
+        choice = choose_ks(candidates, costs, k_max, lambda ks, mode=mode: rate(mode, ks), verify)
         ran = _ran(model, mode, choice.ks)
         raw = model.rate(mode, choice.ks) if any(choice.ks) else 0.0
         choices.append(Choice(choice.ks, choice.predicted_rate, choice.baseline_rate, ran, raw))
@@ -559,6 +597,9 @@ class SpeculationPolicy:
         ahead_drafted: Sequence[int] = (),
         joined_tokens: int = 0,
         join_ns: int = 0,
+        verify_reply_ns: int = 0,
+        ahead_ns: int = 0,
+        ahead_forward_ns: int = 0,
     ) -> float | None:
         """Learn costs from one round; returns observed rate / predicted target-only rate.
 
@@ -568,6 +609,9 @@ class SpeculationPolicy:
         prompt tokens the drafter opened beside the verify, and `join_ns` the round's wait
         for that after the verify (not part of `round_ns`): the join's cost is learnt, and
         the verify's time, which the open may have slowed, teaches nothing else.
+        `verify_reply_ns`: the verify exchange alone, request to reply (0: not timed apart);
+        `ahead_ns`, `ahead_forward_ns`: the draft exchange beside it, request to reply, and the
+        drafter's forward passes in it (0: not timed).
         """
         pre = list(ks) if pre_drafted is None else list(pre_drafted)
         self.overlap.age()
@@ -579,11 +623,21 @@ class SpeculationPolicy:
                 slowed = max(0.0, verify_ns - self.costs.verify.predict(verified_positions(ks)))
             self.observe_join(joined_tokens, join_ns + slowed)
         elif ahead:
-            # The verify ran beside a draft exchange: its time is the two together, which
-            # measures the overlap, not the verify alone.
+            # The verify ran beside a draft exchange: `verify_ns` is the two together, which
+            # measures the overlap, not the verify alone. The verify's own reply time is what a
+            # verify of this size costs beside a draft exchange (`CostModel.verify_beside`).
+            positions = verified_positions(ks)
+            beside = float(verify_reply_ns) if 0 < verify_reply_ns <= verify_ns else None
+            drafting = float(ahead_ns) if 0 < ahead_ns <= verify_ns else None
             if self.costs.ready:
-                predicted_ahead = self.costs.draft_fixed.get() + max(ahead) * self.costs.step.predict(len(ahead))
-                self.overlap.observe(self.costs.verify.predict(verified_positions(ks)), predicted_ahead, verify_ns)
+                if drafting is None:
+                    drafting = self.costs.draft_fixed.get() + max(ahead) * self.costs.step_beside_ns(len(ahead))
+                verify = beside if beside is not None else self.costs.verify_beside_ns(positions)
+                self.overlap.observe(verify, drafting, verify_ns)
+            if beside is not None:
+                self.costs.verify_beside.observe(positions, beside)
+            if ahead_forward_ns > 0:
+                self.costs.step_beside.observe(len(ahead), ahead_forward_ns / max(ahead))
         else:
             self.costs.verify.observe(verified_positions(ks), verify_ns)
         longest = max(pre, default=0)

@@ -97,3 +97,20 @@ def test_requests_that_name_a_pipeline_keep_it_under_auto() -> None:
     both = [o.pipeline for o in outcomes if len(o.verdicts) == 2]
     assert both and all("sequential" in p.split("+") for p in both)
     assert any(p == "ahead+sequential" for p in both)
+
+
+def test_a_draft_ahead_round_times_its_verify_apart_from_the_drafting_beside_it() -> None:
+    """The policy prices draft-ahead's verifies and drafting as they ran beside each other: the
+    round must time the verify's reply apart from its wait for a slower draft exchange, and
+    keep the draft exchange's own times."""
+    drafter = FakeDrafter(wrong=lambda n: False, delay_s=0.05)
+    verifier = FakeVerifier(delay_s=0.005, drafter=drafter)
+    sched = Scheduler(CharTokenizer(), verifier, drafter, 4, 16, [EOS], speculative_mode="fixed", pipeline="ahead")
+    outcomes = record_outcomes(sched)
+    assert run(sched, [(PROMPTS[0], None)], 20) == [reference(PROMPTS[0], 20)]
+    beside = [o.times for o in outcomes if o.ahead_drafted]
+    assert beside
+    for times in beside:
+        assert 0 < times.verify_reply_ns < times.verify_ns
+        assert times.verify_ns - times.verify_reply_ns > 0.02e9  # the rest of the 0.05 s draft exchange
+        assert times.overlap_ns >= 0.05e9 and times.overlap_forward_ns == 1_000_000  # as the drafter reported

@@ -21,7 +21,9 @@ from gateway.speculation import (
     HitRate,
     PolicyConfig,
     SpeculationPolicy,
+    choose_ks,
     choose_round,
+    expected_tokens,
     expected_tokens_table,
 )
 
@@ -335,3 +337,110 @@ def test_a_pipeline_whose_rounds_fall_short_of_its_model_stops_being_chosen() ->
         policy.choose(candidates, 16, MODES)
     assert not any(policy.choose(candidates, 16, MODES))
     assert policy.calibration.factor("cohort") < first.baseline_rate / first.model_rate
+
+
+@pytest.mark.parametrize("timed_apart", [True, False])
+def test_draft_ahead_prices_its_blocks_as_timed_beside_the_drafter(timed_apart: bool) -> None:
+    """Rounds alone timed the verify at sizes 1 and 10 only (a batch of two), and on this device
+    a block's extra positions cost little at one sequence (as on a CPU, where the verify's
+    fixed cost dominates): the line through those sizes overprices every block. Draft-ahead
+    rounds time their own verifies (request to reply) and price the sizes they run from that,
+    so k grows to what pays; priced from the line alone it stays small."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    model = CostModel()
+    for _ in range(20):
+        model.verify.observe(1, 60 * MS)
+    model.verify.observe(10, 330 * MS)
+    model.step.observe(1, 10 * MS)
+    model.draft_fixed.observe(1 * MS)
+    model.overhead.observe(0.5 * MS)
+    policy.costs = model
+    candidates = [Candidate(cap=4, rates=[0.7] * 4, guess=0.9)]
+
+    def beside_ms(positions: int) -> float:
+        return 60 + 2 * positions  # the verify as it runs beside the drafter, at one sequence
+
+    for _ in range(30):
+        ks = policy.choose(candidates, 1, MODES)
+        assert policy.last_pipeline == "ahead" and ks[0] > 0
+        verify = beside_ms(ks[0] + 1) * MS
+        draft = (1 + (ks[0] + 1) * 10) * MS
+        phase = max(verify, draft) + 1 * MS
+        emitted = round(expected_tokens([0.7] * 4, ks[0]))
+        reply = int(verify) if timed_apart else 0
+        policy.observe_round(
+            ks, int(phase + 0.5 * MS), 0, int(phase), 0, emitted, [], [ks[0] + 1], verify_reply_ns=reply
+        )
+    if timed_apart:
+        assert ks[0] >= 3  # 4 stands less often: a miss drafts again before the verify
+        assert policy.costs.verify_beside_ns(5) == pytest.approx(beside_ms(5) * MS, rel=0.05)
+    else:
+        assert ks[0] <= 2  # the line's price: what the verify beside the drafter costs is never learnt
+        assert policy.costs.verify_beside.samples == 0
+
+
+def test_the_search_keeps_the_best_ks_it_scored_when_its_price_is_off() -> None:
+    """Priced at a steep verify (30 ms a position) while the round it scores verifies nearly
+    for free, the search swings between k = 1 and k = 0: the k = 1 it scored must win over
+    the target-only round it ends on."""
+    model = CostModel()
+    for _ in range(20):
+        model.verify.observe(1, 60 * MS)
+    model.verify.observe(10, 330 * MS)
+    model.step.observe(1, 10 * MS)
+    model.draft_fixed.observe(1 * MS)
+    candidates = [Candidate(cap=1, rates=[0.7], guess=0.9)]
+
+    def nearly_free(ks: list[int]) -> float:
+        return (1.0 + 0.7 * ks[0]) / ((60 + 2 * ks[0]) * MS) * 1e9
+
+    choice = choose_ks(candidates, model, 1, nearly_free)
+    assert choice.ks == [1]
+    assert choice.predicted_rate == pytest.approx(nearly_free([1]))
+
+
+@pytest.mark.parametrize("timed_beside", [True, False])
+def test_draft_ahead_prices_its_drafting_as_timed_beside_the_verify(timed_beside: bool) -> None:
+    """Costs shaped as measured on a 2-core EPYC at one sequence. The drafter's step was timed
+    alone only in exchanges drafting right after a missed block, which first catch up on the
+    verdict's tokens (33 ms a step); the blocks drafted beside the verify take 25 ms a step.
+    Timed there, draft-ahead's block grows past 2 drafts; priced at the step timed alone, it
+    does not."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    model = CostModel()
+    for _ in range(20):
+        model.verify.observe(1, 68 * MS)
+    model.step.observe(1, 33 * MS)
+    model.draft_fixed.observe(1 * MS)
+    model.overhead.observe(0.5 * MS)
+    policy.costs = model
+    beside_ms = {2: 90.0, 3: 103.0, 4: 99.0, 5: 104.0}  # the verify, by positions
+    rates = [0.95] * 4
+    candidates = [Candidate(cap=4, rates=rates, guess=0.95)]
+    for _ in range(20):
+        ks = policy.choose(candidates, 1, MODES)
+        assert policy.last_pipeline == "ahead" and ks[0] > 0
+        verify = beside_ms[ks[0] + 1] * MS
+        draft = (1 + (ks[0] + 1) * 25) * MS
+        phase = max(verify, draft) + 1 * MS
+        emitted = round(expected_tokens(rates, ks[0]))
+        ahead = [ks[0] + 1]
+        timed = (int(draft), int(draft - 1 * MS)) if timed_beside else (0, 0)
+        policy.observe_round(
+            ks,
+            int(phase + 0.5 * MS),
+            0,
+            int(phase),
+            0,
+            emitted,
+            [],
+            ahead,
+            verify_reply_ns=int(verify),
+            ahead_ns=timed[0],
+            ahead_forward_ns=timed[1],
+        )
+    if timed_beside:
+        assert ks[0] >= 3
+        assert policy.costs.step_beside_ns(1) == pytest.approx(25 * MS, rel=0.01)
+    else:
+        assert ks == [2]
