@@ -33,6 +33,8 @@ class DrafterPrefillBudget:
         self.cap = cap  # --prefill-chunk-tokens; 0: no cap, only what fits behind a verify
         self.cost = LinearCost(forget=0.9)
         self.verify_ns = Ewma(0.3)
+        # The verifier's opens: their time against the prompt tokens they prefilled.
+        self.open_cost = LinearCost(forget=0.9)
 
     def observe_prefill(self, tokens: int, elapsed_ns: float) -> None:
         """A drafter exchange that only prefilled `tokens` prompt tokens, and how long it took."""
@@ -43,6 +45,27 @@ class DrafterPrefillBudget:
         """A verifier exchange, which the drafter's chunk should fit behind."""
         if elapsed_ns > 0:
             self.verify_ns.observe(elapsed_ns)
+
+    def observe_open(self, tokens: int, elapsed_ns: float) -> None:
+        """A verifier open that prefilled `tokens` prompt tokens, and how long it took."""
+        if tokens > 0 and elapsed_ns > 0:
+            self.open_cost.observe(tokens, elapsed_ns)
+
+    def fits_beside_open(self, tokens: int) -> int:
+        """Prompt tokens the drafter can prefill in the time the verifier takes to open sequences
+        prefilling `tokens`; 0 until both have been timed, or where the drafter's fixed cost alone
+        would outlast the open."""
+        if self.cost.samples == 0 or self.open_cost.samples == 0:
+            return 0
+        fixed_v, per_token_v = self.open_cost.coefficients()
+        mean_tokens_v, mean_ns_v = self.open_cost.means()
+        open_ns = fixed_v + per_token_v * tokens if per_token_v > 0 else mean_ns_v / mean_tokens_v * tokens
+        fixed, per_token = self.cost.coefficients()
+        if per_token <= 0:
+            mean_tokens, mean_ns = self.cost.means()
+            fixed, per_token = 0.0, mean_ns / mean_tokens  # every token charged the mean, fixed cost included
+        fit = int((open_ns - fixed) / per_token)
+        return fit if fit >= MIN_CHUNK else 0
 
     def fits(self) -> int:
         """Prompt tokens the drafter can prefill in the time of one verify (FIRST_CHUNK until both are timed)."""

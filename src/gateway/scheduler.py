@@ -451,16 +451,27 @@ class Scheduler:
             batch, self.active, "prefill_pending", self.prefill_chunk_tokens, scores_prompts=True
         )
         self._verifier_prefill_spent = sum(chunks.values())
-        # Only the verifier opens sequences here: they join the drafter after their first
-        # round, once the policy wants drafts from them (see _join_drafter), so the drafter's
-        # prefill never delays the first token, nor competes with the verifier's prefill.
+        # Where the two services work at once, the sequences that will draft open on the drafter
+        # beside their open on the verifier, prefilling there what the verifier prefills: they
+        # draft from their first round. Elsewhere only the verifier opens them here; they join
+        # the drafter after their first round, once the policy wants drafts from them (see
+        # _join_drafter), so the drafter's prefill never competes with the verifier's.
+        prefilled = sum(chunks.get(s.id, len(s.tokens) - 1) for s in batch)
+        early, early_chunks = self._early_joins(batch, prefilled)
+        for s in early:
+            s.drafter.want()
+            s.joined_for_auto = self._speculation(s) == "auto"
+        join = asyncio.create_task(self._join_drafter(early, [], True, early_chunks)) if early else None
         try:
+            opening = time.perf_counter_ns()
             results = await self.verifier.open([self._spec(s, chunks.get(s.id)) for s in batch])
+            self.drafter_prefill.observe_open(prefilled, time.perf_counter_ns() - opening)
             if [r.sequence_id for r in results] != [s.id for s in batch]:
                 raise BackendError("the verifier answered an open out of protocol")
         except BackendError as exc:
             for s in batch:
                 self._fail(s, unavailable(f"verifier unavailable: {exc}"))
+            await self._undo_joins(join, early)
             return
         except Exception as exc:
             # Not the verifier being away: a gateway bug, which must not read as an outage.
@@ -468,13 +479,19 @@ class Scheduler:
             for s in batch:
                 self._fail(s, error)
             await self._close_quietly(self.verifier, [s.id for s in batch])
+            await self._undo_joins(join, early)
             return
+        await _settle(join)  # its failures are the drafter's, handled there: the sequences go on
         wants_drafter = self.drafter is not None and self.k_limit > 0
+        refused: list[_Sequence] = []
         for s, r in zip(batch, results, strict=True):
             if r.error.code:
                 self._fail(s, open_error(r.error))
+                refused.append(s)
                 continue
-            if wants_drafter and s.params.speculation != 0:  # a target-only request never drafts
+            if s in early:
+                pass  # on the drafter already (or pending there, if its open failed)
+            elif wants_drafter and s.params.speculation != 0:  # a target-only request never drafts
                 s.drafter.want()
             s.cohort = self._smaller_cohort()
             s.prompt_logprobs = [token_logprob_from_pb(lp) for lp in r.prompt_logprobs]
@@ -487,6 +504,42 @@ class Scheduler:
             self.active.append(s)
         self.metrics.running.set(len(self.active))
         self.metrics.waiting.set(len(self.waiting))
+        await self._undo_joins(None, refused)
+
+    def _speculation(self, seq: _Sequence) -> int | str:
+        """What the sequence drafts: a fixed k, or "auto"."""
+        spec = seq.params.speculation
+        if spec is None:
+            return "auto" if self.speculative_mode == "auto" else self.k_limit
+        return spec
+
+    def _early_joins(self, batch: list[_Sequence], prefilled: int) -> tuple[list[_Sequence], dict[str, int]]:
+        """The sequences to open on the drafter beside their verifier open, and what each prefills
+        there: only where the two services work at once (`drafter_overlap`), for requests that
+        draft (auto ones only while the policy drafts), and only as much prompt as the drafter is
+        measured to prefill in the time the verifier's open of `prefilled` tokens takes, so the
+        first token waits for nothing more. The rest is prefilled beside the verifies; until both
+        opens have been timed (by sequences joining after their first round), none joins early."""
+        if not self.drafter_overlap or self.drafter is None or self.k_limit <= 0:
+            return [], {}
+        if self.drafter_link is not None and not self.drafter_link.up:
+            return [], {}
+        budget = self.drafter_prefill.fits_beside_open(prefilled)
+        if budget <= 0:
+            return [], {}
+        choice = self.policy.last_choice
+        auto_drafts = choice is None or (any(choice.ks) and choice.predicted_gain > 1.0)
+        wanted = [s for s in batch if (spec := self._speculation(s)) != 0 and (spec != "auto" or auto_drafts)]
+        chunks = self._open_chunks(wanted, [], "drafter_prefill_pending", budget)
+        early = [s for s in wanted if chunks.get(s.id, 0) > 0 or len(s.tokens) <= 1]  # one token: nothing to prefill
+        return early, {s.id: chunks[s.id] for s in early}
+
+    async def _undo_joins(self, join: asyncio.Task[int] | None, seqs: list[_Sequence]) -> None:
+        """Close on the drafter the sequences opened there at admission that will not run."""
+        await _settle(join)
+        opened = [s.id for s in seqs if s.drafter.on_drafter]
+        if opened and self.drafter is not None:
+            await self._close_on_drafter(opened)
 
     def _smaller_cohort(self) -> int:
         ones = sum(s.cohort for s in self.active)
@@ -534,19 +587,28 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
         )
 
-    async def _join_drafter(self, joining: list[_Sequence], filling: list[_Sequence], alone: bool) -> int:
+    async def _join_drafter(
+        self,
+        joining: list[_Sequence],
+        filling: list[_Sequence],
+        alone: bool,
+        chunks: dict[str, int] | None = None,
+    ) -> int:
         """Open `joining` on the drafter beside the verify, with their committed tokens as they are now;
         returns how many prompt tokens the drafter was sent to open them (0 if none was).
 
         They draft from a later round (with chunked prefill, once their drafter prefill is done);
         the tokens the verify commits meanwhile reach the drafter with their next task. `alone`:
         the drafter has no other exchange this round, so the open's time is its prefill's.
+        `chunks`: what each prefills at its open (one missing: whole); default: their share of
+        what fits behind a verify.
         """
         if not joining or self.drafter is None:
             return 0
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
             return 0  # they stay pending: they join once the drafter is back
-        chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
+        if chunks is None:
+            chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
         specs = [self._spec(s, chunks.get(s.id)) for s in joining]
         opened = time.perf_counter_ns()
         try:
@@ -678,8 +740,9 @@ class Scheduler:
             plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.
-        turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0]
+        turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0 and s.output]
         paired = len({s.cohort for s in turns}) == 2
+        first_rounds_drafted = False
         for s in seqs:
             k = ks[s.id]
             mode = self._pipeline(s)
@@ -687,6 +750,17 @@ class Scheduler:
             if self._cap(s) > 0:  # on the drafter, with room left to draft: did the policy use it?
                 s.rounds_on_drafter += 1
                 s.rounds_drafting += k > 0
+            if not s.output:
+                # Its first round is target-only whatever the pipeline, so that its first token
+                # waits for no drafts; draft-ahead drafts its next block meanwhile, as long a
+                # block as fits in the verify.
+                plan.verify.append(s)
+                if k > 0:
+                    first_rounds_drafted = True
+                    n = min(self._cap(s, after=1), self.ahead_limit, k, self._fits_in_verify(len(seqs)))
+                    if mode == "ahead" and n > 0:
+                        plan.ahead.append(DraftItem(s, n + 1, assumed=()))
+                continue
             if mode == "cohort" and paired and k > 0:
                 if s.cohort != round_id % 2:
                     if k > 0 and ready is None:
@@ -709,7 +783,21 @@ class Scheduler:
                 n = min(self._cap(s, after=plan.ks.get(s.id, 0) + 1), self.ahead_limit, k)
                 if n > 0:
                     plan.ahead.append(DraftItem(s, n + 1, assumed=()))
+        if first_rounds_drafted:
+            self.policy.not_as_chosen()
         return plan
+
+    def _fits_in_verify(self, sequences: int) -> int:
+        """Drafts an ahead block (after its guess at the verifier's token) can hold without
+        outlasting a target-only verify of `sequences`, by the policy's measured costs."""
+        costs = self.policy.costs
+        if not costs.ready:
+            return 0
+        step = costs.step_beside_ns(1)
+        if step <= 0:
+            return self.k_limit
+        steps = (costs.verify.predict(sequences) - costs.draft_fixed.get()) / step
+        return max(0, int(steps) - 1)
 
     def _ready(self, seq: _Sequence) -> Block | None:
         if seq.block is not None and seq.block.valid_for(seq.tokens):

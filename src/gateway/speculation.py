@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.pipeline_choice import Calibration, Overlap, RoundModel, verified_positions
 
@@ -545,6 +545,12 @@ class SpeculationPolicy:
         self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate, choice.pipeline, model_rate)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
+
+    def not_as_chosen(self) -> None:
+        """The round will not run the ks chosen (a sequence's first round stays target-only):
+        like a probe's, its outcome is not measured against the pipeline's model."""
+        if self.last_choice is not None:
+            self.last_choice = replace(self.last_choice, model_rate=0.0)
 
     def join_pays(self, generated: int, left: int, prompt_tokens: int) -> bool:
         """Whether opening a sequence on the drafter, so that it drafts as this round's choice

@@ -86,6 +86,8 @@ class _FakeService:
             self.busy += 1
             try:
                 await asyncio.sleep(self.open_delay_s)
+                if self.other is not None and self.other.busy:
+                    self.max_busy_with_other = max(self.max_busy_with_other, self.other.busy)
             finally:
                 self.busy -= 1
         results = []

@@ -79,3 +79,17 @@ def test_without_a_chunk_cap_the_drafter_still_prefills_only_what_fits_behind_a_
     budget.observe_verify(200 * MS)
     budget.observe_prefill(512, 2200 * MS)
     assert 40 <= budget.tokens() <= 50
+
+
+def test_beside_the_verifiers_open_the_drafter_prefills_what_fits_in_it():
+    budget = DrafterPrefillBudget(512)
+    assert budget.fits_beside_open(100) == 0  # nothing timed: no sequence joins at its open
+    budget.observe_open(100, 300 * MS)
+    assert budget.fits_beside_open(100) == 0  # the drafter's prefill not timed yet
+    budget.observe_prefill(40, 100 * MS)  # 2.5 ms a token, fixed cost included
+    assert budget.fits_beside_open(100) == 120  # a 300 ms open fits 120 of the drafter's tokens
+    assert budget.fits_beside_open(10) == 12
+    slow = DrafterPrefillBudget(512)
+    slow.observe_open(100, 300 * MS)
+    slow.observe_prefill(8, 2000 * MS)  # a drafter whose prefill costs seconds whatever its size
+    assert slow.fits_beside_open(100) == 0

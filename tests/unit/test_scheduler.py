@@ -137,6 +137,70 @@ def test_a_sequence_joins_the_drafter_beside_the_verify() -> None:
     assert drafter.opens and sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
 
 
+@pytest.mark.parametrize("pipeline", ["sequential", "ahead"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_where_the_services_overlap_a_sequence_drafts_from_its_second_round(overlap: bool, pipeline: str) -> None:
+    """Once both opens are timed and the drafter's prefill fits in the verifier's open, a sequence
+    opens on the drafter beside its open on the verifier. Its first round stays target-only (its
+    first token waits for no drafts) and it drafts from its second: no target-only rounds while
+    the drafter prefills. Without overlap it joins beside its second round's verify."""
+    verifier, drafter = FakeVerifier(delay_s=0.01), FakeDrafter(wrong=lambda n: False)
+    verifier.open_delay_s = drafter.open_delay_s = 0.05
+    verifier.other, drafter.other = drafter, verifier
+    sched = scheduler(verifier, drafter, pipeline)
+    sched.drafter_overlap = overlap
+    # Timed: the drafter prefills 10 tokens in 1 ms, the verifier's open of 10 takes 50 ms.
+    sched.drafter_prefill.observe_prefill(10, 1e6)
+    sched.drafter_prefill.observe_open(10, 50e6)
+    results = generate(sched, PROMPTS[:2], max_tokens=20)
+    assert [ids for ids, _ in results] == [reference(p, 20) for p in PROMPTS[:2]]
+    opened = {s.sequence_id for o in verifier.opens for s in o}
+    first, second = verifier.requests[:2]
+    assert {t.sequence_id for t in first.tasks} == {t.sequence_id for t in second.tasks} == opened
+    assert not any(t.draft_token_ids for t in first.tasks)
+    if overlap:
+        assert all(t.draft_token_ids for t in second.tasks)
+        assert verifier.max_busy_with_other or drafter.max_busy_with_other  # the two opens ran at once
+    else:
+        assert not any(t.draft_token_ids for t in second.tasks)
+        assert verifier.max_busy_with_other == 0 and drafter.max_busy_with_other == 0
+    assert drafter.committed == {} and verifier.committed == {}  # every sequence closed on both
+
+
+def test_a_first_rounds_ahead_block_fits_in_its_verify() -> None:
+    """Draft-ahead beside a sequence's first (target-only) round drafts no longer than the verify
+    takes, so its first token waits for no drafts: a guess and one draft in a 65 ms verify at
+    25 ms a step."""
+    sched = scheduler(FakeVerifier(), FakeDrafter(), "ahead")
+    assert sched._fits_in_verify(1) == 0  # nothing timed yet
+    costs = sched.policy.costs
+    costs.verify.observe(1, 65e6)
+    costs.step.observe(1, 40e6)
+    costs.step_beside.observe(1, 25e6)  # the drafter's step beside a verify is what counts
+    costs.draft_fixed.observe(1e6)
+    assert sched._fits_in_verify(1) == 1
+    costs.step_beside.observe(1, 5e6)
+    costs.step_beside.observe(1, 5e6)
+    assert sched._fits_in_verify(1) >= 4
+
+
+def test_a_failed_verifier_open_closes_what_the_drafter_opened_beside_it() -> None:
+    class FailingOpen(FakeVerifier):
+        async def open(self, specs: list[Any]) -> list[Any]:
+            await asyncio.sleep(0.05)
+            raise BackendError("verifier died")
+
+    drafter = FakeDrafter()
+    verifier = FailingOpen(drafter=drafter)
+    sched = scheduler(verifier, drafter, "sequential")
+    sched.drafter_prefill.observe_prefill(10, 1e6)
+    sched.drafter_prefill.observe_open(10, 50e6)
+    results = generate(sched, PROMPTS[:2], max_tokens=12)
+    assert all(isinstance(last, Failed) for _, last in results)
+    assert drafter.opens  # they were opened on the drafter beside the verifier's open
+    assert drafter.committed == {}  # and closed there once it failed
+
+
 def test_a_target_only_request_never_opens_on_the_drafter() -> None:
     drafter = FakeDrafter()
     verifier = FakeVerifier(drafter=drafter)
