@@ -516,7 +516,7 @@ class Scheduler:
     def _early_joins(self, batch: list[_Sequence], prefilled: int) -> tuple[list[_Sequence], dict[str, int]]:
         """The sequences to open on the drafter beside their verifier open, and what each prefills
         there: only where the two services work at once (`drafter_overlap`), for requests that
-        draft (auto ones only while the policy drafts), and only as much prompt as the drafter is
+        draft (auto ones only while the policy's choice drafts), and only as much prompt as the drafter is
         measured to prefill in the time the verifier's open of `prefilled` tokens takes, so the
         first token waits for nothing more. The rest is prefilled beside the verifies; until both
         opens have been timed (by sequences joining after their first round), none joins early."""
@@ -527,8 +527,17 @@ class Scheduler:
         budget = self.drafter_prefill.fits_beside_open(prefilled)
         if budget <= 0:
             return [], {}
+        # Auto requests only while the last adaptive choice drafted, for a batch at least as large
+        # as the one they join: not before there is one, nor after fixed or target-only rounds,
+        # which say nothing of what auto would do, nor while the batch grows past it (what pays
+        # for a few sequences may not for many).
         choice = self.policy.last_choice
-        auto_drafts = choice is None or (any(choice.ks) and choice.predicted_gain > 1.0)
+        auto_drafts = (
+            choice is not None
+            and any(choice.ks)
+            and choice.predicted_gain > 1.0
+            and len(self.active) + len(batch) <= len(choice.ks)
+        )
         wanted = [s for s in batch if (spec := self._speculation(s)) != 0 and (spec != "auto" or auto_drafts)]
         chunks = self._open_chunks(wanted, [], "drafter_prefill_pending", budget)
         early = [s for s in wanted if chunks.get(s.id, 0) > 0 or len(s.tokens) <= 1]  # one token: nothing to prefill

@@ -11,6 +11,7 @@ from fake_backends import EOS, BrokenDrafter, FakeDrafter, FakeVerifier, referen
 from gateway.backends import BackendError
 from gateway.failures import GenerationError
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
+from gateway.speculation import Choice
 from specd.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -165,6 +166,23 @@ def test_where_the_services_overlap_a_sequence_drafts_from_its_second_round(over
         assert not any(t.draft_token_ids for t in second.tasks)
         assert verifier.max_busy_with_other == 0 and drafter.max_busy_with_other == 0
     assert drafter.committed == {} and verifier.committed == {}  # every sequence closed on both
+
+
+def test_auto_requests_join_at_their_open_only_while_auto_drafts_for_as_large_a_batch() -> None:
+    drafter = FakeDrafter()
+    sched = Scheduler(CharTokenizer(), FakeVerifier(drafter=drafter), drafter, 4, 16, [EOS], speculative_mode="auto")
+    sched.drafter_prefill.observe_prefill(10, 1e6)
+    sched.drafter_prefill.observe_open(10, 50e6)
+    one = [sched.submit(PROMPTS[0], GenerationParams(8, GREEDY))]
+    two = [sched.submit(p, GenerationParams(8, GREEDY)) for p in PROMPTS[1:3]]
+    assert sched._early_joins(one, 10)[0] == []  # no adaptive choice yet
+    sched.policy.last_choice = Choice([2], 30.0, 15.0, "ahead")
+    assert sched._early_joins(one, 10)[0] == one
+    assert sched._early_joins(two, 10)[0] == []  # the batch would grow past the one auto drafted for
+    sched.policy.last_choice = Choice([0], 15.0, 15.0)
+    assert sched._early_joins(one, 10)[0] == []  # auto drafts nothing
+    fixed = [sched.submit(PROMPTS[3], GenerationParams(8, GREEDY, speculation=4))]
+    assert sched._early_joins(fixed, 10)[0] == fixed  # a request that names its k drafts whatever auto does
 
 
 def test_a_first_rounds_ahead_block_fits_in_its_verify() -> None:
