@@ -339,6 +339,19 @@ def test_a_pipeline_whose_rounds_fall_short_of_its_model_stops_being_chosen() ->
     assert policy.calibration.factor("cohort") < first.baseline_rate / first.model_rate
 
 
+def steep_line_costs() -> CostModel:
+    """Verifies timed alone at 1 position (60 ms) and 10 (330 ms, a batch of two) only: the line
+    through them charges 30 ms a position; a 10 ms drafter step."""
+    model = CostModel()
+    for _ in range(20):
+        model.verify.observe(1, 60 * MS)
+    model.verify.observe(10, 330 * MS)
+    model.step.observe(1, 10 * MS)
+    model.draft_fixed.observe(1 * MS)
+    model.overhead.observe(0.5 * MS)
+    return model
+
+
 @pytest.mark.parametrize("timed_apart", [True, False])
 def test_draft_ahead_prices_its_blocks_as_timed_beside_the_drafter(timed_apart: bool) -> None:
     """Rounds alone timed the verify at sizes 1 and 10 only (a batch of two), and on this device
@@ -347,14 +360,7 @@ def test_draft_ahead_prices_its_blocks_as_timed_beside_the_drafter(timed_apart: 
     rounds time their own verifies (request to reply) and price the sizes they run from that,
     so k grows to what pays; priced from the line alone it stays small."""
     policy = SpeculationPolicy(PolicyConfig(k_max=4))
-    model = CostModel()
-    for _ in range(20):
-        model.verify.observe(1, 60 * MS)
-    model.verify.observe(10, 330 * MS)
-    model.step.observe(1, 10 * MS)
-    model.draft_fixed.observe(1 * MS)
-    model.overhead.observe(0.5 * MS)
-    policy.costs = model
+    policy.costs = steep_line_costs()
     candidates = [Candidate(cap=4, rates=[0.7] * 4, guess=0.9)]
 
     def beside_ms(positions: int) -> float:
@@ -383,12 +389,7 @@ def test_the_search_keeps_the_best_ks_it_scored_when_its_price_is_off() -> None:
     """Priced at a steep verify (30 ms a position) while the round it scores verifies nearly
     for free, the search swings between k = 1 and k = 0: the k = 1 it scored must win over
     the target-only round it ends on."""
-    model = CostModel()
-    for _ in range(20):
-        model.verify.observe(1, 60 * MS)
-    model.verify.observe(10, 330 * MS)
-    model.step.observe(1, 10 * MS)
-    model.draft_fixed.observe(1 * MS)
+    model = steep_line_costs()
     candidates = [Candidate(cap=1, rates=[0.7], guess=0.9)]
 
     def nearly_free(ks: list[int]) -> float:
