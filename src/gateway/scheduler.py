@@ -452,10 +452,10 @@ class Scheduler:
         )
         self._verifier_prefill_spent = sum(chunks.values())
         # Where the two services work at once, the sequences that will draft open on the drafter
-        # beside their open on the verifier, prefilling there what the verifier prefills: they
-        # draft from their first round. Elsewhere only the verifier opens them here; they join
-        # the drafter after their first round, once the policy wants drafts from them (see
-        # _join_drafter), so the drafter's prefill never competes with the verifier's.
+        # beside their open on the verifier (`_early_joins`), and draft from their second round.
+        # Otherwise only the verifier opens them here; they join the drafter after their first
+        # round, once the policy wants drafts from them (see _join_drafter), so the drafter's
+        # prefill never competes with the verifier's.
         prefilled = sum(chunks.get(s.id, len(s.tokens) - 1) for s in batch)
         early, early_chunks = self._early_joins(batch, prefilled)
         for s in early:
@@ -489,9 +489,8 @@ class Scheduler:
                 self._fail(s, open_error(r.error))
                 refused.append(s)
                 continue
-            if s in early:
-                pass  # on the drafter already (or pending there, if its open failed)
-            elif wants_drafter and s.params.speculation != 0:  # a target-only request never drafts
+            # One opened beside is on the drafter already (or pending there, if its open failed).
+            if s not in early and wants_drafter and s.params.speculation != 0:  # target-only never drafts
                 s.drafter.want()
             s.cohort = self._smaller_cohort()
             s.prompt_logprobs = [token_logprob_from_pb(lp) for lp in r.prompt_logprobs]
@@ -661,9 +660,7 @@ class Scheduler:
         return seq.drafter.drafting and not seq.drafter_prefill_pending
 
     def _candidate(self, seq: _Sequence, cap: int) -> Candidate:
-        spec = seq.params.speculation
-        if spec is None:
-            spec = "auto" if self.speculative_mode == "auto" else cap
+        spec = self._speculation(seq)
         if seq.acceptance is None:
             seq.acceptance = self.policy.new_sequence()
         if seq.guess is None:

@@ -222,10 +222,10 @@ class SizedCost:
         key = self.key(x)
         if key in self._sizes:
             return self._at(key, x, w0, w1)
-        smaller = [k for k in self._sizes if k < key] if self.explore else []
-        if smaller:
-            n, sx, _ = self._sizes[max(smaller)]
-            return min(w0 + w1 * x, self._at(max(smaller), sx / n, w0, w1))
+        below = max((k for k in self._sizes if k < key), default=None) if self.explore else None
+        if below is not None:
+            n, sx, _ = self._sizes[below]
+            return min(w0 + w1 * x, self._at(below, sx / n, w0, w1))
         return w0 + w1 * x
 
     def _at(self, key: int, x: float, w0: float, w1: float) -> float:
@@ -264,11 +264,14 @@ class CostModel:
     draft_fixed: Ewma = field(default_factory=Ewma)  # drafter exchange ns outside its steps
     overhead: Ewma = field(default_factory=Ewma)  # round ns outside both exchanges
 
+    @property
+    def verify_beside_or_alone(self) -> SizedCost:
+        """The verify's costs beside a draft exchange, or, before any such round, alone."""
+        return self.verify_beside if self.verify_beside.samples else self.verify
+
     def verify_beside_ns(self, positions: int) -> float:
-        """A verify exchange of `positions` beside a draft exchange: as timed beside one, or,
-        before any such round, as timed alone."""
-        table = self.verify_beside if self.verify_beside.samples else self.verify
-        return table.predict(positions)
+        """A verify exchange of `positions` beside a draft exchange (`verify_beside_or_alone`)."""
+        return self.verify_beside_or_alone.predict(positions)
 
     def step_beside_ns(self, sequences: float) -> float:
         """A draft step for `sequences` beside a verify: as timed beside one, or, before any, alone."""
@@ -402,11 +405,10 @@ def choose_round(
         raw = model.rate(mode, ks)
         return raw * calibration.factor(_ran(model, mode, ks)) if calibration is not None and any(ks) else raw
 
-    # The overlapped pipelines' verifies run beside a draft exchange: priced as timed there.
-    beside = costs.verify_beside if costs.verify_beside.samples else costs.verify
     choices = []
     for mode in pipelines:
-        verify = costs.verify if mode == "sequential" else beside
+        # The overlapped pipelines' verifies run beside a draft exchange: priced as timed there.
+        verify = costs.verify if mode == "sequential" else costs.verify_beside_or_alone
         choice = choose_ks(candidates, costs, k_max, lambda ks, mode=mode: rate(mode, ks), verify)
         ran = _ran(model, mode, choice.ks)
         raw = model.rate(mode, choice.ks) if any(choice.ks) else 0.0
