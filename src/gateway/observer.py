@@ -188,6 +188,8 @@ class RoundObserver:
                         "specd.pipeline_calibration": self.policy.calibration.factor(choice.pipeline),
                     }
                 )
+                if len(choice.offered) > 1:
+                    span.set_attribute("specd.pipeline_predictions", offered_text(choice.offered))
             if observed_gain is not None:
                 span.set_attribute("specd.observed_gain", observed_gain)
         self.metrics.observe_round(proposals, len(outcome.verdicts), times)
@@ -195,3 +197,9 @@ class RoundObserver:
         self.metrics.observe_ks(outcome.drafted)
         if outcome.wasted_drafts:
             self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
+
+
+def offered_text(offered: Sequence[tuple[str, float, float]]) -> str:
+    """The pipelines a round's choice weighed, for a span: "sequential 61.2/k0.0, cohort 80.4/k3.5"
+    (predicted tokens per second of the round, and its mean k)."""
+    return ", ".join(f"{mode} {rate:.1f}/k{k:.1f}" for mode, rate, k in offered)

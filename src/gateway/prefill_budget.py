@@ -4,7 +4,8 @@ The drafter prefills its chunks while the verifier verifies, and the round waits
 a chunk that takes longer than the verify stalls every running stream. A drafter is often far
 slower per prompt token than the verifier (an int8 weight-only copy runs its large prefill
 matrix products much slower than float32 ones), so the verifier's token budget does not fit it:
-the drafter's budget is what it can prefill in the time a verify takes, from measurements of
+the drafter's budget is what it can prefill in the time a verify takes, less the drafts it
+makes beside that verify (another cohort's block, a draft-ahead block), from measurements of
 both. A sequence whose drafter prefill is not done yet runs target-only meanwhile. The drafter
 prefills this way whether or not the verifier's prefill is chunked (`--prefill-chunk-tokens`,
 which only caps it here): a whole prompt prefilled at a join would stall the round after the
@@ -67,11 +68,15 @@ class DrafterPrefillBudget:
         fit = int((open_ns - fixed) / per_token)
         return fit if fit >= MIN_CHUNK else 0
 
-    def fits(self) -> int:
-        """Prompt tokens the drafter can prefill in the time of one verify (FIRST_CHUNK until both are timed)."""
+    def fits(self, busy_ns: float = 0.0) -> int:
+        """Prompt tokens the drafter can prefill in the time of one verify (FIRST_CHUNK until both are
+        timed), less `busy_ns` of other work it does beside that verify (drafts), down to MIN_CHUNK."""
         verify = self.verify_ns.value
         if self.cost.samples == 0 or verify is None:
             return FIRST_CHUNK
+        verify -= busy_ns
+        if verify <= 0:
+            return MIN_CHUNK
         mean_tokens, mean_ns = self.cost.means()
         at_mean = verify / (mean_ns / mean_tokens)  # every token charged the mean, fixed cost included
         fixed, per_token = self.cost.coefficients()
@@ -82,6 +87,8 @@ class DrafterPrefillBudget:
         # one size can be far too flat, and one chunk too large stalls a round.
         return max(MIN_CHUNK, int(min(max(fit, at_mean), 2 * at_mean)))
 
-    def tokens(self) -> int:
-        """This round's budget of drafter prefill tokens (what fits behind a verify, within the cap if one is set)."""
-        return min(self.cap, self.fits()) if self.cap > 0 else self.fits()
+    def tokens(self, busy_ns: float = 0.0) -> int:
+        """This round's budget of drafter prefill tokens (what fits behind a verify beside `busy_ns` of
+        drafting, within the cap if one is set)."""
+        fits = self.fits(busy_ns)
+        return min(self.cap, fits) if self.cap > 0 else fits

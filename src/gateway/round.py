@@ -78,6 +78,8 @@ class RoundPlan:
     prefill: list[tuple[RoundSequence, int]] = field(default_factory=list)
     # Sequences opened on the drafter beside the verify: the policy wants drafts from them.
     join: list[RoundSequence] = field(default_factory=list)
+    # Prompt tokens the drafter may prefill beside the verify, joins' and chunks' together.
+    drafter_prefill: int = 0
 
 
 def plan_prefill(pending: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:

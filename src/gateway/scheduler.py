@@ -515,7 +515,7 @@ class Scheduler:
     def _early_joins(self, batch: list[_Sequence], prefilled: int) -> tuple[list[_Sequence], dict[str, int]]:
         """The sequences to open on the drafter beside their verifier open, and what each prefills
         there: only where the two services work at once (`drafter_overlap`), for requests that
-        draft (auto ones only while the policy's choice drafts), and only as much prompt as the drafter is
+        draft (auto ones only into a batch auto drafts for), and only as much prompt as the drafter is
         measured to prefill in the time the verifier's open of `prefilled` tokens takes, so the
         first token waits for nothing more. The rest is prefilled beside the verifies; until both
         opens have been timed (by sequences joining after their first round), none joins early."""
@@ -526,17 +526,10 @@ class Scheduler:
         budget = self.drafter_prefill.fits_beside_open(prefilled)
         if budget <= 0:
             return [], {}
-        # Auto requests only while the last adaptive choice drafted, for a batch at least as large
-        # as the one they join: not before there is one, nor after fixed or target-only rounds,
-        # which say nothing of what auto would do, nor while the batch grows past it (what pays
-        # for a few sequences may not for many).
-        choice = self.policy.last_choice
-        auto_drafts = (
-            choice is not None
-            and any(choice.ks)
-            and choice.predicted_gain > 1.0
-            and len(self.active) + len(batch) <= len(choice.ks)
-        )
+        # Auto requests only into a batch no larger than the largest one auto has recently drafted
+        # for (what pays for a few sequences may not for many): none before auto has drafted, nor
+        # where it has since chosen not to.
+        auto_drafts = len(self.active) + len(batch) <= self.policy.drafting_batch
         wanted = [s for s in batch if (spec := self._speculation(s)) != 0 and (spec != "auto" or auto_drafts)]
         chunks = self._open_chunks(wanted, [], "drafter_prefill_pending", budget)
         early = [s for s in wanted if chunks.get(s.id, 0) > 0 or len(s.tokens) <= 1]  # one token: nothing to prefill
@@ -601,6 +594,7 @@ class Scheduler:
         filling: list[_Sequence],
         alone: bool,
         chunks: dict[str, int] | None = None,
+        budget: int = 0,
     ) -> int:
         """Open `joining` on the drafter beside the verify, with their committed tokens as they are now;
         returns how many prompt tokens the drafter was sent to open them (0 if none was).
@@ -609,14 +603,15 @@ class Scheduler:
         the tokens the verify commits meanwhile reach the drafter with their next task. `alone`:
         the drafter has no other exchange this round, so the open's time is its prefill's.
         `chunks`: what each prefills at its open (one missing: whole); default: their share of
-        what fits behind a verify.
+        `budget`, the round's drafter prefill tokens (0: what fits behind a verify).
         """
         if not joining or self.drafter is None:
             return 0
         if self.drafter_link is not None and not (self.drafter_link.up and await self.drafter_link.flush_stale()):
             return 0  # they stay pending: they join once the drafter is back
         if chunks is None:
-            chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", self.drafter_prefill.tokens())
+            budget = budget or self.drafter_prefill.tokens()
+            chunks = self._open_chunks(joining, filling, "drafter_prefill_pending", budget)
         specs = [self._spec(s, chunks.get(s.id)) for s in joining]
         opened = time.perf_counter_ns()
         try:
@@ -737,13 +732,6 @@ class Scheduler:
         # All may join: each prefills on the drafter only its share of what fits behind a verify.
         plan.join = [s for s in wanted if s.drafter.pending]
         filling = [s for s in wanted if s.drafter.drafting]
-        if filling:
-            # What it has left includes the tokens committed since the drafter last heard of it,
-            # which this exchange brings: without them a prefill would stay one round behind for good.
-            left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
-            chunks = plan_prefill(left, self.drafter_prefill.tokens())
-            # Prefilled on the drafter while the verifier works, like a draft-ahead.
-            plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
         # Only sequences that draft take turns; a cohort alone has no partner to overlap
         # with, and a sequence that does not draft is verified every round.
         turns = [s for s in seqs if self._pipeline(s) == "cohort" and ks[s.id] > 0 and s.output]
@@ -791,7 +779,24 @@ class Scheduler:
                     plan.ahead.append(DraftItem(s, n + 1, assumed=()))
         if first_rounds_drafted:
             self.policy.not_as_chosen()
+        plan.drafter_prefill = self.drafter_prefill.tokens(self._drafting_beside(plan.ahead))
+        if filling:
+            # What it has left includes the tokens committed since the drafter last heard of it,
+            # which this exchange brings: without them a prefill would stay one round behind for good.
+            left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
+            chunks = plan_prefill(left, plan.drafter_prefill)
+            # Prefilled on the drafter while the verifier works, like a draft-ahead.
+            plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
         return plan
+
+    def _drafting_beside(self, items: list[DraftItem]) -> float:
+        """What the drafts among `items`, drafted beside the verify, are predicted to take of the
+        drafter's time there (ns; 0 until the drafter has been timed)."""
+        drafting = [item.num_draft_tokens for item in items if item.num_draft_tokens > 0]
+        costs = self.policy.costs
+        if not drafting or not costs.ready:
+            return 0.0
+        return costs.draft_fixed.get() + max(drafting) * costs.step_beside_ns(len(drafting))
 
     def _fits_in_verify(self, sequences: int) -> int:
         """Drafts an ahead block (after its guess at the verifier's token) can hold without
@@ -854,7 +859,9 @@ class Scheduler:
         def drafter_work() -> tuple[asyncio.Task[Any] | None, asyncio.Task[int] | None]:
             ahead = asyncio.create_task(self._draft(round_id, ahead_items, contexts)) if ahead_items else None
             join = (
-                asyncio.create_task(self._join_drafter(plan.join, filling, alone=not ahead_items))
+                asyncio.create_task(
+                    self._join_drafter(plan.join, filling, alone=not ahead_items, budget=plan.drafter_prefill)
+                )
                 if plan.join
                 else None
             )

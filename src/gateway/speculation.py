@@ -313,6 +313,9 @@ class Choice:
     # The pipeline's round model's rate before its calibration (`Calibration`): what the
     # round's outcome is measured against. 0: not calibrated (target-only, or a fixed round).
     model_rate: float = 0.0
+    # Every pipeline offered, with the rate and mean k it was predicted at (so a trace shows why
+    # one won): (pipeline offered, tokens per second, mean k).
+    offered: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def predicted_gain(self) -> float:
@@ -413,6 +416,10 @@ def choose_round(
         ran = _ran(model, mode, choice.ks)
         raw = model.rate(mode, choice.ks) if any(choice.ks) else 0.0
         choices.append(Choice(choice.ks, choice.predicted_rate, choice.baseline_rate, ran, raw))
+    offered = tuple(
+        (mode, c.predicted_rate, sum(c.ks) / max(1, len(c.ks))) for mode, c in zip(pipelines, choices, strict=True)
+    )
+    choices = [replace(c, offered=offered) for c in choices]
     best = max(choices, key=lambda c: c.predicted_rate)  # the first of equals: `pipelines` order
     if not any(best.ks):
         return best  # target-only is predicted fastest: no margin may keep drafts that lose to it
@@ -457,6 +464,10 @@ class SpeculationPolicy:
         self.calibration = Calibration()
         self._rounds_without_drafts = 0
         self.last_choice: Choice | None = None
+        # The largest batch the adaptive choices have recently drafted for: raised by a choice that
+        # drafts for a batch, lowered below a batch by one that could draft there and did not.
+        # What a sequence joining the drafter at its open goes by (`Scheduler._early_joins`).
+        self.drafting_batch = 0
         # The pipeline chosen for this round among those offered (the only one offered, if one).
         self.last_pipeline = "sequential"
         self.observed_gain = Ewma(0.05)
@@ -528,6 +539,12 @@ class SpeculationPolicy:
         if all_fixed:
             return choice.ks  # only the pipeline was chosen: nothing adaptive to report
         ks = choice.ks
+        if any(c.fixed is None and c.cap > 0 for c in candidates):
+            chosen = any(k for c, k in zip(candidates, ks, strict=True) if c.fixed is None)
+            if chosen and choice.predicted_gain > 1.0:
+                self.drafting_batch = max(self.drafting_batch, len(candidates))
+            else:
+                self.drafting_batch = min(self.drafting_batch, len(candidates) - 1)
         if any(ks):
             self._rounds_without_drafts = 0
         else:
@@ -544,7 +561,7 @@ class SpeculationPolicy:
                     ks[probe] = 1
         # A probe's round is not the choice's: it is not measured against the model.
         model_rate = choice.model_rate if ks == choice.ks else 0.0
-        self.last_choice = Choice(ks, choice.predicted_rate, choice.baseline_rate, choice.pipeline, model_rate)
+        self.last_choice = replace(choice, ks=ks, model_rate=model_rate)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
 

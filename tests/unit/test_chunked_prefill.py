@@ -122,7 +122,7 @@ def test_a_long_prompt_on_a_slow_drafter_catches_up_and_drafts(chunk: int) -> No
     drafter = FakeDrafter()
     verifier = FakeVerifier(drafter=drafter)
     sched = scheduler(verifier, drafter, prefill_chunk_tokens=chunk)
-    sched.drafter_prefill.fits = lambda: 8  # type: ignore[method-assign]  # what fits behind a verify
+    sched.drafter_prefill.fits = lambda busy_ns=0.0: 8  # type: ignore[method-assign]  # what fits behind a verify
     [(ids, _)] = generate(sched, [LONG], max_tokens=64)
     assert ids == reference(LONG, 64)
     assert len(drafter.chunks) >= len(LONG) // 8
@@ -141,7 +141,7 @@ def test_without_verifier_chunks_the_drafter_still_prefills_only_what_fits_behin
     drafter = FakeDrafter()
     verifier = FakeVerifier(drafter=drafter)
     sched = scheduler(verifier, drafter)
-    sched.drafter_prefill.fits = lambda: 60  # type: ignore[method-assign]
+    sched.drafter_prefill.fits = lambda busy_ns=0.0: 60  # type: ignore[method-assign]
     prompts = [LONG[:40], LONG[40:80], LONG[:10], LONG[10:20], LONG[20:30], LONG]
     results = generate(sched, prompts)
     assert [ids for ids, _ in results] == [reference(p, 24) for p in prompts]
@@ -182,3 +182,34 @@ def test_the_drafter_prefills_only_sequences_the_policy_wants_drafts_from(drafts
         assert prefilled == [filling.id] and set(joined) == {joining.id, seqs[2].id}
     else:
         assert prefilled == [] and joined == []
+
+
+def test_drafts_beside_the_verify_leave_the_drafter_s_prefill_what_is_left_of_the_verify() -> None:
+    """A chunk sized to a whole verify, prefilled in the same exchange as a draft-ahead block,
+    would keep the round waiting for the drafter after the verify for as long as the drafts take."""
+    drafter = FakeDrafter()
+    sched = scheduler(FakeVerifier(drafter=drafter), drafter, "ahead")
+    budget = sched.drafter_prefill
+    budget.observe_verify(200e6)
+    budget.observe_prefill(32, (50 + 32) * 1e6)
+    budget.observe_prefill(64, (50 + 64) * 1e6)  # 50 ms an exchange and 1 ms a token: 150 fit beside nothing
+    costs = sched.policy.costs
+    costs.verify.observe(1, 200e6)
+    costs.step.observe(1, 30e6)
+    costs.step_beside.observe(1, 30e6)
+    seqs = [sched.submit(p, GenerationParams(20, GREEDY)) for p in (LONG, [1, 2, 3])]
+    sched.waiting.clear()
+    filling, drafting = seqs
+    for s in seqs:
+        s.output, s.tokens = [7], [*s.prompt, 7]
+        s.drafter.want()
+        s.drafter.opened(len(s.tokens) - 1)
+    filling.drafter_prefill_pending = 80
+    choose = sched.policy.choose
+    sched.policy.choose = lambda cands, *a: [c.cap for c in cands]  # type: ignore[method-assign]
+    plan = sched._plan(list(seqs), 1)
+    sched.policy.choose = choose  # type: ignore[method-assign]
+    ahead = {item.seq.id: item for item in plan.ahead}
+    assert ahead[drafting.id].num_draft_tokens == 5  # the guess, then 4 drafts: 150 ms of the verify's 200
+    assert plan.drafter_prefill == budget.tokens(150e6) < budget.tokens()
+    assert ahead[filling.id].prefill == plan.drafter_prefill

@@ -13,6 +13,7 @@ import pytest
 from synthetic_costs import MS, costs
 
 from gateway import pipeline_choice
+from gateway.observer import offered_text
 from gateway.pipeline_choice import MODES, Calibration, Overlap, RoundModel, concurrent
 from gateway.speculation import (
     Candidate,
@@ -445,3 +446,17 @@ def test_draft_ahead_prices_its_drafting_as_timed_beside_the_verify(timed_beside
         assert policy.costs.step_beside_ns(1) == pytest.approx(25 * MS, rel=0.01)
     else:
         assert ks == [2]
+
+
+def test_the_choice_records_every_pipeline_it_weighed() -> None:
+    candidates = batch(4, 0.9)
+    chosen = choose(expensive_drafter(), candidates)
+    assert [mode for mode, _, _ in chosen.offered] == list(MODES)
+    rates = {mode: rate for mode, rate, _ in chosen.offered}
+    assert chosen.predicted_rate == max(rates.values())
+    alone = {mode: choose_round(candidates, expensive_drafter(), 4, 1.0, (mode,), mode) for mode in MODES}
+    for mode, rate, mean_k in chosen.offered:
+        assert rate == pytest.approx(alone[mode].predicted_rate)
+        assert mean_k == pytest.approx(sum(alone[mode].ks) / len(candidates))
+    text = offered_text([("sequential", 63.04, 0.0), ("ahead", 111.06, 2.25)])
+    assert text == "sequential 63.0/k0.0, ahead 111.1/k2.2"

@@ -23,6 +23,17 @@ def test_a_slow_drafter_prefills_what_fits_behind_a_verify():
     assert fast.tokens() == 512
 
 
+def test_drafts_beside_the_verify_leave_the_prefill_only_what_is_left_of_it():
+    budget = DrafterPrefillBudget(512)
+    budget.observe_verify(200 * MS)
+    budget.observe_prefill(32, (50 + 32) * MS)
+    budget.observe_prefill(64, (50 + 64) * MS)  # 50 ms an exchange, 1 ms a token
+    assert budget.tokens(busy_ns=0) == 150
+    # 80 ms left: (80 - 50) / 1 by the fit, but never below what the mean (2 ms a token) fits.
+    assert budget.tokens(busy_ns=120 * MS) == 39
+    assert budget.tokens(busy_ns=250 * MS) == MIN_CHUNK  # drafts outlast the verify: still progress
+
+
 def test_a_very_slow_drafter_still_makes_progress():
     budget = DrafterPrefillBudget(512)
     budget.observe_verify(10 * MS)

@@ -10,8 +10,8 @@ from fake_backends import EOS, BrokenDrafter, FakeDrafter, FakeVerifier, referen
 
 from gateway.backends import BackendError
 from gateway.failures import GenerationError
+from gateway.round import DraftItem
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
-from gateway.speculation import Choice
 from specd.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -168,19 +168,19 @@ def test_where_the_services_overlap_a_sequence_drafts_from_its_second_round(over
     assert drafter.committed == {} and verifier.committed == {}  # every sequence closed on both
 
 
-def test_auto_requests_join_at_their_open_only_while_auto_drafts_for_as_large_a_batch() -> None:
+def test_auto_requests_join_at_their_open_only_into_a_batch_auto_drafts_for() -> None:
     drafter = FakeDrafter()
     sched = Scheduler(CharTokenizer(), FakeVerifier(drafter=drafter), drafter, 4, 16, [EOS], speculative_mode="auto")
     sched.drafter_prefill.observe_prefill(10, 1e6)
     sched.drafter_prefill.observe_open(10, 50e6)
     one = [sched.submit(PROMPTS[0], GenerationParams(8, GREEDY))]
     two = [sched.submit(p, GenerationParams(8, GREEDY)) for p in PROMPTS[1:3]]
-    assert sched._early_joins(one, 10)[0] == []  # no adaptive choice yet
-    sched.policy.last_choice = Choice([2], 30.0, 15.0, "ahead")
+    assert sched._early_joins(one, 10)[0] == []  # auto has not drafted yet
+    sched.policy.drafting_batch = 1
     assert sched._early_joins(one, 10)[0] == one
-    assert sched._early_joins(two, 10)[0] == []  # the batch would grow past the one auto drafted for
-    sched.policy.last_choice = Choice([0], 15.0, 15.0)
-    assert sched._early_joins(one, 10)[0] == []  # auto drafts nothing
+    assert sched._early_joins(two, 10)[0] == []  # the batch would grow past the ones auto drafted for
+    sched.policy.drafting_batch = 0
+    assert sched._early_joins(one, 10)[0] == []  # auto has since chosen not to draft
     fixed = [sched.submit(PROMPTS[3], GenerationParams(8, GREEDY, speculation=4))]
     assert sched._early_joins(fixed, 10)[0] == fixed  # a request that names its k drafts whatever auto does
 
@@ -435,3 +435,17 @@ def test_the_wait_for_a_join_is_not_taught_to_the_policy_as_verify_or_round_cost
     assert drafter.opens
     # (ks, round_ns, draft_ns, verify_ns, ...): no round, nor its verify, learnt as the join's 0.2 s.
     assert learned and max(a[1] for a in learned) < 0.1e9 and max(a[3] for a in learned) < 0.1e9
+
+
+def test_drafts_beside_the_verify_are_priced_at_the_drafter_s_step_there() -> None:
+    sched = scheduler(FakeVerifier(), FakeDrafter(), "cohort")
+    a, b, c = (sched.submit(p, GenerationParams(8, GREEDY)) for p in PROMPTS[:3])
+    items = [DraftItem(a, 4), DraftItem(b, 2), DraftItem(c, 0, prefill=16)]
+    assert sched._drafting_beside(items) == 0  # nothing timed yet
+    costs = sched.policy.costs
+    costs.verify.observe(1, 65e6)
+    costs.step.observe(2, 40e6)
+    costs.step_beside.observe(2, 25e6)
+    costs.draft_fixed.observe(1e6)
+    assert sched._drafting_beside(items) == pytest.approx(1e6 + 4 * 25e6)  # the longest block, two sequences
+    assert sched._drafting_beside(items[2:]) == 0  # prefill only

@@ -267,6 +267,32 @@ def test_policy_probes_after_a_long_stretch_without_drafts() -> None:
     assert picks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
+def test_the_drafting_batch_follows_the_batches_auto_drafts_for_and_refuses() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    # Every verified token costs: drafting pays for a few sequences, not for 32.
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8, step_per_seq_ms=1)
+    good = [0.9] * 4
+
+    def choose(batch: int, cap: int = 4, fixed: int | None = None) -> None:
+        policy.choose([Candidate(cap=cap, rates=good, fixed=fixed)] * batch, batch_size=batch)
+
+    assert policy.drafting_batch == 0
+    choose(4)
+    assert policy.drafting_batch == 4
+    choose(2)
+    assert policy.drafting_batch == 4  # drafting for fewer says nothing of more
+    choose(32)
+    assert policy.drafting_batch == 4  # refusing 32 says nothing of 4
+    choose(6)
+    assert policy.drafting_batch == 6
+    choose(3, cap=0)
+    choose(3, fixed=2)
+    assert policy.drafting_batch == 6  # nobody could draft, or auto chose nothing: no news
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=40)  # drafting stops paying
+    choose(3)
+    assert policy.drafting_batch == 2
+
+
 def test_a_join_must_repay_its_cost_within_the_sequence_s_expected_output() -> None:
     policy = SpeculationPolicy(PolicyConfig(k_max=4))
     # Verify 20 ms + 1 ms per position, draft steps 4 ms: drafting 4 at acceptance 0.9 pays about 2.8x.
