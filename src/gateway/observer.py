@@ -163,6 +163,8 @@ class RoundObserver:
             )
         attributes = times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)
+        # Once per round, not per span: a round of a large batch has one span per sequence.
+        predictions = offered_text(choice.offered) if choice is not None and len(choice.offered) > 1 else ""
         for v in outcome.verdicts:
             span = outcome.spans.get(v.seq.id)
             if span is None:
@@ -188,8 +190,8 @@ class RoundObserver:
                         "specd.pipeline_calibration": self.policy.calibration.factor(choice.pipeline),
                     }
                 )
-                if len(choice.offered) > 1:
-                    span.set_attribute("specd.pipeline_predictions", offered_text(choice.offered))
+                if predictions:
+                    span.set_attribute("specd.pipeline_predictions", predictions)
             if observed_gain is not None:
                 span.set_attribute("specd.observed_gain", observed_gain)
         self.metrics.observe_round(proposals, len(outcome.verdicts), times)

@@ -182,13 +182,6 @@ class RoundModel:
     def _tokens(self, indices: Sequence[int] | range, ks: Sequence[int]) -> float:
         return sum(self.tables[i][ks[i]] for i in indices)
 
-    def _draft_ns(self, sequences: float, steps: int, beside: bool = False) -> float:
-        """A draft exchange of `steps` for `sequences`; `beside`: with a verify running beside it."""
-        if steps <= 0 or sequences <= 0:
-            return 0.0
-        step = self.costs.step_beside_ns(sequences) if beside else self.costs.step.predict(sequences)
-        return self.costs.draft_fixed.get() + steps * step
-
     def _verify_ns(self, ks: Sequence[int], beside: bool = False) -> float:
         """The verify exchange for these blocks; `beside`: with a draft exchange running beside it."""
         if not ks:
@@ -202,8 +195,9 @@ class RoundModel:
         all_stand = math.prod(stands)
         # A missed block is drafted again before the verify; the exchange is as long as the longest.
         misses = sum(1.0 - h for h in stands)
-        pre = self._draft_ns(misses / (1.0 - all_stand), max(ks)) if all_stand < 1.0 else 0.0
-        ahead = self._draft_ns(len(drafting), max(ks) + 1, beside=True)  # the guess at the verifier's token, then k
+        pre = self.costs.draft_ns(misses / (1.0 - all_stand), max(ks)) if all_stand < 1.0 else 0.0
+        # The guess at the verifier's token, then k.
+        ahead = self.costs.draft_ns(len(drafting), max(ks) + 1, beside=True)
         ns = (
             self.costs.overhead.get()
             + (1.0 - all_stand) * pre
@@ -216,7 +210,7 @@ class RoundModel:
         for turn in (0, 1):
             verified = [i for i, k in enumerate(ks) if k == 0 or self.cohorts[i] == turn]
             drafting = [i for i, k in enumerate(ks) if k > 0 and self.cohorts[i] != turn]
-            draft = self._draft_ns(len(drafting), max(ks[i] for i in drafting), beside=True)
+            draft = self.costs.draft_ns(len(drafting), max(ks[i] for i in drafting), beside=True)
             verify = self._verify_ns([ks[i] for i in verified], beside=draft > 0)
             ns += self.costs.overhead.get() + concurrent(verify, draft, self.overlap)
             tokens += self._tokens(verified, ks)

@@ -796,7 +796,7 @@ class Scheduler:
         costs = self.policy.costs
         if not drafting or not costs.ready:
             return 0.0
-        return costs.draft_fixed.get() + max(drafting) * costs.step_beside_ns(len(drafting))
+        return costs.draft_ns(len(drafting), max(drafting), beside=True)
 
     def _fits_in_verify(self, sequences: int) -> int:
         """Drafts an ahead block (after its guess at the verifier's token) can hold without

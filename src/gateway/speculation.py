@@ -278,13 +278,17 @@ class CostModel:
         table = self.step_beside if self.step_beside.samples else self.step
         return table.predict(sequences)
 
+    def draft_ns(self, sequences: float, steps: int, beside: bool = False) -> float:
+        """A draft exchange of `steps` for `sequences`; `beside`: with a verify running beside it."""
+        if steps <= 0 or sequences <= 0:
+            return 0.0
+        step = self.step_beside_ns(sequences) if beside else self.step.predict(sequences)
+        return self.draft_fixed.get() + steps * step
+
     def round_ns(self, ks: Sequence[int]) -> float:
-        longest = max(ks, default=0)
-        cost = self.verify.predict(verified_positions(ks)) + self.overhead.get()
-        if longest > 0:
-            drafting = sum(1 for k in ks if k > 0)
-            cost += self.draft_fixed.get() + longest * self.step.predict(drafting)
-        return cost
+        drafting = sum(1 for k in ks if k > 0)
+        verify = self.verify.predict(verified_positions(ks))
+        return verify + self.overhead.get() + self.draft_ns(drafting, max(ks, default=0))
 
     @property
     def ready(self) -> bool:
@@ -656,7 +660,7 @@ class SpeculationPolicy:
             drafting = float(ahead_ns) if 0 < ahead_ns <= verify_ns else None
             if self.costs.ready:
                 if drafting is None:
-                    drafting = self.costs.draft_fixed.get() + max(ahead) * self.costs.step_beside_ns(len(ahead))
+                    drafting = self.costs.draft_ns(len(ahead), max(ahead), beside=True)
                 verify = beside if beside is not None else self.costs.verify_beside_ns(positions)
                 self.overlap.observe(verify, drafting, verify_ns)
             if beside is not None:

@@ -124,7 +124,7 @@ def _ahead_is_free(self: RoundModel, ks: Sequence[int]) -> tuple[float, float]:
 def _ahead_never_misses(self: RoundModel, ks: Sequence[int]) -> tuple[float, float]:
     """Wrong: every ahead block assumed to stand, so no draft is ever on the critical path."""
     drafting = sum(1 for k in ks if k > 0)
-    ahead = self._draft_ns(drafting, max(ks) + 1)
+    ahead = self.costs.draft_ns(drafting, max(ks) + 1)
     ns = self.costs.overhead.get() + concurrent(self._verify_ns(ks), ahead, self.overlap)
     return sum(self.tables[i][k] for i, k in enumerate(ks)), ns
 
