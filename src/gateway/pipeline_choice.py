@@ -8,10 +8,12 @@ cost in them is one the gateway measures as it runs:
 - V(n): the verify exchange for n verified positions (rows padded to the longest block),
   timed in rounds that run it alone; V'(n) the same timed beside a draft exchange (request to
   reply), in the overlapped pipelines' own rounds, so that their block sizes are priced as
-  measured, not extrapolated from the sizes sequential rounds ran (V before any such round);
+  measured, not extrapolated from the sizes sequential rounds ran (V before any such round;
+  a size not yet run beside is never priced below what V measured at or below it);
 - D(B, s): a draft exchange of s steps for B sequences, d0 + s·step(B); D'(B, s) the same with
   step'(B), timed in the exchanges that ran beside a verify: there a cohort's drafting also
-  catches up on the verdicts of its last verify, and shared cores slow it (step before any);
+  catches up on the verdicts of its last verify, and shared cores slow it (step before any,
+  and the floor for untried sizes, as for V');
 - o: the round's overhead outside both exchanges;
 - e: the share of the shorter of two concurrent exchanges that hides behind the longer
   (`Overlap`): 1 on two devices that do not interfere, 0 when they share compute and

@@ -228,6 +228,28 @@ class SizedCost:
             return min(w0 + w1 * x, self._at(below, sx / n, w0, w1))
         return w0 + w1 * x
 
+    def measured(self, x: float) -> bool:
+        """Whether the size of x (its bucket above `EXACT_UP_TO`) has been measured."""
+        return self.key(x) in self._sizes
+
+    def largest(self) -> float:
+        """The largest size measured (the mean of its bucket's sizes); 0 before any."""
+        if not self._sizes:
+            return 0.0
+        n, sx, _ = self._sizes[max(self._sizes)]
+        return sx / n
+
+    def lower_bound(self, x: float) -> float:
+        """What x costs at least, as measured: the cost of the largest size measured at or below
+        it (a larger size is never cheaper); 0 where none is."""
+        key = self.key(x)
+        below = max((k for k in self._sizes if k <= key), default=None)
+        if below is None:
+            return 0.0
+        n, sx, _ = self._sizes[below]
+        w0, w1 = self.line.coefficients()
+        return self._at(below, sx / n, w0, w1)
+
     def _at(self, key: int, x: float, w0: float, w1: float) -> float:
         """The prediction at x of a size measured: the line moved toward that size's own mean."""
         n, sx, sy = self._sizes[key]
@@ -270,13 +292,14 @@ class CostModel:
         return self.verify_beside if self.verify_beside.samples else self.verify
 
     def verify_beside_ns(self, positions: int) -> float:
-        """A verify exchange of `positions` beside a draft exchange (`verify_beside_or_alone`)."""
-        return self.verify_beside_or_alone.predict(positions)
+        """A verify exchange of `positions` beside a draft exchange (`verify_beside_or_alone`),
+        never priced below what a verify of its size has been measured to cost alone."""
+        return _beside(self.verify_beside, self.verify, positions)
 
     def step_beside_ns(self, sequences: float) -> float:
-        """A draft step for `sequences` beside a verify: as timed beside one, or, before any, alone."""
-        table = self.step_beside if self.step_beside.samples else self.step
-        return table.predict(sequences)
+        """A draft step for `sequences` beside a verify: as timed beside one, or, before any, alone;
+        never priced below what a step of its size has been measured to cost alone."""
+        return _beside(self.step_beside, self.step, sequences)
 
     def draft_ns(self, sequences: float, steps: int, beside: bool = False) -> float:
         """A draft exchange of `steps` for `sequences`; `beside`: with a verify running beside it."""
@@ -293,6 +316,23 @@ class CostModel:
     @property
     def ready(self) -> bool:
         return self.verify.samples > 0 and self.step.samples > 0
+
+
+def _beside(beside: SizedCost, alone: SizedCost, x: float) -> float:
+    """The cost of x in `beside` (`alone` before it has any sample), floored, for a size not
+    measured there, by what the same work costs alone: work beside the other service's is never
+    cheaper. Without the floor an untried size's optimistic guess (`SizedCost.explore`), or a
+    line through small sizes, prices a batch far beyond them at a fraction of its cost, and
+    wins a round that then runs below target-only. Near the sizes measured beside (up to twice
+    the largest) the floor is what `alone` measured at or below x, so exploring the next size
+    up stays cheap; beyond, it is `alone`'s prediction, which the rounds alone measure at every
+    batch they run."""
+    if not beside.samples:
+        return alone.predict(x)
+    if beside.measured(x):
+        return beside.predict(x)
+    floor = alone.predict(x) if x > 2 * beside.largest() else alone.lower_bound(x)
+    return max(beside.predict(x), floor)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ test, and again under planted wrong formulas, where at least one of them must fa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from copy import deepcopy
 from dataclasses import replace
 
 import pytest
@@ -460,3 +461,47 @@ def test_the_choice_records_every_pipeline_it_weighed() -> None:
         assert mean_k == pytest.approx(sum(alone[mode].ks) / len(candidates))
     text = offered_text([("sequential", 63.04, 0.0), ("ahead", 111.06, 2.25)])
     assert text == "sequential 63.0/k0.0, ahead 111.1/k2.2"
+
+
+def cpu_costs_after_small_batches_beside() -> tuple[CostModel, CostModel]:
+    """Shaped as traced at 32 clients on a 2-core EPYC: target-only rounds have timed the verify
+    alone at every batch up to 64 positions; the overlapped pipelines have run only at two
+    sequences (a verify of 8 positions, drafts for 2). Returns that model and the same one told
+    what every size costs beside the other service (5% above alone)."""
+    model = CostModel()
+    for n in range(1, 65):
+        model.verify.observe(n, (40 + 5 * n) * MS)
+    for b in (1, 2):
+        model.step.observe(b, (20 + 2 * b) * MS)
+    model.verify_beside.observe(8, 1.05 * (40 + 5 * 8) * MS)
+    model.step_beside.observe(2, 1.05 * 24 * MS)
+    model.draft_fixed.observe(1 * MS)
+    model.overhead.observe(0.5 * MS)
+    informed = deepcopy(model)
+    for n in range(1, 129):
+        informed.verify_beside.observe(n, 1.05 * informed.verify.predict(n))
+    for b in range(1, 33):
+        informed.step_beside.observe(b, 1.05 * informed.step.predict(b))
+    return model, informed
+
+
+def test_a_batch_far_beyond_the_sizes_run_beside_is_priced_no_lower_than_alone() -> None:
+    """A verify of 62 positions beside the drafter had been priced at the 8 positions measured
+    there (the optimistic guess for an untried size): auto chose draft-ahead and cohort for 31
+    sequences at twice target-only's predicted rate, and ran them below it. Floored by what the
+    rounds alone measured, the choice's prediction holds when the sizes are known."""
+    model, informed = cpu_costs_after_small_batches_beside()
+    assert model.verify_beside_ns(62) == pytest.approx(model.verify.predict(62), rel=0.02)
+    assert model.verify_beside_ns(12) >= model.verify.lower_bound(12)  # near the sizes run: the next one up
+    candidates = batch(31, 0.95)
+    chosen = choose(model, candidates)
+    truth = RoundModel(
+        informed,
+        1.0,
+        [expected_tokens_table(c.rates, c.cap) for c in candidates],
+        [c.rates for c in candidates],
+        [c.cohort for c in candidates],
+        [c.guess for c in candidates],
+    )
+    assert chosen.predicted_rate <= 1.1 * truth.rate(chosen.pipeline, chosen.ks)
+    assert chosen.predicted_gain < 1.3
