@@ -13,7 +13,7 @@ from specd.featurehead import FeatureTrack
 from specd.fingerprint import TokenizerFingerprint
 from specd.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
-from specd.sampling import gumbel_argmax, position_keys, probabilities, sparse_draft
+from specd.sampling import gumbel_argmax, probabilities, spans_keys, sparse_draft
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
 
@@ -316,13 +316,14 @@ class ModelDrafter(_DrafterBase):
         rows = [r for r in dists if active[r][1].params.seeded]
         if not rows:
             return {}
-        keys = []
+        spans = []
         for r in rows:
             state = active[r][1]
             assert state.params.seed is not None
             # Drafting step s proposes the token at position len(committed + assumed) + s.
-            keys.append(position_keys(state.params.seed, positions[r], 1, dists[r].device))
-        tokens = gumbel_argmax(torch.stack([dists[r] for r in rows]), torch.cat(keys)).tolist()
+            spans.append((state.params.seed, positions[r], 1))
+        keys = spans_keys(spans, dists[rows[0]].device)
+        tokens = gumbel_argmax(torch.stack([dists[r] for r in rows]), keys).tolist()
         return dict(zip(rows, tokens, strict=True))
 
     def _pick(self, probs: torch.Tensor, state: SequenceState) -> tuple[int, SparseDist]:

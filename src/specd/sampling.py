@@ -171,7 +171,13 @@ def sample_tensor(probs: torch.Tensor, generator: torch.Generator | None) -> tor
 
 def position_keys(seed: int, start: int, count: int, device: torch.device) -> torch.Tensor:
     """Noise keys [count] of positions start, start + 1, ... for one seeded sequence."""
-    keys = [noise.noise_key(seed, start + i) for i in range(count)]
+    return spans_keys([(seed, start, count)], device)
+
+
+def spans_keys(spans: Sequence[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """`position_keys` of every (seed, start, count) span, concatenated: one copy to the device
+    for a whole batch of seeded sequences, not one each."""
+    keys = [noise.noise_key(seed, start + i) for seed, start, count in spans for i in range(count)]
     return torch.tensor(keys, dtype=torch.int64, device=device)
 
 

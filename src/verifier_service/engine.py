@@ -15,7 +15,7 @@ from specd.grammar import GrammarCompiler, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
 from specd.logprobs import token_logprobs
 from specd.params import TokenLogprob
-from specd.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, position_keys, probabilities
+from specd.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, probabilities, spans_keys
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
 
@@ -260,12 +260,13 @@ class VerifierEngine:
         seeded = [n for n in dists if live[n][1].params.seeded]
         if not seeded:
             return {}
-        keys: list[torch.Tensor] = []
+        spans = []
         for n in seeded:
             state = live[n][1]
             assert state.params.seed is not None
-            keys.append(position_keys(state.params.seed, len(state.committed), dists[n].shape[0], dists[n].device))
-        tokens = gumbel_argmax(torch.cat([dists[n] for n in seeded]), torch.cat(keys)).tolist()
+            spans.append((state.params.seed, len(state.committed), dists[n].shape[0]))
+        keys = spans_keys(spans, dists[seeded[0]].device)
+        tokens = gumbel_argmax(torch.cat([dists[n] for n in seeded]), keys).tolist()
         return _by_block(tokens, {n: dists[n].shape[0] for n in seeded})
 
     def kv_bytes(self) -> int:

@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 
 from specd import noise
-from specd.sampling import gumbel_argmax, position_keys
+from specd.sampling import gumbel_argmax, position_keys, spans_keys
 
 MIN_P_VALUE = 1e-3
 CPU = torch.device("cpu")
@@ -200,3 +200,11 @@ def test_gumbel_argmax_of_a_one_hot_row_is_its_token():
     probs = torch.zeros(3, 50)
     probs[0, 7] = probs[1, 0] = probs[2, 49] = 1.0
     assert gumbel_argmax(probs, position_keys(1, 0, 3, CPU)).tolist() == [7, 0, 49]
+
+
+def test_spans_keys_are_each_spans_position_keys_in_order():
+    spans = [(5, 40, 3), (9, 0, 1), (5, 43, 2)]
+    expected = torch.cat([position_keys(seed, start, count, CPU) for seed, start, count in spans])
+    assert torch.equal(spans_keys(spans, CPU), expected)
+    # The same seed and position give the same key wherever the span starts (5 at 42, twice).
+    assert spans_keys(spans, CPU)[2] == spans_keys([(5, 42, 1)], CPU)[0]
