@@ -13,7 +13,7 @@ from specd.featurehead import FeatureTrack
 from specd.fingerprint import TokenizerFingerprint
 from specd.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.kvcache import BatchedCausalLM, Row
-from specd.sampling import gumbel_argmax, probabilities, spans_keys, sparse_draft
+from specd.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
 
@@ -233,6 +233,7 @@ class ModelDrafter(_DrafterBase):
             forward_ns += end - start
             timing.phases.append(("step", start, end))
             chosen.update(self._coupled_tokens(active, dists, [len(contexts[i]) + step for i, _, _ in active]))
+            picked = self._pick(active, {r: q for r, q in dists.items() if r not in chosen})
             still = []
             for row_i, (i, state, k) in enumerate(active):
                 state.cached.extend(feed[i])
@@ -240,7 +241,7 @@ class ModelDrafter(_DrafterBase):
                 if row_i in chosen:
                     token = chosen[row_i]
                 else:
-                    token, dist = self._pick(dists[row_i], state)
+                    token, dist = picked[row_i]
                     if step == 0 and tasks[i].guess_first:
                         # A guess at the verifier's token is right with the target's probability of
                         # it: the likeliest under q is the best guess, a sample from q a worse one.
@@ -326,12 +327,23 @@ class ModelDrafter(_DrafterBase):
         tokens = gumbel_argmax(torch.stack([dists[r] for r in rows]), keys).tolist()
         return dict(zip(rows, tokens, strict=True))
 
-    def _pick(self, probs: torch.Tensor, state: SequenceState) -> tuple[int, SparseDist]:
-        # Unseeded sampling (greedy and seeded rows are chosen in one pass before): a sample
-        # from the truncated q with this service's own generator, never one the verifier also draws from.
-        assert state.generator is not None
-        token, ids, top = sparse_draft(probs, self.max_support, state.generator)
-        return token, SparseDist(ids, top)
+    def _pick(
+        self, active: Sequence[tuple[int, SequenceState, int]], dists: dict[int, torch.Tensor]
+    ) -> dict[int, tuple[int, SparseDist]]:
+        """Draft tokens of the unseeded sampled rows (`dists`: their q, keyed by row), with the
+        sparse q each was drawn from: a sample from the truncated q with this service's own
+        generator of the sequence, never one the verifier also draws from; read back once for
+        all the rows."""
+        if not dists:
+            return {}
+        rows = list(dists)
+        generators = []
+        for r in rows:
+            generator = active[r][1].generator
+            assert generator is not None
+            generators.append(generator)
+        drawn = sparse_drafts(torch.stack([dists[r] for r in rows]), self.max_support, generators)
+        return {r: (token, SparseDist(ids, probs)) for r, (token, ids, probs) in zip(rows, drawn, strict=True)}
 
 
 class NgramDrafter(_DrafterBase):

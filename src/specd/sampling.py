@@ -142,11 +142,25 @@ def sparse_draft(
     Returns (token, ids, probs) of the sparse distribution the token was drawn
     from, zero tail dropped: the q the verifier needs for an unseeded request.
     """
-    ids, top = truncate(probs[None], max_support)
-    ids, top = ids[0], top[0]
-    keep = top > 0
-    ids, top = ids[keep], top[keep]
-    return int(ids[sample(top, generator)]), ids.tolist(), top.tolist()
+    return sparse_drafts(probs[None], max_support, [generator])[0]
+
+
+def sparse_drafts(
+    probs: torch.Tensor, max_support: int, generators: Sequence[torch.Generator]
+) -> list[tuple[int, list[int], list[float]]]:
+    """`sparse_draft` for every row of `probs` [R, V], row r drawn with `generators[r]`; what
+    is read back to the host is read once for all rows, not once a row (on a GPU, each read
+    waits for the device)."""
+    ids, top = truncate(probs, max_support)
+    # The truncated rows sorted most likely first: a zero tail adds nothing to a row's CDF,
+    # so the draw over the whole row is the draw over its nonzero head.
+    picks = torch.stack([sample_tensor(row, g) for row, g in zip(top, generators, strict=True)])
+    rows_ids, rows_top, rows_pick = ids.tolist(), top.tolist(), picks.tolist()
+    out = []
+    for row_ids, row_top, pick in zip(rows_ids, rows_top, rows_pick, strict=True):
+        kept = sum(1 for p in row_top if p > 0)
+        out.append((row_ids[pick], row_ids[:kept], row_top[:kept]))
+    return out
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -57,22 +57,46 @@ class VerifierEngine:
     def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
         return self.table.close(ids, ignore_unknown)
 
-    def _draft_distribution(self, task: VerifyTask) -> torch.Tensor | None:
-        """Dense q [k, V] from the sparse lists, after checking them; None if absent."""
+    def _check_draft_distributions(self, task: VerifyTask) -> None:
+        """The sparse draft distributions a block came with: one per draft token, each a
+        distribution over the vocabulary in which its own draft token has probability."""
         k = len(task.draft_tokens)
         if not task.draft_dists:
-            return None
+            return
         if len(task.draft_dists) != k:
             raise invalid(f"{len(task.draft_dists)} draft distributions for {k} draft tokens")
-        q = torch.zeros((k, self.lm.vocab_size), dtype=torch.float32)
         for i, (token, dist) in enumerate(zip(task.draft_tokens, task.draft_dists, strict=True)):
-            check_sparse(dist, self.lm.vocab_size)
-            q[i, torch.tensor(dist.token_ids, dtype=torch.long)] = torch.tensor(dist.probs, dtype=torch.float32)
-            if q[i, token] <= 0:
+            check_sparse(dist, self.lm.vocab_size)  # every probability listed is above 0
+            if token not in dist.token_ids:
                 raise invalid(f"draft token {token} at position {i} has probability 0 in its own distribution")
-        return q.to(self.lm.device)
 
-    def _validate(self, state: SequenceState, task: VerifyTask) -> torch.Tensor | None:
+    def _draft_distributions(
+        self, live: Sequence[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]]
+    ) -> list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]]:
+        """`live` with each block's dense q [k, V] in place of None where it came with draft
+        distributions: all of them made on the device from one copy of every block's sparse
+        lists, not a dense copy per sequence."""
+        blocks = [n for n, (_, _, task, _) in enumerate(live) if task.draft_dists]
+        if not blocks:
+            return list(live)
+        rows: list[int] = []
+        ids: list[int] = []
+        probs: list[float] = []
+        row = 0
+        for n in blocks:
+            for dist in live[n][2].draft_dists:
+                rows.extend([row] * len(dist.token_ids))
+                ids.extend(dist.token_ids)
+                probs.extend(dist.probs)
+                row += 1
+        device = self.lm.device
+        q = torch.zeros((row, self.lm.vocab_size), dtype=torch.float32, device=device)
+        at = torch.tensor([rows, ids], dtype=torch.long, device=device)
+        q[at[0], at[1]] = torch.tensor(probs, dtype=torch.float32, device=device)
+        dense = dict(zip(blocks, q.split([len(live[n][2].draft_tokens) for n in blocks]), strict=True))
+        return [(i, state, task, dense.get(n)) for n, (i, state, task, _) in enumerate(live)]
+
+    def _validate(self, state: SequenceState, task: VerifyTask) -> None:
         if task.num_committed != len(state.committed):
             raise precondition(
                 f"sequence {task.sequence_id!r} has {len(state.committed)} committed tokens, "
@@ -86,7 +110,7 @@ class VerifierEngine:
                 f"{len(state.committed)} committed + {k} draft tokens exceed the context window {self.max_context}"
             )
         self.table.check_tokens(task.draft_tokens, "draft")
-        return self._draft_distribution(task)
+        self._check_draft_distributions(task)
 
     @staticmethod
     def _validate_prefill(state: SequenceState, task: VerifyTask) -> None:
@@ -114,13 +138,14 @@ class VerifierEngine:
                     self._validate_prefill(state, task)
                     prefills.append((i, state, task.prefill_tokens))
                     continue
-                q = self._validate(state, task)
+                self._validate(state, task)
             except EngineError as exc:
                 results[i].error = exc
                 continue
             fed = state.committed[len(state.cached) :] + list(task.draft_tokens)
             rows.append(Row(state.slot, len(state.cached), fed, len(fed) - len(task.draft_tokens) - 1))
-            live.append((i, state, task, q))
+            live.append((i, state, task, None))
+        live = self._draft_distributions(live)
         timing = RoundTiming(batch_size=len(rows), tokens_fed=sum(len(r.tokens) for r in rows))
         if prefills:
             # Chunks of prompts on their own forward: in the verify's, every row would pad to a chunk's length.

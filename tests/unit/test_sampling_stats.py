@@ -24,7 +24,9 @@ from specd.sampling import (
     coupled_verdict,
     gumbel_argmax,
     rejection_sample,
+    sample,
     sparse_draft,
+    sparse_drafts,
     truncate,
 )
 
@@ -112,6 +114,23 @@ def joint_p_value(toy: ToyPair, counts: Counter[tuple[int, int]]) -> float:
 
 def test_leviathan_rule_emits_the_target_joint_distribution(toy: ToyPair):
     assert joint_p_value(toy, leviathan_pairs(toy)) > MIN_P_VALUE
+
+
+def test_sparse_drafts_draw_each_row_as_sparse_draft_does():
+    """Rows drawn together, each with its own generator, are drawn as one at a time: the same
+    tokens and sparse q for the same generator states, zero tails dropped (the second row has
+    two nonzero tokens under a support of four)."""
+    q = torch.tensor([[0.05, 0.30, 0.10, 0.40, 0.15], [0.0, 0.7, 0.0, 0.3, 0.0], [0.2] * 5])
+    for seed in range(20):
+        together = sparse_drafts(q, 4, [torch.Generator().manual_seed(seed + r) for r in range(3)])
+        alone = [sparse_draft(q[r], 4, torch.Generator().manual_seed(seed + r)) for r in range(3)]
+        assert together == alone
+        for r in range(3):  # each the draw over its row's nonzero head alone
+            ids, top = truncate(q[r][None], 4)
+            keep = top[0] > 0
+            pick = sample(top[0][keep], torch.Generator().manual_seed(seed + r))
+            assert together[r] == (int(ids[0][keep][pick]), ids[0][keep].tolist(), top[0][keep].tolist())
+    assert sorted(together[1][1]) == [1, 3]
 
 
 def test_sparse_draft_samples_the_truncated_distribution():
