@@ -76,7 +76,7 @@ class RoundOutcome:
     pipeline: str = "sequential"  # the one it ran (under auto, the one chosen); "a+b" for a mixed batch
     wasted_drafts: int = 0  # drafted ahead and thrown away
     spans: dict[str, Any] = field(default_factory=dict)
-    # Prompt chunks prefilled in the round (chunked prefill): its times are not a verify's alone.
+    # Prompt chunks prefilled in the round on the verifier (chunked prefill): its times are not a verify's alone.
     prefill_tokens: int = 0
     # Drafts asked per sequence of the exchange before the verify, and of the one during it.
     pre_drafted: list[int] = field(default_factory=list)
@@ -85,6 +85,8 @@ class RoundOutcome:
     joined_tokens: int = 0
     # Draft-ahead blocks whose assumed block was accepted whole: was the guess after it right?
     guesses: list[tuple[Any, bool]] = field(default_factory=list)
+    # Prompt chunks the drafter prefilled beside the verify: the round's times are not its drafts' alone.
+    drafter_prefill_tokens: int = 0
 
     @property
     def drafted(self) -> list[int]:
@@ -143,9 +145,14 @@ class RoundObserver:
         choice = self.policy.last_choice
         observed_gain = None
         if not outcome.prefill_tokens:
-            # A round that also prefilled would teach the policy a verify far dearer than it is.
+            # A round that also prefilled on the verifier would teach the policy a verify far dearer
+            # than it is, and hold its pipeline to account for a prefill it did not choose.
             # Nor does a join's wait belong to the costs of drafting and verifying: it is paid
             # once per sequence, in rounds the policy chose for their drafts, not for their verify.
+            # The drafter's prefill beside the verify is the pipeline's own doing (it prepares the
+            # drafts the policy chose): such a round still calibrates the pipeline, though its
+            # times teach no cost. Left out, a policy whose batch joins the drafter round after
+            # round learns nothing while it joins, and keeps a choice its rounds do not bear out.
             observed_gain = self.policy.observe_round(
                 outcome.drafted,
                 times.round_ns - times.join_ns,
@@ -160,6 +167,7 @@ class RoundObserver:
                 times.verify_reply_ns,
                 times.overlap_ns,
                 times.overlap_forward_ns,
+                learn_costs=not outcome.drafter_prefill_tokens,
             )
         attributes = times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)

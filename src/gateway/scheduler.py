@@ -923,7 +923,7 @@ class Scheduler:
 
         # 4. Observe, then retire.
         pipeline = "+".join(sorted({self._pipeline(s) for s in seqs}))
-        prefilled = sum(n for _, n in plan.prefill) + sum(item.prefill for item in ahead_items)
+        prefilled = sum(n for _, n in plan.prefill)
         pre_drafted = [item.num_draft_tokens for item in plan.pre_draft] if pre is not None else []
         ahead_drafted = [item.num_draft_tokens for item in ahead_items if not item.prefill] if ahead else []
         self.observer.observe(
@@ -939,6 +939,7 @@ class Scheduler:
                 ahead_drafted,
                 joined_tokens,
                 guesses,
+                sum(item.prefill for item in ahead_items),
             )
         )
         await self._retire([s for s in seqs if s.done])

@@ -669,6 +669,7 @@ class SpeculationPolicy:
         verify_reply_ns: int = 0,
         ahead_ns: int = 0,
         ahead_forward_ns: int = 0,
+        learn_costs: bool = True,
     ) -> float | None:
         """Learn costs from one round; returns observed rate / predicted target-only rate.
 
@@ -680,11 +681,55 @@ class SpeculationPolicy:
         the verify's time, which the open may have slowed, teaches nothing else.
         `verify_reply_ns`: the verify exchange alone, request to reply (0: not timed apart);
         `ahead_ns`, `ahead_forward_ns`: the draft exchange beside it, request to reply, and the
-        drafter's forward passes in it (0: not timed).
+        drafter's forward passes in it (0: not timed). `learn_costs`: False for a round whose
+        exchanges also carried other work (the drafter prefilling beside the verify): what it
+        delivered against its pipeline's model still calibrates that pipeline, but its times
+        teach no cost.
         """
         pre = list(ks) if pre_drafted is None else list(pre_drafted)
         self.overlap.age()
         self.calibration.age()
+        if learn_costs:
+            self._learn_costs(
+                ks,
+                pre,
+                round_ns,
+                draft_ns,
+                verify_ns,
+                drafter_forward_ns,
+                ahead_drafted,
+                joined_tokens,
+                join_ns,
+                verify_reply_ns,
+                ahead_ns,
+                ahead_forward_ns,
+            )
+        choice = self.last_choice
+        if choice is None or choice.baseline_rate <= 0 or round_ns <= 0:
+            return None
+        gain = tokens_emitted / round_ns * 1e9 / choice.baseline_rate
+        if math.isfinite(gain):
+            self.observed_gain.observe(gain)
+        if choice.model_rate > 0:
+            self.calibration.observe(choice.pipeline, tokens_emitted, choice.model_rate * round_ns / 1e9)
+        return gain
+
+    def _learn_costs(
+        self,
+        ks: Sequence[int],
+        pre: list[int],
+        round_ns: int,
+        draft_ns: int,
+        verify_ns: int,
+        drafter_forward_ns: int,
+        ahead_drafted: Sequence[int],
+        joined_tokens: int,
+        join_ns: int,
+        verify_reply_ns: int,
+        ahead_ns: int,
+        ahead_forward_ns: int,
+    ) -> None:
+        """The costs one round teaches (`observe_round`)."""
         ahead = [n for n in ahead_drafted if n > 0]
         if joined_tokens:
             slowed = 0.0
@@ -715,12 +760,3 @@ class SpeculationPolicy:
             self.costs.step.observe(drafting, drafter_forward_ns / longest)
             self.costs.draft_fixed.observe(max(0, draft_ns - drafter_forward_ns))
         self.costs.overhead.observe(max(0, round_ns - draft_ns - verify_ns))
-        choice = self.last_choice
-        if choice is None or choice.baseline_rate <= 0 or round_ns <= 0:
-            return None
-        gain = tokens_emitted / round_ns * 1e9 / choice.baseline_rate
-        if math.isfinite(gain):
-            self.observed_gain.observe(gain)
-        if choice.model_rate > 0:
-            self.calibration.observe(choice.pipeline, tokens_emitted, choice.model_rate * round_ns / 1e9)
-        return gain

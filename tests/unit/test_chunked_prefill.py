@@ -109,7 +109,7 @@ def test_rounds_that_prefill_do_not_teach_the_policy_verify_costs() -> None:
     sched = scheduler(verifier, None, k=0, prefill_chunk_tokens=8)
     learned: list[Any] = []
     real = sched.policy.observe_round
-    sched.policy.observe_round = lambda *a: learned.append(a) or real(*a)  # type: ignore[method-assign]
+    sched.policy.observe_round = lambda *a, **kw: learned.append(a) or real(*a, **kw)  # type: ignore[method-assign]
     generate(sched, [[3, 4, 5], LONG], max_tokens=30)
     with_prefill = [r for r in verifier.requests if any(t.prefill_tokens for t in r.tasks)]
     assert with_prefill and len(learned) == len(verifier.requests) - len(with_prefill)
@@ -157,6 +157,24 @@ def test_without_verifier_chunks_the_drafter_still_prefills_only_what_fits_behin
     per_sequence = Counter(sid for sid, _ in drafter.chunks)
     assert max(per_sequence.values()) > 1, "the 97-token prompt takes more than one exchange there"
     assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+
+
+def test_rounds_that_prefill_on_the_drafter_only_calibrate_the_policy() -> None:
+    """Whole prompts on the verifier, chunks on the drafter: every round is observed, and those
+    with a drafter chunk beside the verify calibrate the policy without teaching it costs."""
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter)
+    sched.drafter_prefill.fits = lambda busy_ns=0.0: 8  # type: ignore[method-assign]
+    flags: list[bool] = []
+    real = sched.policy.observe_round
+    sched.policy.observe_round = lambda *a, **kw: flags.append(kw.get("learn_costs", True)) or real(*a, **kw)  # type: ignore[method-assign]
+    [(ids, _)] = generate(sched, [LONG], max_tokens=40)
+    assert ids == reference(LONG, 40)
+    chunked = [r for r in drafter.requests if any(t.prefill_tokens for t in r.tasks)]
+    assert len(chunked) > 1
+    assert len(flags) == len(verifier.requests)
+    assert flags.count(False) == len(chunked)
 
 
 @pytest.mark.parametrize("drafts_pay", [True, False])

@@ -429,7 +429,7 @@ def test_the_wait_for_a_join_is_not_taught_to_the_policy_as_verify_or_round_cost
     sched = scheduler(verifier, drafter, "sequential")
     learned: list[Any] = []
     real = sched.policy.observe_round
-    sched.policy.observe_round = lambda *a: learned.append(a) or real(*a)  # type: ignore[method-assign]
+    sched.policy.observe_round = lambda *a, **kw: learned.append(a) or real(*a, **kw)  # type: ignore[method-assign]
     results = generate(sched, PROMPTS[:2], max_tokens=12)
     assert [ids for ids, _ in results] == [reference(p, 12) for p in PROMPTS[:2]]
     assert drafter.opens

@@ -344,3 +344,22 @@ def test_joins_that_are_not_followed_by_drafts_stop() -> None:
     assert not policy.join_pays(generated=1, left=100, prompt_tokens=50)
     policy.observe_follow_through(rounds_on_drafter=0, rounds_drafting=0)  # never got there: nothing learnt
     assert policy.join_follow_through.get() == pytest.approx(0.1)
+
+
+def test_a_round_that_prefilled_on_the_drafter_calibrates_its_pipeline_and_teaches_no_cost() -> None:
+    """The drafter prefilled a joining sequence beside the verify: the round's times are not its
+    drafts' and verify's alone, so they teach no cost; but what the round delivered against
+    its pipeline's model still counts, or a batch joining the drafter round after round would
+    keep a choice its rounds never bear out."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=4)
+    ks = policy.choose([Candidate(cap=4, rates=[0.9] * 4)], batch_size=1)
+    choice = policy.last_choice
+    assert choice is not None and choice.model_rate > 0 and ks == [4]
+    learnt = (policy.costs.verify.predict(5), policy.costs.step.predict(1), policy.costs.overhead.get())
+    factor = policy.calibration.factor(choice.pipeline)
+    # Four times the round its model predicts, and one token.
+    gain = policy.observe_round(ks, int(160 * MS), int(60 * MS), int(90 * MS), int(50 * MS), 1, learn_costs=False)
+    assert gain is not None and gain < 0.5
+    assert policy.calibration.factor(choice.pipeline) < factor
+    assert (policy.costs.verify.predict(5), policy.costs.step.predict(1), policy.costs.overhead.get()) == learnt
