@@ -27,6 +27,10 @@ NGRAM_VOCAB_LIMIT = 2**31 - 1
 log = logging.getLogger(__name__)
 
 
+# Batch sizes whose one-token step a model drafter times at start-up (those it has room for).
+STEP_TIMING_SIZES = (1, 2, 4, 8, 16, 32)
+
+
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
     if config.drafter == "ngram":
         pin(config.cpus)
@@ -80,6 +84,10 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     elif quantization != "none":
         set_wide_rows(loaded.model, config.int8_wide_rows)
     lm.warm_up(2)
+    # What a step costs for batches the gateway has not drafted for yet: on a CPU it grows with the
+    # batch far more than a line through a few small batches says.
+    step_timings = lm.time_steps([n for n in STEP_TIMING_SIZES if n <= config.max_sequences])
+    log.info("one-token step: %s", ", ".join(f"{n} sequences {ns / 1e6:.1f} ms" for n, ns in step_timings))
     if engine.feature_size:
         log.info(
             "the drafter is a feature head: it reads the target's hidden states (%d wide) beside each token",
@@ -95,6 +103,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         hidden_size=lm.hidden_size,
         max_sequences=config.max_sequences,
         max_draft_tokens=config.max_draft_tokens,
+        step_timings=[common_pb2.StepTiming(sequences=n, forward_ns=ns) for n, ns in step_timings],
     )
     return engine, info
 

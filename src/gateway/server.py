@@ -90,6 +90,8 @@ async def run(config: GatewayConfig) -> None:
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         drafter_overlap=config.drafter_overlap,
     )
+    if drafter is not None and drafter.info is not None:
+        scheduler.policy.costs.seed_steps((t.sequences, t.forward_ns) for t in drafter.info.step_timings)
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)
 

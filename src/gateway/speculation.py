@@ -33,7 +33,7 @@ drafts only when drafting is predicted faster than not drafting.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gateway.pipeline_choice import Calibration, Overlap, RoundModel, verified_positions
@@ -307,6 +307,13 @@ class CostModel:
             return 0.0
         step = self.step_beside_ns(sequences) if beside else self.step.predict(sequences)
         return self.draft_fixed.get() + steps * step
+
+    def seed_steps(self, timings: Iterable[tuple[int, float]]) -> None:
+        """The drafter's one-token step as it timed it at start-up, (sequences, ns) for batches of
+        several sizes: `step` for batches not drafted for yet; the rounds' own times refine it."""
+        for sequences, ns in timings:
+            if sequences > 0 and ns > 0:
+                self.step.observe(sequences, float(ns))
 
     def round_ns(self, ks: Sequence[int]) -> float:
         drafting = sum(1 for k in ks if k > 0)

@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specd.head_product import HeadProduct
+from specd.timing import best_time
 
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
 DEFAULT_SLOTS = 16
@@ -337,6 +338,31 @@ class BatchedCausalLM:
         for n in range(1, min(max_new, room - prompt) + 1):
             self.forward([Row(0, prompt, [0] * n, n - 1)])
         self.cache.release(0)
+
+    def time_steps(self, sizes: Sequence[int], context: int = 16, repeats: int = 3) -> list[tuple[int, int]]:
+        """(sequences, ns): a one-token step for a batch of each of `sizes` sequences (those the
+        cache has slots for), each after `context` tokens, the fastest of `repeats` after one
+        untimed step. Start-up only: it uses slots 0 on and releases them."""
+        room = self.cache.max_positions - repeats - 1
+        context = max(1, min(context, room))
+        timed: list[tuple[int, int]] = []
+        for n in sizes:
+            if not 0 < n <= self.cache.max_slots or room < 1:
+                continue
+            self.forward([Row(slot, 0, [0] * context, context - 1) for slot in range(n)])
+            position = context
+
+            def step(n: int = n) -> None:
+                nonlocal position
+                self.forward([Row(slot, position, [0], 0) for slot in range(n)])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                position += 1
+
+            timed.append((n, round(best_time(step, repeats) * 1e9)))
+            for slot in range(n):
+                self.cache.release(slot)
+        return timed
 
     def calibrate_head(self, max_rows: int) -> frozenset[int]:
         """Measure the LM head's two products for 1..max_rows rows on the CPU, and use the faster

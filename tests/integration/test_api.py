@@ -50,6 +50,19 @@ def wait_all_closed(backends, timeout_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+def test_the_drafter_reports_its_step_timed_at_start_up_and_the_verifier_none(backends):
+    """What the gateway prices drafting for batches it has not drafted for yet with."""
+    verifier, drafter = backends
+    with grpc.insecure_channel(drafter.address) as ch:
+        d = drafter_pb2_grpc.DrafterServiceStub(ch).GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest())
+    with grpc.insecure_channel(verifier.address) as ch:
+        v = verifier_pb2_grpc.VerifierServiceStub(ch).GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest())
+    sizes = [t.sequences for t in d.model.step_timings]
+    assert sizes == [n for n in (1, 2, 4, 8, 16, 32) if n <= d.model.max_sequences]
+    assert all(t.forward_ns > 0 for t in d.model.step_timings)
+    assert not v.model.step_timings
+
+
 def test_models_and_health(gateway):
     r = httpx.get(base_url(gateway) + "/v1/models")
     assert r.status_code == 200

@@ -467,3 +467,15 @@ def test_the_cache_goes_in_by_the_keyword_the_model_names_whichever_transformers
     old_keys, _ = cache.update(k, v, 0, {"cache_position": None})
     new_keys, new_values = cache.update(k, v, 0, kwargs={"position_ids": None})
     assert torch.equal(old_keys, new_keys) and torch.equal(new_values[0, 0, 0], v[0, 0, 0])
+
+
+def test_step_timings_cover_the_sizes_the_cache_has_slots_for_and_leave_it_empty(tiny_target, vocab_size):
+    lm = BatchedCausalLM(tiny_target, CPU, torch.float32, max_slots=5, max_positions=64)
+    timed = lm.time_steps([1, 2, 4, 8])
+    assert [n for n, _ in timed] == [1, 2, 4]  # no room for 8
+    assert all(ns > 0 for _, ns in timed)
+    assert lm.cache.allocated_bytes() == 0  # every slot it used was released
+    # The cache serves sequences afterwards as before: logits as a full recompute gives them.
+    tokens = random_tokens(random.Random(5), 7, vocab_size)
+    [got] = lm.forward([Row(0, 0, tokens, 0)])
+    assert_logits_close(got, full_logits(tiny_target, tokens), "after the timings")

@@ -363,3 +363,28 @@ def test_a_round_that_prefilled_on_the_drafter_calibrates_its_pipeline_and_teach
     assert gain is not None and gain < 0.5
     assert policy.calibration.factor(choice.pipeline) < factor
     assert (policy.costs.verify.predict(5), policy.costs.step.predict(1), policy.costs.overhead.get()) == learnt
+
+
+def test_the_drafter_s_start_up_step_timings_price_batches_not_drafted_for_yet() -> None:
+    """On a CPU the drafter's step grows with the batch (here 14 + 5 ms a sequence) while a verify
+    of a few more positions costs little. Rounds so far drafted for one sequence only: priced from
+    that, drafting for 16 looks like it pays; priced from the step the drafter timed at start-up
+    for batches of 1 to 32, it does not, as with the true step it does not."""
+
+    def model(seeded: bool) -> CostModel:
+        m = CostModel()
+        for n in range(1, 129):
+            m.verify.observe(n, (40 + 1.5 * n) * MS)
+        m.step.observe(1, 14 * MS)
+        if seeded:
+            m.seed_steps([(b, (14 + 5 * b) * MS) for b in (1, 2, 4, 8, 16, 32)])
+        m.draft_fixed.observe(1 * MS)
+        m.overhead.observe(0.5 * MS)
+        return m
+
+    batch = [Candidate(cap=4, rates=[0.9] * 4) for _ in range(16)]
+    assert any(choose_ks(batch, model(seeded=False), 4).ks)
+    seeded = model(seeded=True)
+    assert seeded.step.predict(16) == pytest.approx(94 * MS, rel=0.1)
+    assert not any(choose_ks(batch, seeded, 4).ks)
+    assert any(choose_ks(batch[:1], seeded, 4).ks)  # one sequence's drafts still pay
