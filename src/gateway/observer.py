@@ -195,7 +195,7 @@ class RoundObserver:
                         "specd.baseline_tokens_per_s": choice.baseline_rate,
                         "specd.overlap_estimate": self.policy.overlap.value,
                         # Realised over modelled tokens of this pipeline's recent rounds (1: as modelled).
-                        "specd.pipeline_calibration": self.policy.calibration.factor(choice.pipeline),
+                        "specd.pipeline_calibration": self.policy.calibration.factor(choice.pipeline, len(choice.ks)),
                     }
                 )
                 if predictions:

@@ -110,7 +110,8 @@ class Overlap:
 
 
 class Calibration:
-    """Per pipeline, the tokens its rounds emitted over the tokens its model predicted for them.
+    """Per pipeline and batch size class, the tokens its rounds emitted over the tokens its model
+    predicted for them.
 
     The round models price what the gateway measures (a verify and a draft exchange, alone and
     beside each other, and their overlap); what they leave out (the gateway's own work, costs
@@ -131,20 +132,31 @@ class Calibration:
         self.prior_tokens = prior_tokens
         self.forget = forget
         self.bounds = bounds
-        self._sums: dict[str, tuple[float, float]] = {}  # pipeline -> (realised, predicted) tokens
+        # (pipeline, batch size class) -> (realised, predicted) tokens
+        self._sums: dict[tuple[str, int], tuple[float, float]] = {}
 
-    def observe(self, pipeline: str, realised: float, predicted: float) -> None:
+    @staticmethod
+    def _key(pipeline: str, batch: int) -> tuple[str, int]:
+        # Batches of 1, 2, 3-4, 5-8, 9-16, ... apart: what a model leaves out changes with the batch
+        # (a verify beside the drafter slows by far more at 8 sequences than at 2 on shared
+        # resources), and a factor shared by all sizes, pulled up by the sizes where the pipeline
+        # delivers, would keep it tried where it does not.
+        return pipeline, (max(1, batch) - 1).bit_length()
+
+    def observe(self, pipeline: str, realised: float, predicted: float, batch: int = 1) -> None:
         if predicted <= 0 or not (math.isfinite(realised) and math.isfinite(predicted)):
             return
-        r, p = self._sums.get(pipeline, (0.0, 0.0))
-        self._sums[pipeline] = (r + realised, p + predicted)
+        key = self._key(pipeline, batch)
+        r, p = self._sums.get(key, (0.0, 0.0))
+        self._sums[key] = (r + realised, p + predicted)
 
     def age(self) -> None:
         """One round has passed."""
         self._sums = {m: (r * self.forget, p * self.forget) for m, (r, p) in self._sums.items()}
 
-    def factor(self, pipeline: str) -> float:
-        r, p = self._sums.get(pipeline, (0.0, 0.0))
+    def factor(self, pipeline: str, batch: int = 1) -> float:
+        """The factor for `pipeline`'s predictions in a round of `batch` sequences."""
+        r, p = self._sums.get(self._key(pipeline, batch), (0.0, 0.0))
         low, high = self.bounds
         return min(high, max(low, (r + self.prior_tokens) / (p + self.prior_tokens)))
 

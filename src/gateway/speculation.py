@@ -457,7 +457,9 @@ def choose_round(
 
     def rate(mode: str, ks: list[int]) -> float:
         raw = model.rate(mode, ks)
-        return raw * calibration.factor(_ran(model, mode, ks)) if calibration is not None and any(ks) else raw
+        if calibration is None or not any(ks):
+            return raw
+        return raw * calibration.factor(_ran(model, mode, ks), len(ks))
 
     choices = []
     for mode in pipelines:
@@ -718,7 +720,9 @@ class SpeculationPolicy:
         if math.isfinite(gain):
             self.observed_gain.observe(gain)
         if choice.model_rate > 0:
-            self.calibration.observe(choice.pipeline, tokens_emitted, choice.model_rate * round_ns / 1e9)
+            self.calibration.observe(
+                choice.pipeline, tokens_emitted, choice.model_rate * round_ns / 1e9, len(choice.ks)
+            )
         return gain
 
     def _learn_costs(

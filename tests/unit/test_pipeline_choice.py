@@ -319,6 +319,22 @@ def test_calibration_lowers_a_pipeline_that_delivers_less_than_its_model_and_for
     assert 0.9 < calibration.factor("cohort") < 1.0  # tried again, a few hundred rounds on
 
 
+def test_calibration_keeps_batches_of_different_sizes_apart() -> None:
+    """Traced with a bfloat16 verifier at 8 clients: draft-ahead delivered what its model said for
+    the two sequences left at the end of a wave, and half of it for 8, where the drafter beside
+    the verify slows it most. One factor for both sizes would be pulled up by the small batches
+    and keep the pipeline tried at 8."""
+    calibration = Calibration(prior_tokens=32.0, forget=0.99)
+    for _ in range(40):
+        calibration.observe("ahead", 3.0, 3.0, batch=2)
+        calibration.observe("ahead", 6.0, 12.0, batch=8)
+        calibration.age()
+    assert calibration.factor("ahead", 2) == 1.0
+    assert calibration.factor("ahead", 8) == pytest.approx(0.5, abs=0.05)
+    assert calibration.factor("ahead", 7) == calibration.factor("ahead", 5) == calibration.factor("ahead", 8)
+    assert calibration.factor("ahead", 9) == 1.0  # a larger class: not measured
+
+
 def test_a_pipeline_whose_rounds_fall_short_of_its_model_stops_being_chosen() -> None:
     """The floor under auto: whatever a round model leaves out, rounds that deliver less than
     target-only teach the policy to leave the pipeline, here for target-only."""
@@ -338,7 +354,8 @@ def test_a_pipeline_whose_rounds_fall_short_of_its_model_stops_being_chosen() ->
         policy.observe_round(choice.ks, round_ns, 0, round_ns, 0, emitted, [0] * 16, choice.ks)
         policy.choose(candidates, 16, MODES)
     assert not any(policy.choose(candidates, 16, MODES))
-    assert policy.calibration.factor("cohort") < first.baseline_rate / first.model_rate
+    assert policy.calibration.factor("cohort", 16) < first.baseline_rate / first.model_rate
+    assert policy.calibration.factor("cohort", 2) == 1.0  # learnt for batches of its size only
 
 
 def steep_line_costs() -> CostModel:
