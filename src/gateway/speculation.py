@@ -699,20 +699,36 @@ class SpeculationPolicy:
         self.overlap.age()
         self.calibration.age()
         if learn_costs:
-            self._learn_costs(
-                ks,
-                pre,
-                round_ns,
-                draft_ns,
-                verify_ns,
-                drafter_forward_ns,
-                ahead_drafted,
-                joined_tokens,
-                join_ns,
-                verify_reply_ns,
-                ahead_ns,
-                ahead_forward_ns,
-            )
+            ahead = [n for n in ahead_drafted if n > 0]
+            if joined_tokens:
+                slowed = 0.0
+                if self.costs.ready and not ahead:
+                    slowed = max(0.0, verify_ns - self.costs.verify.predict(verified_positions(ks)))
+                self.observe_join(joined_tokens, join_ns + slowed)
+            elif ahead:
+                # The verify ran beside a draft exchange: `verify_ns` is the two together, which
+                # measures the overlap, not the verify alone. The verify's own reply time is what a
+                # verify of this size costs beside a draft exchange (`CostModel.verify_beside`).
+                positions = verified_positions(ks)
+                beside = float(verify_reply_ns) if 0 < verify_reply_ns <= verify_ns else None
+                drafting = float(ahead_ns) if 0 < ahead_ns <= verify_ns else None
+                if self.costs.ready:
+                    if drafting is None:
+                        drafting = self.costs.draft_ns(len(ahead), max(ahead), beside=True)
+                    verify = beside if beside is not None else self.costs.verify_beside_ns(positions)
+                    self.overlap.observe(verify, drafting, verify_ns)
+                if beside is not None:
+                    self.costs.verify_beside.observe(positions, beside)
+                if ahead_forward_ns > 0:
+                    self.costs.step_beside.observe(len(ahead), ahead_forward_ns / max(ahead))
+            else:
+                self.costs.verify.observe(verified_positions(ks), verify_ns)
+            longest = max(pre, default=0)
+            if longest > 0 and draft_ns > 0:
+                drafting = sum(1 for k in pre if k > 0)
+                self.costs.step.observe(drafting, drafter_forward_ns / longest)
+                self.costs.draft_fixed.observe(max(0, draft_ns - drafter_forward_ns))
+            self.costs.overhead.observe(max(0, round_ns - draft_ns - verify_ns))
         choice = self.last_choice
         if choice is None or choice.baseline_rate <= 0 or round_ns <= 0:
             return None
@@ -724,50 +740,3 @@ class SpeculationPolicy:
                 choice.pipeline, tokens_emitted, choice.model_rate * round_ns / 1e9, len(choice.ks)
             )
         return gain
-
-    def _learn_costs(
-        self,
-        ks: Sequence[int],
-        pre: list[int],
-        round_ns: int,
-        draft_ns: int,
-        verify_ns: int,
-        drafter_forward_ns: int,
-        ahead_drafted: Sequence[int],
-        joined_tokens: int,
-        join_ns: int,
-        verify_reply_ns: int,
-        ahead_ns: int,
-        ahead_forward_ns: int,
-    ) -> None:
-        """The costs one round teaches (`observe_round`)."""
-        ahead = [n for n in ahead_drafted if n > 0]
-        if joined_tokens:
-            slowed = 0.0
-            if self.costs.ready and not ahead:
-                slowed = max(0.0, verify_ns - self.costs.verify.predict(verified_positions(ks)))
-            self.observe_join(joined_tokens, join_ns + slowed)
-        elif ahead:
-            # The verify ran beside a draft exchange: `verify_ns` is the two together, which
-            # measures the overlap, not the verify alone. The verify's own reply time is what a
-            # verify of this size costs beside a draft exchange (`CostModel.verify_beside`).
-            positions = verified_positions(ks)
-            beside = float(verify_reply_ns) if 0 < verify_reply_ns <= verify_ns else None
-            drafting = float(ahead_ns) if 0 < ahead_ns <= verify_ns else None
-            if self.costs.ready:
-                if drafting is None:
-                    drafting = self.costs.draft_ns(len(ahead), max(ahead), beside=True)
-                verify = beside if beside is not None else self.costs.verify_beside_ns(positions)
-                self.overlap.observe(verify, drafting, verify_ns)
-            if beside is not None:
-                self.costs.verify_beside.observe(positions, beside)
-            if ahead_forward_ns > 0:
-                self.costs.step_beside.observe(len(ahead), ahead_forward_ns / max(ahead))
-        else:
-            self.costs.verify.observe(verified_positions(ks), verify_ns)
-        longest = max(pre, default=0)
-        if longest > 0 and draft_ns > 0:
-            drafting = sum(1 for k in pre if k > 0)
-            self.costs.step.observe(drafting, drafter_forward_ns / longest)
-            self.costs.draft_fixed.observe(max(0, draft_ns - drafter_forward_ns))
-        self.costs.overhead.observe(max(0, round_ns - draft_ns - verify_ns))

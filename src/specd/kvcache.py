@@ -344,10 +344,12 @@ class BatchedCausalLM:
         cache has slots for), each after `context` tokens, the fastest of `repeats` after one
         untimed step. Start-up only: it uses slots 0 on and releases them."""
         room = self.cache.max_positions - repeats - 1
+        if room < 1:
+            return []
         context = max(1, min(context, room))
         timed: list[tuple[int, int]] = []
         for n in sizes:
-            if not 0 < n <= self.cache.max_slots or room < 1:
+            if not 0 < n <= self.cache.max_slots:
                 continue
             self.forward([Row(slot, 0, [0] * context, context - 1) for slot in range(n)])
             position = context
