@@ -677,7 +677,8 @@ class Scheduler:
         A sequence waiting to join the drafter, or still prefilling there, is offered to the
         policy as if it were ready: the drafter works on it (opens it, or prefills a chunk of it)
         only if the policy would have it draft, so not while drafting does not pay; it drafts
-        from a later round.
+        from a later round. The round itself then runs the policy's choice for the sequences
+        that can draft now.
         """
         preparing = {
             s.id
@@ -704,6 +705,18 @@ class Scheduler:
             if s.id in preparing and k > 0 and (c.fixed is not None or self._join_pays(s)):
                 wanted.append(s)
                 s.joined_for_auto |= c.fixed is None
+        if any(k > 0 for s, k in zip(seqs, ks, strict=True) if s.id in preparing):
+            # They draft nothing this round: its ks and pipeline are chosen again for the sequences
+            # that can draft in it, so that the round runs, and is measured against, a choice the
+            # policy made for it, not one whose drafts half the batch cannot make yet.
+            try:
+                ready = [
+                    c if s.id not in preparing else self._candidate(s, 0) for s, c in zip(seqs, candidates, strict=True)
+                ]
+                ks = self.policy.choose(ready, batch_size, offered, measurable, again=True)
+                self._auto_pipeline = self.policy.last_pipeline
+            except Exception:
+                log.exception("the speculation policy failed; the sequences ready keep their first k")
         return {s.id: 0 if s.id in preparing else k for s, k in zip(seqs, ks, strict=True)}, wanted
 
     def _join_pays(self, seq: _Sequence) -> bool:

@@ -517,6 +517,7 @@ class SpeculationPolicy:
         self.calibration = Calibration()
         self._rounds_without_drafts = 0
         self.last_choice: Choice | None = None
+        self._previous_pipeline = "sequential"  # the pipeline of the round before the one being chosen
         # The largest batch the adaptive choices have recently drafted for: raised by a choice that
         # drafts for a batch, lowered below a batch by one that could draft there and did not.
         # What a sequence joining the drafter at its open goes by (`Scheduler._early_joins`).
@@ -558,16 +559,25 @@ class SpeculationPolicy:
         batch_size: int,
         pipelines: Sequence[str] = ("sequential",),
         measurable: bool = True,
+        again: bool = False,
     ) -> list[int]:
         """k per candidate; a candidate's `fixed` k (fixed mode, or asked for by its request) is kept.
 
         `pipelines`: those the round may run (several under `--pipeline auto`); the one
         chosen is left in `last_pipeline`, and the ks are the best for it. `measurable`:
         whether the round's costs will be learnt (a round that also prefills is not).
+        `again`: the same round chosen a second time, for the drafts it can run (the
+        scheduler's first choice offered sequences still getting ready on the drafter as if
+        ready, to decide whether they should get ready); it replaces the first choice and
+        leaves alone what a round teaches once (the batch sizes drafting pays for, the probe's
+        count, the predicted gain).
         """
         cfg = self.config
         self.last_choice = None
-        previous, self.last_pipeline = self.last_pipeline, "sequential" if len(pipelines) > 1 else pipelines[0]
+        if not again:
+            self._previous_pipeline = self.last_pipeline
+        previous = self._previous_pipeline
+        self.last_pipeline = "sequential" if len(pipelines) > 1 else pipelines[0]
         if cfg.disable_by_batch_size and batch_size >= cfg.disable_by_batch_size:
             return [0] * len(candidates)
         all_fixed = all(c.fixed is not None for c in candidates)
@@ -592,6 +602,9 @@ class SpeculationPolicy:
         if all_fixed:
             return choice.ks  # only the pipeline was chosen: nothing adaptive to report
         ks = choice.ks
+        if again:
+            self.last_choice = choice
+            return ks
         if any(c.fixed is None and c.cap > 0 for c in candidates):
             chosen = any(k for c, k in zip(candidates, ks, strict=True) if c.fixed is None)
             if chosen and choice.predicted_gain > 1.0:

@@ -114,3 +114,45 @@ def test_a_draft_ahead_round_times_its_verify_apart_from_the_drafting_beside_it(
         assert 0 < times.verify_reply_ns < times.verify_ns
         assert times.verify_ns - times.verify_reply_ns > 0.02e9  # the rest of the 0.05 s draft exchange
         assert times.overlap_ns >= 0.05e9 and times.overlap_forward_ns == 1_000_000  # as the drafter reported
+
+
+def test_rounds_where_sequences_are_still_joining_the_drafter_run_a_choice_made_for_them() -> None:
+    """Sequences waiting to join the drafter are offered to the policy as if ready, and draft
+    nothing in the round that opens them: the round's ks and pipeline are then chosen again
+    for the sequences that can draft, and that choice is the one the round is measured against."""
+    # A verify dearer than a draft step, so that drafting pays once both are timed.
+    drafter = FakeDrafter(wrong=lambda n: n % 9 == 8, delay_s=0.002)
+    verifier = FakeVerifier(delay_s=0.03, drafter=drafter)
+    sched = auto_scheduler(verifier, drafter)
+    repeats: list[list[int]] = []
+    real = sched.policy.choose
+
+    def choose(
+        candidates: Any, batch_size: int, pipelines: Any = ("sequential",), measurable: bool = True, again: bool = False
+    ) -> list[int]:
+        ks = real(candidates, batch_size, pipelines, measurable, again)
+        if again:
+            repeats.append(ks)
+            assert all(k == 0 for c, k in zip(candidates, ks, strict=True) if c.cap == 0)
+            choice = sched.policy.last_choice
+            assert choice is None or choice.ks == ks
+        return ks
+
+    sched.policy.choose = choose  # type: ignore[method-assign]
+
+    async def main() -> list[Any]:
+        sched.start()
+        try:
+            out = []
+            # The second wave meets a policy that drafts, in a batch larger than any it has drafted
+            # for: its sequences open on the drafter after their first round, not beside their open.
+            for wave in (PROMPTS[:2], PROMPTS[2:6]):
+                seqs = [sched.submit(p, GenerationParams(30, GREEDY)) for p in wave]
+                out += await asyncio.gather(*(collect(sched, s) for s in seqs))
+            return out
+        finally:
+            await sched.stop()
+
+    outputs = [ids for ids, _ in asyncio.run(main())]
+    assert outputs == [reference(p, 30) for p in PROMPTS[:6]]
+    assert repeats, "no round was chosen again while sequences were joining the drafter"

@@ -8,6 +8,7 @@ import random
 import pytest
 from synthetic_costs import MS, costs
 
+from gateway.pipeline_choice import MODES as PIPELINES
 from gateway.speculation import (
     Acceptance,
     Candidate,
@@ -363,6 +364,34 @@ def test_a_round_that_prefilled_on_the_drafter_calibrates_its_pipeline_and_teach
     assert gain is not None and gain < 0.5
     assert policy.calibration.factor(choice.pipeline) < factor
     assert (policy.costs.verify.predict(5), policy.costs.step.predict(1), policy.costs.overhead.get()) == learnt
+
+
+def test_a_round_chosen_again_for_the_sequences_ready_replaces_the_first_choice() -> None:
+    """Four of eight sequences are still getting ready on the drafter. The first choice offers
+    them as if ready (should they get ready?); the round is then chosen again without their
+    drafts, and that second choice is the one the round runs and is measured against. It must
+    not teach what the first did: that drafting pays for 8 is the first choice's finding."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=4)
+    everyone = [Candidate(cap=4, rates=[0.9] * 4) for _ in range(8)]
+    ks = policy.choose(everyone, batch_size=8, pipelines=PIPELINES)
+    first = policy.last_choice
+    assert first is not None and all(k > 0 for k in ks) and policy.drafting_batch == 8
+    ready = everyone[:4] + [Candidate(cap=0, rates=[0.9] * 4) for _ in range(4)]
+    again = policy.choose(ready, batch_size=8, pipelines=PIPELINES, again=True)
+    second = policy.last_choice
+    assert second is not None and second.ks == again and again[4:] == [0] * 4 and all(again[:4])
+    assert 0 < second.model_rate < first.model_rate
+    assert policy.drafting_batch == 8
+    # Measured against the choice it ran, a round that delivers its model's rate keeps the factor.
+    round_ns = int(50 * MS)
+    policy.observe_round(again, round_ns, 0, round_ns, 0, second.model_rate * round_ns / 1e9)
+    assert policy.calibration.factor(second.pipeline, 8) == pytest.approx(1.0)
+    # The pipeline kept against the switch margin is the last round's, not the first choice's.
+    policy.last_pipeline = "sequential"
+    policy.choose(everyone, batch_size=8, pipelines=PIPELINES)
+    policy.choose(ready, batch_size=8, pipelines=PIPELINES, again=True)
+    assert policy._previous_pipeline == "sequential"
 
 
 def test_the_drafter_s_start_up_step_timings_price_batches_not_drafted_for_yet() -> None:
