@@ -609,7 +609,10 @@ class SpeculationPolicy:
             chosen = any(k for c, k in zip(candidates, ks, strict=True) if c.fixed is None)
             if chosen and choice.predicted_gain > 1.0:
                 self.drafting_batch = max(self.drafting_batch, len(candidates))
-            else:
+            elif all(c.fixed is not None or c.cap >= self.k_max for c in candidates):
+                # Only a batch whose sequences may all draft the full k speaks for its size: the
+                # last sequence of a wave, a token or two from its end, is not worth a draft at any
+                # batch size, and would keep the next wave from joining the drafter at its open.
                 self.drafting_batch = min(self.drafting_batch, len(candidates) - 1)
         if any(ks):
             self._rounds_without_drafts = 0

@@ -290,6 +290,8 @@ def test_the_drafting_batch_follows_the_batches_auto_drafts_for_and_refuses() ->
     choose(3, fixed=2)
     assert policy.drafting_batch == 6  # nobody could draft, or auto chose nothing: no news
     policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=40)  # drafting stops paying
+    choose(1, cap=1)
+    assert policy.drafting_batch == 6  # a sequence a draft from its end speaks for no batch size
     choose(3)
     assert policy.drafting_batch == 2
 
