@@ -32,6 +32,13 @@ class DrafterConfig(ModelServiceConfig):
         "uses bfloat16 copies of the weights instead of the quantized kernel; -1 measures which is faster "
         "at start-up, 0 never",
     )
+    decoder: str = field(
+        "auto",
+        "the draft model's forward: fused (q/k/v and gate/up each one product, without transformers' per-layer "
+        "work: a cheaper draft step; Llama-architecture models), transformers, or auto: fused where the model "
+        "takes it",
+        ["auto", "fused", "transformers"],
+    )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
     ngram_max: int = field(4, "longest suffix n-gram the n-gram drafter matches")
@@ -44,6 +51,8 @@ class DrafterConfig(ModelServiceConfig):
             raise ValueError("1 <= ngram_min <= ngram_max is required")
         if self.int8_wide_rows < -1:
             raise ValueError("int8_wide_rows must be -1 (measure), 0 (never) or a number of rows")
+        if self.decoder != "auto" and self.drafter != "model":
+            raise ValueError("--decoder applies to a model drafter only")
         if self.int8_wide_rows != -1 and (self.drafter != "model" or self.quantization == "none"):
             raise ValueError("int8_wide_rows applies to a quantized model drafter only (--quantize int8 or int4)")
 
