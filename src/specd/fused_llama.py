@@ -56,9 +56,7 @@ def _concat(linears: list[nn.Linear]) -> nn.Linear:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers' LlamaRMSNorm: the variance in float32 whatever the model's dtype.
-    wide = x.float()
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _grouped_attention(
