@@ -13,7 +13,7 @@ from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd import checkpoints, fused_llama, models
 from specd.grammar import grammar_compiler
-from specd.kvcache import BatchedCausalLM, Row
+from specd.kvcache import BatchedCausalLM, Row, trim_heap
 from specd.leases import Leases
 from specd.placement import pin
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -69,6 +69,9 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         dtype = models.parse_dtype(config.dtype)
         loaded.model.to(dtype)
         loaded = dataclasses.replace(loaded, dtype=dtype)
+        # The float32 layers just replaced (and the fused forward's concatenated copies) were freed
+        # into the C heap, which would otherwise keep them resident for the life of the service.
+        trim_heap()
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = ModelDrafter(
