@@ -207,6 +207,9 @@ class ModelDrafter(_DrafterBase):
         # 2 when all drafts were accepted, more after a target-only stretch);
         # later steps feed the token just drafted.
         feed = {i: contexts[i][len(state.cached) :] for i, state, _ in active}
+        if active and self._drafts_stay_on_device(active, constrained):
+            timing.forward_ns = forward_ns + self._draft_on_device(active, feed, proposals, timing)
+            return proposals, timing
         step = 0
         while active:
             rows = [self._row(s, feed[i], len(feed[i]) - 1) for i, s, _ in active]
@@ -263,6 +266,64 @@ class ModelDrafter(_DrafterBase):
             step += 1
         timing.forward_ns = forward_ns
         return proposals, timing
+
+    def _drafts_stay_on_device(self, active: Sequence[tuple[int, SequenceState, int]], constrained: set[int]) -> bool:
+        """Whether nothing reads this round's drafts on the host before the last step: greedy
+        rows without a grammar or penalties, and a drafter that keeps no per-step state."""
+        if self.feature_size or constrained:
+            return False
+        return all(s.params.greedy and not s.penalties.active for _, s, _ in active)
+
+    def _draft_on_device(
+        self,
+        active: Sequence[tuple[int, SequenceState, int]],
+        feed: dict[int, list[int]],
+        proposals: list[DraftProposal],
+        timing: RoundTiming,
+    ) -> int:
+        """Draft greedily with each step fed the previous step's choices where they were made (on
+        a GPU, no wait for the device between steps), and read every draft back once at the end.
+        Returns the forward time."""
+        forward_ns = 0
+        rows = [self._row(state, feed[i], len(feed[i]) - 1) for i, state, _ in active]
+        starts: list[int] = []
+        for i, state, _ in active:
+            state.cached.extend(feed[i])
+            starts.append(len(state.cached))
+        drafting = list(range(len(active)))  # rows (indices into `active`) still drafting
+        chosen: list[torch.Tensor] = []  # per step, the drafts of the rows drafting in it
+        members: list[list[int]] = []
+        ids: torch.Tensor | None = None
+        step = 0
+        while drafting:
+            if ids is not None:
+                # Step s feeds the draft of step s - 1, after the s - 1 drafts before it.
+                rows = [Row(active[r][1].slot, starts[r] + step - 1, [0], 0) for r in drafting]
+            timing.tokens_fed += sum(len(r.tokens) for r in rows)
+            start = time.time_ns()
+            tokens = torch.cat(self.lm.forward(rows, ids)).argmax(dim=-1)
+            chosen.append(tokens)
+            members.append(drafting)
+            still = [n for n, r in enumerate(drafting) if active[r][2] > step + 1]
+            drafting = [drafting[n] for n in still]
+            if drafting:
+                ids = tokens.index_select(0, torch.tensor(still, device=tokens.device))
+            else:
+                values = torch.cat(chosen).tolist()  # the round's one read back
+            end = time.time_ns()
+            forward_ns += end - start
+            timing.phases.append(("step", start, end))
+            step += 1
+        drafts: list[list[int]] = [[] for _ in active]
+        offset = 0
+        for rows_in_step in members:
+            for r in rows_in_step:
+                drafts[r].append(values[offset])
+                offset += 1
+        for (i, state, _), tokens_of_row in zip(active, drafts, strict=True):
+            proposals[i].tokens.extend(tokens_of_row)
+            state.cached.extend(tokens_of_row[:-1])  # fed in the steps after their own
+        return forward_ns
 
     @staticmethod
     def _sync_grammars(active: Sequence[tuple[int, SequenceState, int]], contexts: dict[int, list[int]]) -> set[int]:

@@ -161,14 +161,14 @@ class SlotKVCache(Cache):
     # -- per-forward addressing ----------------------------------------
     def prepare(self, slots: Sequence[int], lengths: Sequence[int], counts: Sequence[int]) -> None:
         """Rows (sorted by slot) at `lengths` with `counts` new tokens each; padding is never written."""
-        rows = torch.tensor(slots, dtype=torch.long, device=self.device)
+        rows = to_device(slots, self.device)
         self._rows = rows
         first, last = min(slots), max(slots)
         contiguous = list(slots) == list(range(first, last + 1))
         self._row_range = (first, last + 1) if contiguous else None
         num_new = max(counts)
         if all(n == num_new for n in counts):
-            starts = torch.tensor(lengths, dtype=torch.long, device=self.device)
+            starts = to_device(lengths, self.device)
             self._write_slots = rows[:, None].expand(-1, num_new)
             self._write_pos = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
             self._pick = None
@@ -176,15 +176,13 @@ class SlotKVCache(Cache):
             # Only each row's own tokens: padding past a row's end could reach past the bound.
             pick_rows = [i for i, n in enumerate(counts) for _ in range(n)]
             pick_cols = [j for n in counts for j in range(n)]
-            self._write_slots = torch.tensor([slots[i] for i in pick_rows], dtype=torch.long, device=self.device)
-            self._write_pos = torch.tensor(
-                [lengths[i] + j for i, j in zip(pick_rows, pick_cols, strict=True)],
-                dtype=torch.long,
-                device=self.device,
+            self._write_slots = to_device([slots[i] for i in pick_rows], self.device)
+            self._write_pos = to_device(
+                [lengths[i] + j for i, j in zip(pick_rows, pick_cols, strict=True)], self.device
             )
             self._pick = (
-                torch.tensor(pick_rows, dtype=torch.long, device=self.device),
-                torch.tensor(pick_cols, dtype=torch.long, device=self.device),
+                to_device(pick_rows, self.device),
+                to_device(pick_cols, self.device),
             )
         for slot, start, n in zip(slots, lengths, counts, strict=True):
             self._high[slot] = max(self._high[slot], start + n)
@@ -229,6 +227,14 @@ class SlotKVCache(Cache):
     @property
     def is_compileable(self) -> bool:  # type: ignore[override]
         return False
+
+
+def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on `device`. Off the CPU the copy does not
+    wait: a blocking host-to-device copy first waits for all the work queued on the device, which
+    would stall every step of a forward on the step before it."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def cache_keyword(model: Any) -> str:
@@ -373,15 +379,24 @@ class BatchedCausalLM:
             return frozenset()
         return self.head_product.calibrate(max_rows)
 
-    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
-        """Feed each row's tokens; return per row float32 logits [n_wanted, vocab]."""
-        return self.forward_hidden(rows)[0] if rows else []
+    def forward(self, rows: Sequence[Row], ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Feed each row's tokens; return per row float32 logits [n_wanted, vocab].
 
-    def forward_hidden(self, rows: Sequence[Row]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Feed each row's tokens; per row, float32 logits [n_wanted, vocab] and the last hidden
-        states (the LM head's input) of every fed position, [len(tokens), hidden], in the model's dtype."""
+        `ids`: [len(rows)] token ids on the model's device, one per row, fed instead of the rows'
+        own tokens (each row then has one placeholder token): a step can feed what the previous
+        step chose without reading it back to the host."""
+        return self.forward_hidden(rows, ids)[0] if rows else []
+
+    def forward_hidden(
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Feed each row's tokens (or `device_ids`, as `forward` says); per row, float32 logits
+        [n_wanted, vocab] and the last hidden states (the LM head's input) of every fed position,
+        [len(tokens), hidden], in the model's dtype."""
         if not rows:
             return [], []
+        if device_ids is not None and (device_ids.shape != (len(rows),) or any(len(r.tokens) != 1 for r in rows)):
+            raise ValueError("device ids feed one token to each row")
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         rows = [rows[i] for i in order]
         for r in rows:
@@ -390,11 +405,14 @@ class BatchedCausalLM:
         num_new = max(len(r.tokens) for r in rows)
         lengths = [r.start for r in rows]
         self.cache.prepare([r.slot for r in rows], lengths, [len(r.tokens) for r in rows])
-        ids = torch.zeros((len(rows), num_new), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
-        ids = ids.to(self.device)
-        starts = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        if device_ids is not None:
+            ids = device_ids.index_select(0, to_device(order, device_ids.device))[:, None]
+        else:
+            ids = torch.zeros((len(rows), num_new), dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
+            ids = to_device(ids, self.device)
+        starts = to_device(lengths, self.device)
         positions = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
         # Keys up to the furthest real token: a short row's padding is neither
         # written nor attended to by real tokens (its outputs are discarded).
@@ -413,7 +431,7 @@ class BatchedCausalLM:
             for i, r in enumerate(rows):
                 if r.features is not None:
                     feats[i, : len(r.tokens)] = r.features.to(self.dtype)
-            extra["features"] = feats.to(self.device)
+            extra["features"] = to_device(feats, self.device)
         with torch.inference_mode():
             hidden = self._base(
                 input_ids=ids,
@@ -424,8 +442,8 @@ class BatchedCausalLM:
                 **extra,
             ).last_hidden_state
             picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
-            bi = torch.tensor([p[0] for p in picks], device=self.device)
-            pj = torch.tensor([p[1] for p in picks], device=self.device)
+            bi = to_device([p[0] for p in picks], self.device)
+            pj = to_device([p[1] for p in picks], self.device)
             logits = self.head_product(hidden[bi, pj]).float()
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap

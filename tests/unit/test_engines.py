@@ -543,3 +543,41 @@ def test_an_open_that_cannot_fit_is_refused_before_any_state_changes(engines, ki
     assert sorted(engine.table.seqs) == ["a", "b", "c"]
     if kind != "ngram":
         assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, 3 * (len(PROMPT) - 1))
+
+
+def test_greedy_drafts_are_read_back_once_a_round_and_match_the_step_by_step_loop(make_drafter, monkeypatch):
+    """A greedy batch feeds each step the previous step's choices on the device and reads the
+    drafts back once; drafts, cache and fed tokens are those of the loop that reads every step."""
+    on_device, stepwise = make_drafter(), make_drafter()
+    monkeypatch.setattr(stepwise, "_drafts_stay_on_device", lambda *_: False)
+    prompts = {"a": PROMPT, "b": PROMPT[:4], "c": [7, 8, 9, 10, 11, 12, 13, 14, 15]}
+    ks = {"a": 4, "b": 1, "c": 3}
+    reads = {"n": 0}
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> list:
+        reads["n"] += 1
+        return tolist(self)
+
+    outcomes = []
+    for drafter in (on_device, stepwise):
+        open_ok(drafter, *(SequenceSpec(sid, p, GREEDY) for sid, p in prompts.items()))
+        committed = {sid: len(p) for sid, p in prompts.items()}
+        rounds = []
+        for new in ({"a": [], "b": [], "c": []}, {"a": [5, 6], "b": [9], "c": [3, 4, 5]}):
+            tasks = []
+            for sid, tokens in new.items():
+                committed[sid] += len(tokens)
+                tasks.append(DraftTask(sid, tokens, committed[sid], ks[sid]))
+            reads["n"] = 0
+            monkeypatch.setattr(torch.Tensor, "tolist", counted)
+            proposals, timing = drafter.draft(tasks)
+            monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+            rounds.append(([p.tokens for p in proposals], timing.tokens_fed, reads["n"]))
+        outcomes.append((rounds, {sid: list(drafter.table.get(sid).cached) for sid in prompts}))
+    (device_rounds, device_cached), (step_rounds, step_cached) = outcomes
+    assert device_cached == step_cached
+    for (tokens, fed, device_reads), (want, want_fed, step_reads) in zip(device_rounds, step_rounds, strict=True):
+        assert tokens == want and [len(t) for t in tokens] == [4, 1, 3]
+        assert fed == want_fed
+        assert device_reads == 1 and step_reads == max(ks.values())

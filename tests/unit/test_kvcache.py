@@ -479,3 +479,21 @@ def test_step_timings_cover_the_sizes_the_cache_has_slots_for_and_leave_it_empty
     tokens = random_tokens(random.Random(5), 7, vocab_size)
     [got] = lm.forward([Row(0, 0, tokens, 0)])
     assert_logits_close(got, full_logits(tiny_target, tokens), "after the timings")
+
+
+def test_device_ids_feed_each_row_its_own_token_whatever_the_slot_order(tiny_target):
+    def step(ids: torch.Tensor | None) -> list[torch.Tensor]:
+        lm = BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32)
+        lm.forward([Row(slot, 0, [3 + slot, 4, 5], 2) for slot in range(3)])
+        tokens = [[40], [41], [42]]  # for the rows in the order below: slots 2, 0, 1
+        rows = [Row(slot, 3, [0] if ids is not None else tokens[n], 0) for n, slot in enumerate((2, 0, 1))]
+        return lm.forward(rows, ids)
+
+    want = step(None)
+    got = step(torch.tensor([40, 41, 42]))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    with pytest.raises(ValueError, match="one token to each row"):
+        BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32).forward(
+            [Row(0, 0, [1, 2], 1)], torch.tensor([5])
+        )
