@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -39,7 +40,8 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(str(materialize(EMBEDDED)), local_files_only=True)
 
 
-def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2) -> LlamaForCausalLM:
+def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2, **overrides: Any) -> LlamaForCausalLM:
+    """`overrides`: LlamaConfig fields that differ from the tests' usual tiny model."""
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -56,6 +58,8 @@ def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2)
         eos_token_id=eos,
         pad_token_id=eos,
     )
+    for name, value in overrides.items():
+        setattr(config, name, value)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     return model

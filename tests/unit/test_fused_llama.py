@@ -7,8 +7,9 @@ from __future__ import annotations
 import copy
 
 import pytest
+import tinymodels
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from drafter_service.config import DrafterConfig
 from drafter_service.server import _choose_decoder
@@ -19,20 +20,9 @@ from specd.quant import quantize_copy
 
 
 def llama(heads: int = 4, kv_heads: int = 2, bias: bool = False) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
-        initializer_range=0.2,
-        attention_bias=bias,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    return tinymodels.build_model(
+        0, 96, 1, 2, num_attention_heads=heads, num_key_value_heads=kv_heads, attention_bias=bias
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
 
 
 def rounds(lm: BatchedCausalLM) -> list[torch.Tensor]:
