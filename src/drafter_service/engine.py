@@ -12,7 +12,7 @@ from specd.errors import EngineError, invalid, precondition
 from specd.featurehead import FeatureTrack
 from specd.fingerprint import TokenizerFingerprint
 from specd.grammar import GrammarCompiler, GrammarError, apply_mask
-from specd.kvcache import BatchedCausalLM, Row
+from specd.kvcache import BatchedCausalLM, Row, to_device
 from specd.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
 from specd.sequences import SequenceState, SequenceTable
 from specd.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
@@ -307,7 +307,7 @@ class ModelDrafter(_DrafterBase):
             still = [n for n, r in enumerate(drafting) if active[r][2] > step + 1]
             drafting = [drafting[n] for n in still]
             if drafting:
-                ids = tokens.index_select(0, torch.tensor(still, device=tokens.device))
+                ids = tokens.index_select(0, to_device(still, tokens.device))
             else:
                 values = torch.cat(chosen).tolist()  # the round's one read back
             end = time.time_ns()

@@ -66,17 +66,22 @@ def _grouped_attention(
 
     The query heads that share a key/value head become that head's queries, so the product runs
     on the key/value heads as they are cached: no repeated keys, and none of the slow paths
-    `enable_gqa` takes on the CPU with a mask. The mask [batch, 1, length, keys] is the same for
-    every head, so each group's queries repeat it."""
+    `enable_gqa` takes on the CPU with a mask. `mask` is grouped the same way (`_group_mask`,
+    made once a forward for every layer)."""
     batch, heads, length, dim = q.shape
     groups = k.shape[1]
-    rep = heads // groups
-    if rep > 1:
-        q = q.reshape(batch, groups, rep * length, dim)
-        if mask is not None and length > 1:
-            mask = mask.repeat(1, 1, rep, 1)
+    if heads > groups:
+        q = q.reshape(batch, groups, heads // groups * length, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.view(batch, heads, length, dim)
+
+
+def _group_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
+    """The attention mask [batch, 1, length, keys] for `rep` query heads grouped per key/value head
+    (`_grouped_attention`): repeated along the queries; as it is for one query, which broadcasts."""
+    if mask is None or rep == 1 or mask.shape[2] == 1:
+        return mask
+    return mask.repeat(1, 1, rep, 1)
 
 
 class FusedLlamaLayer(nn.Module):
@@ -140,6 +145,7 @@ class FusedLlamaBody(nn.Module):
         )
         self.norm = base.norm.weight
         self.eps = float(config.rms_norm_eps)
+        self.heads_per_kv_head = int(config.num_attention_heads) // int(config.num_key_value_heads)
 
     def forward(
         self,
@@ -155,8 +161,9 @@ class FusedLlamaBody(nn.Module):
         cos, sin = self.rotary_emb(x, position_ids=position_ids)
         # [batch, length, 1, head_dim]: one rotation for every query and key head.
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        mask = _group_mask(attention_mask, self.heads_per_kv_head)
         for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask, cache if use_cache else None)
+            x = layer(x, cos, sin, mask, cache if use_cache else None)
         return _Output(_rms_norm(x, self.norm, self.eps))
 
 

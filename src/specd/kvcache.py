@@ -229,11 +229,11 @@ class SlotKVCache(Cache):
         return False
 
 
-def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host values (a list, or a CPU tensor) as a tensor on `device`. Off the CPU the copy does not
-    wait: a blocking host-to-device copy first waits for all the work queued on the device, which
-    would stall every step of a forward on the step before it."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+def to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host values (a list of ids, or a CPU tensor) as a tensor on `device`. Off the CPU the copy
+    does not wait: a blocking host-to-device copy first waits for all the work queued on the
+    device, which would stall every step of a forward on the step before it."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.long)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
