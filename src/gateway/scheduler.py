@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -515,9 +515,9 @@ class Scheduler:
     def _early_joins(self, batch: list[_Sequence], prefilled: int) -> tuple[list[_Sequence], dict[str, int]]:
         """The sequences to open on the drafter beside their verifier open, and what each prefills
         there: only where the two services work at once (`drafter_overlap`), for requests that
-        draft (auto ones only into a batch auto drafts for), and only as much prompt as the drafter is
-        measured to prefill in the time the verifier's open of `prefilled` tokens takes, so the
-        first token waits for nothing more. The rest is prefilled beside the verifies; until both
+        draft (auto ones only into a batch the policy would draft for), and only as much prompt as
+        the drafter is measured to prefill in the time the verifier's open of `prefilled` tokens
+        takes, so the first token waits for nothing more. The rest is prefilled beside the verifies; until both
         opens have been timed (by sequences joining after their first round), none joins early."""
         if not self.drafter_overlap or self.drafter is None or self.k_limit <= 0:
             return [], {}
@@ -526,10 +526,11 @@ class Scheduler:
         budget = self.drafter_prefill.fits_beside_open(prefilled)
         if budget <= 0:
             return [], {}
-        # Auto requests only into a batch no larger than the largest one auto has recently drafted
-        # for (what pays for a few sequences may not for many): none before auto has drafted, nor
-        # where it has since chosen not to.
-        auto_drafts = len(self.active) + len(batch) <= self.policy.drafting_batch
+        # Auto requests only into a batch auto is predicted to draft for (what pays for a few
+        # sequences may not for many).
+        auto = any(self._speculation(s) == "auto" for s in batch)
+        everyone = [*self.active, *batch]
+        auto_drafts = auto and self.policy.drafts_for(len(everyone), self._offered(everyone))
         wanted = [s for s in batch if (spec := self._speculation(s)) != 0 and (spec != "auto" or auto_drafts)]
         chunks = self._open_chunks(wanted, [], "drafter_prefill_pending", budget)
         early = [s for s in wanted if chunks.get(s.id, 0) > 0 or len(s.tokens) <= 1]  # one token: nothing to prefill
@@ -686,11 +687,7 @@ class Scheduler:
             if (s.drafter.pending and s.output and not s.done) or (s.drafter.drafting and s.drafter_prefill_pending)
         }
         caps = [self._cap(s, preparing=s.id in preparing) for s in seqs]
-        named = {s.params.pipeline or self.pipeline for s in seqs}
-        # The ks are chosen for the pipeline the round runs: with `auto` among the requests,
-        # the best of all (requests that named one keep theirs); a mix of named ones is
-        # costed as sequential, as before there was a choice.
-        offered = MODES if "auto" in named else tuple(named) if len(named) == 1 else ("sequential",)
+        offered = self._offered(seqs)
         try:
             candidates = [self._candidate(s, c) for s, c in zip(seqs, caps, strict=True)]
             ks = self.policy.choose(candidates, batch_size, offered, measurable)
@@ -718,6 +715,13 @@ class Scheduler:
             except Exception:
                 log.exception("the speculation policy failed; the sequences ready keep their first k")
         return {s.id: 0 if s.id in preparing else k for s, k in zip(seqs, ks, strict=True)}, wanted
+
+    def _offered(self, seqs: Iterable[_Sequence]) -> tuple[str, ...]:
+        """The pipelines a round of `seqs` is chosen among: with `auto` among the requests, all of
+        them (requests that named one keep theirs); a mix of named ones is costed as sequential,
+        as before there was a choice."""
+        named = {s.params.pipeline or self.pipeline for s in seqs}
+        return MODES if "auto" in named else tuple(named) if len(named) == 1 else ("sequential",)
 
     def _join_pays(self, seq: _Sequence) -> bool:
         """For a sequence the policy chose to draft: whether its drafts will repay opening it on the

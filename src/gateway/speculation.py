@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
+from gateway.pipeline_choice import MODES as PIPELINES
 from gateway.pipeline_choice import Calibration, Overlap, RoundModel, verified_positions
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
@@ -518,10 +519,6 @@ class SpeculationPolicy:
         self._rounds_without_drafts = 0
         self.last_choice: Choice | None = None
         self._previous_pipeline = "sequential"  # the pipeline of the round before the one being chosen
-        # The largest batch the adaptive choices have recently drafted for: raised by a choice that
-        # drafts for a batch, lowered below a batch by one that could draft there and did not.
-        # What a sequence joining the drafter at its open goes by (`Scheduler._early_joins`).
-        self.drafting_batch = 0
         # The pipeline chosen for this round among those offered (the only one offered, if one).
         self.last_pipeline = "sequential"
         self.observed_gain = Ewma(0.05)
@@ -569,8 +566,7 @@ class SpeculationPolicy:
         `again`: the same round chosen a second time, for the drafts it can run (the
         scheduler's first choice offered sequences still getting ready on the drafter as if
         ready, to decide whether they should get ready); it replaces the first choice and
-        leaves alone what a round teaches once (the batch sizes drafting pays for, the probe's
-        count, the predicted gain).
+        leaves alone what a round teaches once (the probe's count, the predicted gain).
         """
         cfg = self.config
         self.last_choice = None
@@ -605,15 +601,6 @@ class SpeculationPolicy:
         if again:
             self.last_choice = choice
             return ks
-        if any(c.fixed is None and c.cap > 0 for c in candidates):
-            chosen = any(k for c, k in zip(candidates, ks, strict=True) if c.fixed is None)
-            if chosen and choice.predicted_gain > 1.0:
-                self.drafting_batch = max(self.drafting_batch, len(candidates))
-            elif all(c.fixed is not None or c.cap >= self.k_max for c in candidates):
-                # Only a batch whose sequences may all draft the full k speaks for its size: the
-                # last sequence of a wave, a token or two from its end, is not worth a draft at any
-                # batch size, and would keep the next wave from joining the drafter at its open.
-                self.drafting_batch = min(self.drafting_batch, len(candidates) - 1)
         if any(ks):
             self._rounds_without_drafts = 0
         else:
@@ -633,6 +620,31 @@ class SpeculationPolicy:
         self.last_choice = replace(choice, ks=ks, model_rate=model_rate)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
+
+    def drafts_for(self, batch: int, pipelines: Sequence[str] = PIPELINES) -> bool:
+        """Whether a round of `batch` sequences, each free to draft the full k at the acceptance
+        seen so far, would draft: what an auto request joining the drafter at its open goes by
+        (`Scheduler._early_joins`), so a batch the policy drafts for has its drafter ready from
+        its second round, and one it does not draft for costs the drafter no prefill.
+
+        The round's own choice, on the same costs and calibration, for a typical batch of that
+        size: no memory of the batches drafted for, which a cold stack's first wave (or any
+        batch larger than the last) would lack, leaving it to join in chunks beside its verifies
+        while it ran target-only. Until both services are timed the rounds draft the full k to
+        time them, so the drafts need the drafter too.
+        """
+        cfg = self.config
+        if batch <= 0 or self.k_max == 0 or (cfg.disable_by_batch_size and batch >= cfg.disable_by_batch_size):
+            return False
+        if not self.costs.ready:
+            return True
+        rates = self.overall.rates()
+        guess = self.overall_guess.value(self.overall.rate(0))
+        typical = [Candidate(cap=self.k_max, rates=rates, cohort=i % 2, guess=guess) for i in range(batch)]
+        choice = choose_round(
+            typical, self.costs, self.k_max, self.overlap.value, pipelines, calibration=self.calibration
+        )
+        return any(choice.ks) and choice.predicted_gain > 1.0
 
     def not_as_chosen(self) -> None:
         """The round will not run the ks chosen (a sequence's first round stays target-only):

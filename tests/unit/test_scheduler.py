@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from fake_backends import EOS, BrokenDrafter, FakeDrafter, FakeVerifier, reference
+from synthetic_costs import costs
 
 from gateway.backends import BackendError
 from gateway.failures import GenerationError
@@ -168,20 +169,20 @@ def test_where_the_services_overlap_a_sequence_drafts_from_its_second_round(over
     assert drafter.committed == {} and verifier.committed == {}  # every sequence closed on both
 
 
-def test_auto_requests_join_at_their_open_only_into_a_batch_auto_drafts_for() -> None:
+def test_auto_requests_join_at_their_open_only_into_a_batch_the_policy_would_draft_for() -> None:
     drafter = FakeDrafter()
-    sched = Scheduler(CharTokenizer(), FakeVerifier(drafter=drafter), drafter, 4, 16, [EOS], speculative_mode="auto")
+    sched = Scheduler(CharTokenizer(), FakeVerifier(drafter=drafter), drafter, 4, 64, [EOS], speculative_mode="auto")
     sched.drafter_prefill.observe_prefill(10, 1e6)
     sched.drafter_prefill.observe_open(10, 50e6)
     one = [sched.submit(PROMPTS[0], GenerationParams(8, GREEDY))]
-    two = [sched.submit(p, GenerationParams(8, GREEDY)) for p in PROMPTS[1:3]]
-    assert sched._early_joins(one, 10)[0] == []  # auto has not drafted yet
-    sched.policy.drafting_batch = 1
+    many = [sched.submit(PROMPTS[i % len(PROMPTS)], GenerationParams(8, GREEDY)) for i in range(32)]
+    # Untimed, the rounds draft the full k to time the services: the drafts need the drafter.
     assert sched._early_joins(one, 10)[0] == one
-    assert sched._early_joins(two, 10)[0] == []  # the batch would grow past the ones auto drafted for
-    sched.policy.drafting_batch = 0
-    assert sched._early_joins(one, 10)[0] == []  # auto has since chosen not to draft
-    fixed = [sched.submit(PROMPTS[3], GenerationParams(8, GREEDY, speculation=4))]
+    # Every verified token costs: drafting pays for one sequence, not for 32.
+    sched.policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8, step_per_seq_ms=1)
+    assert sched._early_joins(one, 10)[0] == one
+    assert sched._early_joins(many, 10)[0] == []
+    fixed = [sched.submit(PROMPTS[3], GenerationParams(8, GREEDY, speculation=4)) for _ in range(32)]
     assert sched._early_joins(fixed, 10)[0] == fixed  # a request that names its k drafts whatever auto does
 
 

@@ -268,32 +268,28 @@ def test_policy_probes_after_a_long_stretch_without_drafts() -> None:
     assert picks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
-def test_the_drafting_batch_follows_the_batches_auto_drafts_for_and_refuses() -> None:
+def test_a_batch_is_drafted_for_where_the_policy_s_choice_for_a_typical_one_drafts() -> None:
+    """What an auto request joining the drafter at its open goes by: the choice the policy would
+    make for a batch of that size, all free to draft the full k at the acceptance seen so far."""
     policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    assert policy.drafts_for(32)  # untimed: the rounds draft the full k to time the services
     # Every verified token costs: drafting pays for a few sequences, not for 32.
     policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8, step_per_seq_ms=1)
-    good = [0.9] * 4
-
-    def choose(batch: int, cap: int = 4, fixed: int | None = None) -> None:
-        policy.choose([Candidate(cap=cap, rates=good, fixed=fixed)] * batch, batch_size=batch)
-
-    assert policy.drafting_batch == 0
-    choose(4)
-    assert policy.drafting_batch == 4
-    choose(2)
-    assert policy.drafting_batch == 4  # drafting for fewer says nothing of more
-    choose(32)
-    assert policy.drafting_batch == 4  # refusing 32 says nothing of 4
-    choose(6)
-    assert policy.drafting_batch == 6
-    choose(3, cap=0)
-    choose(3, fixed=2)
-    assert policy.drafting_batch == 6  # nobody could draft, or auto chose nothing: no news
-    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=40)  # drafting stops paying
-    choose(1, cap=1)
-    assert policy.drafting_batch == 6  # a sequence a draft from its end speaks for no batch size
-    choose(3)
-    assert policy.drafting_batch == 2
+    assert policy.drafts_for(1) and policy.drafts_for(2)
+    assert not policy.drafts_for(4) and not policy.drafts_for(32)
+    assert not policy.drafts_for(0)
+    # Each pipeline's calibration counts: rounds of 2 that delivered a fifth of their promise.
+    for pipeline in PIPELINES:
+        policy.calibration.observe(pipeline, 20.0, 1000.0, batch=2)
+    assert not policy.drafts_for(2) and policy.drafts_for(1)
+    # So does the acceptance seen: drafts that are always refused stop paying at any size.
+    for _ in range(50):
+        policy.overall.observe(4, 0)
+    assert not policy.drafts_for(1)
+    assert not SpeculationPolicy(PolicyConfig(k_max=0)).drafts_for(1)
+    capped = SpeculationPolicy(PolicyConfig(k_max=4, disable_by_batch_size=3))
+    capped.costs = costs(verify_fixed_ms=20, verify_per_token_ms=0.1, step_ms=2)
+    assert capped.drafts_for(2) and not capped.drafts_for(3)
 
 
 def test_a_join_must_repay_its_cost_within_the_sequence_s_expected_output() -> None:
@@ -372,19 +368,18 @@ def test_a_round_chosen_again_for_the_sequences_ready_replaces_the_first_choice(
     """Four of eight sequences are still getting ready on the drafter. The first choice offers
     them as if ready (should they get ready?); the round is then chosen again without their
     drafts, and that second choice is the one the round runs and is measured against. It must
-    not teach what the first did: that drafting pays for 8 is the first choice's finding."""
+    not teach what the first did (the predicted gain, the probe's count)."""
     policy = SpeculationPolicy(PolicyConfig(k_max=4))
     policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=4)
     everyone = [Candidate(cap=4, rates=[0.9] * 4) for _ in range(8)]
     ks = policy.choose(everyone, batch_size=8, pipelines=PIPELINES)
     first = policy.last_choice
-    assert first is not None and all(k > 0 for k in ks) and policy.drafting_batch == 8
+    assert first is not None and all(k > 0 for k in ks)
     ready = everyone[:4] + [Candidate(cap=0, rates=[0.9] * 4) for _ in range(4)]
     again = policy.choose(ready, batch_size=8, pipelines=PIPELINES, again=True)
     second = policy.last_choice
     assert second is not None and second.ks == again and again[4:] == [0] * 4 and all(again[:4])
     assert 0 < second.model_rate < first.model_rate
-    assert policy.drafting_batch == 8
     # Measured against the choice it ran, a round that delivers its model's rate keeps the factor.
     round_ns = int(50 * MS)
     policy.observe_round(again, round_ns, 0, round_ns, 0, second.model_rate * round_ns / 1e9)
