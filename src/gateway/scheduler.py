@@ -517,8 +517,9 @@ class Scheduler:
         there: only where the two services work at once (`drafter_overlap`), for requests that
         draft (auto ones only into a batch the policy would draft for), and only as much prompt as
         the drafter is measured to prefill in the time the verifier's open of `prefilled` tokens
-        takes, so the first token waits for nothing more. The rest is prefilled beside the verifies; until both
-        opens have been timed (by sequences joining after their first round), none joins early."""
+        takes, so the first token waits for nothing more. The rest is prefilled beside the
+        verifies; until both opens have been timed (by sequences joining after their first
+        round), none joins early."""
         if not self.drafter_overlap or self.drafter is None or self.k_limit <= 0:
             return [], {}
         if self.drafter_link is not None and not self.drafter_link.up:

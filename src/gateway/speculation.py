@@ -639,7 +639,7 @@ class SpeculationPolicy:
         if not self.costs.ready:
             return True
         rates = self.overall.rates()
-        guess = self.overall_guess.value(self.overall.rate(0))
+        guess = self.guess_rate(self.new_guess_rate())  # a sequence not seen yet: everyone's rate
         typical = [Candidate(cap=self.k_max, rates=rates, cohort=i % 2, guess=guess) for i in range(batch)]
         choice = choose_round(
             typical, self.costs, self.k_max, self.overlap.value, pipelines, calibration=self.calibration
