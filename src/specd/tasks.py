@@ -50,7 +50,8 @@ class DraftTask:
     # specd.hidden_states' encoding (a feature drafter reads them; empty: none sent).
     hidden_states: bytes = b""
     hidden_start: int = 0
-    # The first token is a guess at the verifier's own token after `assumed`: the likeliest, not a sample.
+    # The first token is a guess at the verifier's own token after `assumed`: the likeliest, not a sample
+    # (for a seeded request, the token the request's noise picks under q, as the verifier's picks under p).
     guess_first: bool = False
 
 
