@@ -53,16 +53,21 @@ def params_for(i: int, seeded: bool) -> SamplingParams:
     return SamplingParams(temperature=1.5, top_k=4, seed=i if seeded else None)
 
 
+def next_token_probs(model, context: list[int]) -> torch.Tensor:
+    """The model's distribution of the token after `context` under the sequences' sampling parameters."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0, -1:].float()
+    return probabilities(logits, [params_for(0, seeded=False)])[0]
+
+
 def target_joint(small_target) -> dict[tuple[int, int], float]:
     """P(first two tokens = (a, b)) under target-only sampling, from the model itself."""
-    params = params_for(0, seeded=False)
     out = {}
-    with torch.no_grad():
-        first = probabilities(small_target(torch.tensor([PROMPT])).logits[0, -1:].float(), [params])[0]
-        for a in first.nonzero().flatten().tolist():
-            second = probabilities(small_target(torch.tensor([[*PROMPT, a]])).logits[0, -1:].float(), [params])[0]
-            for b in second.nonzero().flatten().tolist():
-                out[(a, b)] = float(first[a] * second[b])
+    first = next_token_probs(small_target, PROMPT)
+    for a in first.nonzero().flatten().tolist():
+        second = next_token_probs(small_target, [*PROMPT, a])
+        for b in second.nonzero().flatten().tolist():
+            out[(a, b)] = float(first[a] * second[b])
     assert len(out) == 16
     return out
 
@@ -72,26 +77,40 @@ def joint(small_target) -> dict[tuple[int, int], float]:
     return target_joint(small_target)
 
 
-def first_two(target, draft, seeded: bool, k: int = K, shared_stream: bool = False) -> tuple[Pairs, float]:
-    """First two tokens of SEQUENCES sequences (sequence i seeded with i when seeded), and the acceptance rate.
+def engines(target, draft, max_draft_tokens: int = K) -> tuple[VerifierEngine, ModelDrafter]:
+    """`max_draft_tokens`: the drafter's limit, one more than K where it guesses before its drafts."""
+    verifier = VerifierEngine(BatchedCausalLM(target, CPU, torch.float32), None, BATCH, 16, K)
+    drafter = ModelDrafter(BatchedCausalLM(draft, CPU, torch.float32), None, BATCH, 16, max_draft_tokens, MAX_SUPPORT)
+    return verifier, drafter
+
+
+def open_batch(
+    verifier: VerifierEngine, drafter: ModelDrafter, start: int, seeded: bool, shared_stream: bool = False
+) -> list[str]:
+    """Open sequences start .. start + BATCH - 1 on both services (sequence i seeded with i when seeded).
 
     Unseeded sequences get fixed, independent generators on each service so the
     test is deterministic; shared_stream gives both the same one, which is the
     bug this suite must catch.
     """
-    verifier = VerifierEngine(BatchedCausalLM(target, CPU, torch.float32), None, BATCH, 16, K)
-    drafter = ModelDrafter(BatchedCausalLM(draft, CPU, torch.float32), None, BATCH, 16, K, MAX_SUPPORT)
+    ids = [f"s{i}" for i in range(start, start + BATCH)]
+    specs = [SequenceSpec(sid, list(PROMPT), params_for(start + n, seeded)) for n, sid in enumerate(ids)]
+    assert verifier.open(specs)[0] == drafter.open(specs)[0] == [None] * BATCH
+    if not seeded:
+        for n, sid in enumerate(ids):
+            drafter.table.get(sid).generator = torch.Generator().manual_seed(start + n)
+            other = start + n if shared_stream else 10**7 + start + n
+            verifier.table.get(sid).generator = torch.Generator().manual_seed(other)
+    return ids
+
+
+def first_two(target, draft, seeded: bool, k: int = K, shared_stream: bool = False) -> tuple[Pairs, float]:
+    """First two tokens of SEQUENCES sequences in sequential rounds, and the acceptance rate."""
+    verifier, drafter = engines(target, draft)
     pairs: Pairs = []
     drafted = accepted = 0
     for start in range(0, SEQUENCES, BATCH):
-        ids = [f"s{i}" for i in range(start, start + BATCH)]
-        specs = [SequenceSpec(sid, list(PROMPT), params_for(start + n, seeded)) for n, sid in enumerate(ids)]
-        assert verifier.open(specs)[0] == drafter.open(specs)[0] == [None] * BATCH
-        if not seeded:
-            for n, sid in enumerate(ids):
-                drafter.table.get(sid).generator = torch.Generator().manual_seed(start + n)
-                other = start + n if shared_stream else 10**7 + start + n
-                verifier.table.get(sid).generator = torch.Generator().manual_seed(other)
+        ids = open_batch(verifier, drafter, start, seeded, shared_stream)
         out: dict[str, list[int]] = {sid: [] for sid in ids}
         while pending := [sid for sid in ids if len(out[sid]) < 2]:
             n_of = {sid: len(PROMPT) + len(out[sid]) for sid in pending}
