@@ -301,7 +301,7 @@ class ModelDrafter(_DrafterBase):
                 rows = [Row(active[r][1].slot, starts[r] + step - 1, [0], 0) for r in drafting]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
             start = time.time_ns()
-            tokens = torch.cat(self.lm.forward(rows, ids)).argmax(dim=-1)
+            tokens = self.lm.forward_argmax(rows, ids)
             chosen.append(tokens)
             members.append(drafting)
             still = [n for n, r in enumerate(drafting) if active[r][2] > step + 1]

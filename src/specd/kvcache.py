@@ -395,6 +395,45 @@ class BatchedCausalLM:
         [len(tokens), hidden], in the model's dtype."""
         if not rows:
             return [], []
+        order, rows, hidden, wanted = self._run(rows, device_ids)
+        with torch.inference_mode():
+            logits = self.head_product(wanted).float()
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+        out: list[torch.Tensor] = []
+        offset = 0
+        for r in rows:
+            n = len(r.tokens) - r.logits_from
+            out.append(logits[offset : offset + n])
+            offset += n
+        result: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        states: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for sorted_i, original_i in enumerate(order):
+            result[original_i] = out[sorted_i]
+            states[original_i] = hidden[sorted_i, : len(rows[sorted_i].tokens)]
+        return result, states
+
+    def forward_argmax(self, rows: Sequence[Row], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed each row's tokens (or `device_ids`, as `forward` says); the likeliest next token of
+        each row's one wanted position, [len(rows)], on the device: `forward`'s argmax, through the
+        head's own `argmax` where it has one (`specd.quant.Int8WeightOnlyLinear`)."""
+        if any(len(r.tokens) - r.logits_from != 1 for r in rows):
+            raise ValueError("forward_argmax wants one position of each row")
+        if not rows:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        order, _, _, wanted = self._run(rows, device_ids)
+        argmax = getattr(self._head, "argmax", None)
+        with torch.inference_mode():
+            # A softcap is monotonic: it moves no argmax.
+            best = argmax(wanted) if argmax is not None else self.head_product(wanted).argmax(dim=-1)
+        # Back from the slot order the forward ran in to the caller's.
+        return best.index_select(0, to_device(sorted(range(len(order)), key=order.__getitem__), best.device))
+
+    def _run(
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None
+    ) -> tuple[list[int], list[Row], torch.Tensor, torch.Tensor]:
+        """The forward through the decoder: the rows' order by slot, the rows in it, the last hidden
+        states [rows, positions, hidden] and those of the wanted positions [wanted, hidden]."""
         if device_ids is not None and (device_ids.shape != (len(rows),) or any(len(r.tokens) != 1 for r in rows)):
             raise ValueError("device ids feed one token to each row")
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
@@ -444,18 +483,5 @@ class BatchedCausalLM:
             picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
             bi = to_device([p[0] for p in picks], self.device)
             pj = to_device([p[1] for p in picks], self.device)
-            logits = self.head_product(hidden[bi, pj]).float()
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-        out: list[torch.Tensor] = []
-        offset = 0
-        for r in rows:
-            n = len(r.tokens) - r.logits_from
-            out.append(logits[offset : offset + n])
-            offset += n
-        result: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        states: list[torch.Tensor] = [torch.empty(0)] * len(rows)
-        for sorted_i, original_i in enumerate(order):
-            result[original_i] = out[sorted_i]
-            states[original_i] = hidden[sorted_i, : len(rows[sorted_i].tokens)]
-        return result, states
+            wanted = hidden[bi, pj]
+        return order, rows, hidden, wanted

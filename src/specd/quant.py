@@ -76,18 +76,45 @@ class WeightOnlyLinear(nn.Module):
 
 
 class Int8WeightOnlyLinear(WeightOnlyLinear):
-    """Per-output-channel symmetric int8 weights."""
+    """Per-output-channel symmetric int8 weights.
 
-    def __init__(self, linear: nn.Linear, keep_wide: bool = False) -> None:
+    `scout`: also keep an int4 copy of the weights (`Int4WeightOnlyLinear`), for `argmax`. An LM
+    head's int4 product reads half the int8 one's bytes, but its own argmax would cost greedy
+    agreement with the target (`quantize_int4`); it only shortlists the candidates.
+    """
+
+    # Candidates the int4 scout shortlists per row for `argmax` to rescore with the int8 weights.
+    SHORTLIST = 64
+
+    def __init__(self, linear: nn.Linear, keep_wide: bool = False, scout: bool = False) -> None:
         super().__init__(linear, keep_wide)
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
         qweight = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.scout = Int4WeightOnlyLinear(linear) if scout and int4_fits(linear) else None
 
     def narrow(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """The index of each row's largest output, for rows x [n, in_features]: from the int8
+        weights, as `forward(x).argmax(-1)` (up to its bfloat16 rounding of the outputs).
+
+        With a scout, only the `SHORTLIST` outputs its int4 product ranks highest are computed
+        from the int8 weights: the largest int8 output lies among them unless the two products
+        rank it that far apart.
+        """
+        if self.scout is None or self.wide_rows <= x.shape[0] or self.out_features <= self.SHORTLIST:
+            return self.forward(x).argmax(dim=-1)
+        flat = x.to(torch.bfloat16)
+        candidates = self.scout.narrow(flat).topk(self.SHORTLIST, dim=-1).indices  # [n, SHORTLIST]
+        weights = self.qweight[candidates].float()  # [n, SHORTLIST, in_features]
+        scores = torch.einsum("ni,nci->nc", flat.float(), weights) * self.scales[candidates].float()
+        if self.bias is not None:
+            scores = scores + self.bias[candidates].float()
+        return candidates.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
 INT4_GROUP = 32
@@ -134,10 +161,11 @@ def quantize_int8(model: nn.Module, keep_wide: bool = False) -> nn.Module:
     `keep_wide`: also keep a bfloat16 copy of each weight for wide inputs (see
     WeightOnlyLinear), unused until `set_wide_rows` or `calibrate_wide_rows` enables it.
     """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, Int8WeightOnlyLinear(child, keep_wide))
+                setattr(module, child_name, Int8WeightOnlyLinear(child, keep_wide, scout=child is head))
     return model
 
 
@@ -156,7 +184,7 @@ def quantize_int4(model: nn.Module, keep_wide: bool = False, group_size: int = I
             if not isinstance(child, nn.Linear):
                 continue
             if child is head or not int4_fits(child, group_size):
-                setattr(module, child_name, Int8WeightOnlyLinear(child, keep_wide))
+                setattr(module, child_name, Int8WeightOnlyLinear(child, keep_wide, scout=child is head))
                 continue
             linear = Int4WeightOnlyLinear(child, keep_wide, group_size)
             worst = max(worst, linear.max_error)

@@ -497,3 +497,25 @@ def test_device_ids_feed_each_row_its_own_token_whatever_the_slot_order(tiny_tar
         BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32).forward(
             [Row(0, 0, [1, 2], 1)], torch.tensor([5])
         )
+
+
+def test_forward_argmax_is_the_argmax_of_each_row_s_logits_in_the_caller_s_order(tiny_target):
+    """Rows given out of slot order, with their own tokens or device ids: each row's likeliest
+    next token, as `forward`'s logits rank them, and in the order the rows were given."""
+
+    def run(argmax: bool, ids: torch.Tensor | None) -> torch.Tensor:
+        lm = BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32)
+        lm.forward([Row(slot, 0, [3 + slot, 4 + 2 * slot, 5], 2) for slot in range(3)])
+        tokens = [[40], [41], [42]]
+        rows = [Row(slot, 3, [0] if ids is not None else tokens[n], 0) for n, slot in enumerate((2, 0, 1))]
+        if argmax:
+            return lm.forward_argmax(rows, ids)
+        return torch.cat(lm.forward(rows, ids)).argmax(dim=-1)
+
+    want = run(False, None)
+    assert len(set(want.tolist())) > 1  # rows that differ, so an order mix-up would show
+    assert torch.equal(run(True, None), want)
+    assert torch.equal(run(True, torch.tensor([40, 41, 42])), want)
+    lm = BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="one position of each row"):
+        lm.forward_argmax([Row(0, 0, [1, 2], 0)])

@@ -190,3 +190,35 @@ def test_a_quantized_model_computes_in_the_dtype_it_is_moved_to(kind: str, keep_
     # The same kernels on the same bfloat16 inputs: the same numbers, only the output dtype differs.
     for bf16, f32 in zip(*layers, strict=True):
         assert torch.equal(bf16.float(), f32)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_scouted_head_s_argmax_is_the_int8_one_found_in_the_int4_shortlist(bias: bool) -> None:
+    """A quantized LM head's `argmax` rescores, with the int8 weights, the outputs its int4 scout
+    ranks highest: the int8 argmax, at half the bytes read, where the scout's own would differ."""
+    torch.manual_seed(4)
+    head = nn.Linear(128, 4096, bias=bias)
+    with torch.no_grad():
+        # Heavy tails, as trained weights have: int4's groups of 32 rank outputs coarsely.
+        head.weight.mul_(torch.randn_like(head.weight).abs().pow(2))
+    scouted = Int8WeightOnlyLinear(head, scout=True)
+    assert scouted.scout is not None and Int8WeightOnlyLinear(head).scout is None
+    x = torch.randn(200, 128)
+    weights = scouted.qweight.float() * scouted.scales.float()[:, None]
+    exact = x.to(torch.bfloat16).float() @ weights.T
+    if bias:
+        exact = exact + scouted.bias.float()
+    want = exact.argmax(dim=-1)
+    with torch.no_grad():
+        assert torch.equal(scouted.argmax(x), want)
+        assert int((scouted.scout(x).argmax(dim=-1) != want).sum()) >= 10  # the rescoring matters
+        # The int8 kernel's own argmax, but for its bfloat16 rounding of the outputs.
+        assert float((scouted(x).argmax(dim=-1) == want).float().mean()) > 0.9
+
+
+def test_quantized_heads_keep_a_scout_and_no_other_layer_does() -> None:
+    for quantize in (quantize_int8, quantize_int4):
+        lm = TinyLM(four_bit_linear(96, 128), nn.Linear(96, 128, bias=False))
+        quantize(lm)
+        scouted = [m for m in lm.modules() if isinstance(m, Int8WeightOnlyLinear) and m.scout is not None]
+        assert scouted == [lm.head]
