@@ -34,7 +34,7 @@ from specd.proto.speculative.v1 import (
 
 MODEL = "target"
 PROMPTS = list(ALL_PROMPTS[:8])
-PIPELINES = ["sequential", "cohort", "ahead"]
+PIPELINES = ["sequential", "cohort", "ahead", "auto"]
 LONGEST = 48
 
 
