@@ -375,11 +375,14 @@ def test_a_round_chosen_again_for_the_sequences_ready_replaces_the_first_choice(
     ks = policy.choose(everyone, batch_size=8, pipelines=PIPELINES)
     first = policy.last_choice
     assert first is not None and all(k > 0 for k in ks)
+    gain_learnt = policy.predicted_gain.value
     ready = everyone[:4] + [Candidate(cap=0, rates=[0.9] * 4) for _ in range(4)]
     again = policy.choose(ready, batch_size=8, pipelines=PIPELINES, again=True)
     second = policy.last_choice
     assert second is not None and second.ks == again and again[4:] == [0] * 4 and all(again[:4])
     assert 0 < second.model_rate < first.model_rate
+    assert second.predicted_gain != first.predicted_gain
+    assert policy.predicted_gain.value == gain_learnt  # taught once, by the first choice
     # Measured against the choice it ran, a round that delivers its model's rate keeps the factor.
     round_ns = int(50 * MS)
     policy.observe_round(again, round_ns, 0, round_ns, 0, second.model_rate * round_ns / 1e9)
