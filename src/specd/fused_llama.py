@@ -108,22 +108,25 @@ class FusedLlamaLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
+        """`sin` has its first half negated (`FusedLlamaBody.forward`). The products (and the layers,
+        in the body) are called through `.forward`: a one-token step makes about 150 such calls, and
+        nn.Module's call machinery (hooks, which nothing here registers) was a visible share of it."""
         batch, length, _ = x.shape
         d, hq, hkv = self.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv_proj(_rms_norm(x, self.input_norm, self.eps)).view(batch, length, hq + 2 * hkv, d)
+        qkv = self.qkv_proj.forward(_rms_norm(x, self.input_norm, self.eps)).view(batch, length, hq + 2 * hkv, d)
         qk = qkv[:, :, : hq + hkv]
         half = d // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = qk * cos + rotated * sin
+        # transformers' rotate_half(qk) * sin, with rotate_half's negation folded into `sin`.
+        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
         q = qk[:, :, :hq].transpose(1, 2)
         k = qk[:, :, hq:].transpose(1, 2)
         v = qkv[:, :, hq + hkv :].transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.index)
         attended = _grouped_attention(q, k, v, mask, self.scaling)
-        x = x + self.o_proj(attended.transpose(1, 2).reshape(batch, length, hq * d))
-        gate, up = self.gate_up_proj(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x = x + self.o_proj.forward(attended.transpose(1, 2).reshape(batch, length, hq * d))
+        gate, up = self.gate_up_proj.forward(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down_proj.forward(F.silu(gate) * up)
 
 
 @dataclass
@@ -159,11 +162,13 @@ class FusedLlamaBody(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
         cos, sin = self.rotary_emb(x, position_ids=position_ids)
-        # [batch, length, 1, head_dim]: one rotation for every query and key head.
-        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        # [batch, length, 1, head_dim]: one rotation for every query and key head; the first half
+        # of `sin` negated once here, for every layer's rotation (FusedLlamaLayer.forward).
+        half = sin.shape[-1] // 2
+        cos, sin = cos[:, :, None, :], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None, :]
         mask = _group_mask(attention_mask, self.heads_per_kv_head)
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache if use_cache else None)
+            x = layer.forward(x, cos, sin, mask, cache if use_cache else None)
         return _Output(_rms_norm(x, self.norm, self.eps))
 
 

@@ -84,6 +84,7 @@ class SlotKVCache(Cache):
         self._write_slots: torch.Tensor | None = None
         self._write_pos: torch.Tensor | None = None
         self._pick: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._single: tuple[int, int, int] | None = None
         self._kv_len = 0
 
     # -- the bound ------------------------------------------------------
@@ -167,6 +168,9 @@ class SlotKVCache(Cache):
         contiguous = list(slots) == list(range(first, last + 1))
         self._row_range = (first, last + 1) if contiguous else None
         num_new = max(counts)
+        # One row (a single sequence's step or prefill): its positions are one slice of its slot,
+        # written by a plain copy rather than an indexed one.
+        self._single = (slots[0], lengths[0], counts[0]) if len(slots) == 1 else None
         if all(n == num_new for n in counts):
             starts = to_device(lengths, self.device)
             self._write_slots = rows[:, None].expand(-1, num_new)
@@ -206,11 +210,15 @@ class SlotKVCache(Cache):
                 buf, region = self._allocate(shape, new.dtype)
                 store[layer_idx] = buf
                 (self._key_regions if store is self.keys else self._value_regions)[layer_idx] = region
-            # new: [batch, heads, num_new, dim] -> [batch, num_new, heads, dim] (or [tokens, heads, dim] picked)
-            fresh = new.transpose(1, 2)
-            if self._pick is not None:
-                fresh = fresh[self._pick[0], self._pick[1]]
-            buf[self._write_slots, :, self._write_pos] = fresh.to(buf.dtype)
+            if self._single is not None:
+                slot, start, count = self._single
+                buf[slot, :, start : start + count].copy_(new[0])
+            else:
+                # new: [batch, heads, num_new, dim] -> [batch, num_new, heads, dim] (or [tokens, heads, dim] picked)
+                fresh = new.transpose(1, 2)
+                if self._pick is not None:
+                    fresh = fresh[self._pick[0], self._pick[1]]
+                buf[self._write_slots, :, self._write_pos] = fresh.to(buf.dtype)
             if self._row_range is not None:
                 a, b = self._row_range
                 out.append(buf[a:b, :, : self._kv_len])

@@ -60,15 +60,24 @@ class WeightOnlyLinear(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A draft step calls this for every product with one row each, so it does no more than
+        # it must: buffers read from the dict (not through nn.Module's attribute lookup), and
+        # no conversion where the dtype is already the one wanted.
         shape = x.shape
-        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-        if self.wide_weight is not None and flat.shape[0] >= self.wide_rows:
-            out = nn.functional.linear(flat, self.wide_weight)
+        flat = x.reshape(-1, shape[-1])
+        if flat.dtype != torch.bfloat16:
+            flat = flat.to(torch.bfloat16)
+        buffers = self._buffers
+        wide = buffers["wide_weight"]
+        if wide is not None and flat.shape[0] >= self.wide_rows:
+            out = nn.functional.linear(flat, wide)
         else:
             out = self.narrow(flat)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        bias = buffers["bias"]
+        if bias is not None:
+            out = out + bias
+        out = out.view(*shape[:-1], self.out_features)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def narrow(self, flat: torch.Tensor) -> torch.Tensor:
         """The quantized product of bfloat16 rows [n, in_features]."""
@@ -96,7 +105,8 @@ class Int8WeightOnlyLinear(WeightOnlyLinear):
         self.scout = Int4WeightOnlyLinear(linear) if scout and int4_fits(linear) else None
 
     def narrow(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        buffers = self._buffers
+        return torch.ops.aten._weight_int8pack_mm(flat, buffers["qweight"], buffers["scales"])
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The index of each row's largest output, for rows x [n, in_features]: from the int8
@@ -152,7 +162,10 @@ class Int4WeightOnlyLinear(WeightOnlyLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
 
     def narrow(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.qweight, self.group_size, self.scales_and_zeros)
+        buffers = self._buffers
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, buffers["qweight"], self.group_size, buffers["scales_and_zeros"]
+        )
 
 
 def quantize_int8(model: nn.Module, keep_wide: bool = False) -> nn.Module:

@@ -63,7 +63,8 @@ def test_batched_rows_with_different_starts_and_lengths_match_full_recompute(tin
     a, b, c = slots
     feed({a: 7, b: 1, c: 12})  # prefill of different lengths in one pass
     feed({c: 1, a: 5, b: 9})  # continue at different offsets
-    feed({b: 1})  # a lone row
+    feed({b: 1})  # a lone row (written by a plain copy: SlotKVCache.prepare)
+    feed({c: 4})  # a lone row of several tokens
     feed({a: 3, c: 2})  # a subset of the slots
 
     # Roll back: lower a row's length and feed other tokens; the stale keys
