@@ -169,9 +169,12 @@ class SlotKVCache(Cache):
         self._row_range = (first, last + 1) if contiguous else None
         num_new = max(counts)
         # One row (a single sequence's step or prefill): its positions are one slice of its slot,
-        # written by a plain copy rather than an indexed one.
+        # written by a plain copy, so no index tensors are built for it.
         self._single = (slots[0], lengths[0], counts[0]) if len(slots) == 1 else None
-        if all(n == num_new for n in counts):
+        if self._single is not None:
+            self._write_slots = self._write_pos = None
+            self._pick = None
+        elif all(n == num_new for n in counts):
             starts = to_device(lengths, self.device)
             self._write_slots = rows[:, None].expand(-1, num_new)
             self._write_pos = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
