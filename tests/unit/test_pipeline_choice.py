@@ -404,6 +404,74 @@ def test_draft_ahead_prices_its_blocks_as_timed_beside_the_drafter(timed_apart: 
         assert policy.costs.verify_beside.samples == 0
 
 
+def test_draft_ahead_reaches_the_long_block_a_humped_verify_hides() -> None:
+    """Shaped as traced on a 2-core EPYC (float32 target, fused forward): beside the drafter, a
+    verify of 2 positions took 76 ms, of 3 about 118 and of 5 only 80 (the CPU's products over 3
+    rows are slow ones); every draft is accepted. From the prior acceptance (0.7) the policy
+    starts at k = 1; with the positions it has not tried left at that prior, it stays at k = 3
+    here (at k = 1 in the trace): k = 4 is never tried, so its acceptance is never learnt.
+    Untried positions borrowing the rate before them, it reaches k = 4 and learns what 5
+    positions cost."""
+    beside_ms = {1: 53.0, 2: 76.0, 3: 118.0, 4: 95.0, 5: 80.0}
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    model = CostModel()
+    for _ in range(30):  # warm-up and target-only rounds: one sequence and two, alone
+        model.verify.observe(1, 54 * MS)
+        model.verify.observe(2, 78 * MS)
+    model.step.observe(1, 16 * MS)
+    model.step.observe(2, 30 * MS)
+    model.draft_fixed.observe(2 * MS)
+    model.overhead.observe(1 * MS)
+    policy.costs = model
+    chosen = []
+    for _ in range(40):
+        rates = policy.overall.rates()
+        candidates = [Candidate(cap=4, rates=rates, guess=policy.guess_rate(policy.new_guess_rate()))]
+        ks = policy.choose(candidates, 1, MODES)
+        chosen.append(ks[0])
+        k = ks[0]
+        if k:
+            policy.overall.observe(k, k)
+        verify = beside_ms[k + 1] * MS
+        draft = (2 + (k + 1) * 18) * MS if k else 0.0
+        phase = max(verify, draft) + 1 * MS
+        policy.observe_round(
+            ks, int(phase), 0, int(phase), 0, k + 1, [], [k + 1] if k else [], verify_reply_ns=int(verify)
+        )
+    assert chosen[0] == 1  # where the prior starts it
+    assert chosen[-10:] == [4] * 10
+    assert policy.costs.verify_beside_ns(5) == pytest.approx(80 * MS, rel=0.1)
+
+
+def test_the_search_scores_every_uniform_k_where_the_price_line_misses_it() -> None:
+    """The traced state itself: verifies beside the drafter timed at 2 positions (78 ms, many
+    rounds) and 3 (101 and 134 ms, twice); acceptance near 1 at every position. Under the line
+    through those sizes each verified position costs about 40 ms, so the search's marginal price
+    makes k = 1 look as good as anything longer, and it never scores k = 4, which the round
+    model (5 positions priced at the 3 measured, at most) predicts 1.6x faster."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    model = policy.costs
+    for _ in range(300):
+        model.verify.observe(1, 54 * MS)
+    for _ in range(100):
+        model.verify.observe(2, 78 * MS)
+        model.verify_beside.observe(2, 78 * MS)
+        model.step_beside.observe(1, 18 * MS)
+    model.verify_beside.observe(3, 101 * MS)
+    model.verify_beside.observe(3, 134 * MS)
+    model.step.observe(1, 16 * MS)
+    model.step.observe(2, 30 * MS)
+    model.draft_fixed.observe(2 * MS)
+    model.overhead.observe(1 * MS)
+    candidates = [Candidate(cap=4, rates=[0.995] * 4, guess=0.99)]
+    assert policy.choose(candidates, 1, MODES) == [4]
+    assert policy.last_pipeline == "ahead"
+    offered = dict((mode, rate) for mode, rate, _ in policy.last_choice.offered)
+    rounds = RoundModel(model, 1.0, [expected_tokens_table([0.995] * 4, 4)], [[0.995] * 4], [0], [0.99])
+    assert offered["ahead"] == pytest.approx(rounds.rate("ahead", [4]))
+    assert rounds.rate("ahead", [4]) > 1.5 * rounds.rate("ahead", [1])
+
+
 def test_the_search_keeps_the_best_ks_it_scored_when_its_price_is_off() -> None:
     """Priced at a steep verify (30 ms a position) while the round it scores verifies nearly
     for free, the search swings between k = 1 and k = 0: the k = 1 it scored must win over

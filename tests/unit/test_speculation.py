@@ -59,6 +59,26 @@ def test_acceptance_prior_fills_untried_positions() -> None:
     assert acc.rate(1) == pytest.approx(0.6)
 
 
+def test_borrowing_acceptance_prices_untried_positions_at_the_rate_before() -> None:
+    # Rounds of one draft teach only the first position: borrowed, the later ones are priced
+    # as it is, not at the prior; a first position worse than the prior lowers none of them.
+    alone, borrowing = Acceptance(4, 0.7, prior_weight=2.0), Acceptance(4, 0.7, prior_weight=2.0, borrow=True)
+    for acc in (alone, borrowing):
+        for _ in range(100):
+            acc.observe(1, 1)
+    assert alone.rates()[1:] == pytest.approx([0.7] * 3)
+    assert borrowing.rates() == pytest.approx([0.99] * 4, abs=0.01)
+    assert borrowing.rate(3) == borrowing.rates()[3]
+    poor = Acceptance(3, 0.7, prior_weight=2.0, borrow=True)
+    for _ in range(100):
+        poor.observe(1, 0)
+    assert poor.rate(0) < 0.05
+    assert poor.rates()[1:] == pytest.approx([0.7, 0.7])
+    for _ in range(200):
+        poor.observe(3, 1)  # a position tried learns its own rate
+    assert poor.rate(1) < 0.02
+
+
 def test_linear_cost_recovers_a_line_and_never_goes_negative() -> None:
     fit = LinearCost(forget=1.0)
     for x in range(1, 20):
@@ -188,7 +208,9 @@ def test_sequences_are_chosen_by_their_own_acceptance() -> None:
 
 
 def test_fixed_candidates_keep_their_k() -> None:
-    model = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8)
+    # The verifier pads rows to the longest block, so only the drafter's work for the other
+    # sequence (its cost per sequence) keeps its hopeless drafts from paying.
+    model = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8, step_per_seq_ms=2)
     ks = choose_ks([Candidate(cap=4, rates=[0.05] * 4, fixed=3), Candidate(cap=4, rates=[0.05] * 4)], model, 4).ks
     assert ks == [3, 0]
 
