@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specd import configuration
-from specd.configuration import DTYPE_CHOICES, ModelServiceConfig, field
+from specd.configuration import DECODER_CHOICES, DTYPE_CHOICES, ModelServiceConfig, field
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class DrafterConfig(ModelServiceConfig):
         "the draft model's forward: fused (q/k/v and gate/up each one product, without transformers' per-layer "
         "work: a cheaper draft step; Llama-architecture models), transformers, or auto: fused where the model "
         "takes it",
-        ["auto", "fused", "transformers"],
+        DECODER_CHOICES,
     )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")

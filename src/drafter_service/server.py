@@ -61,7 +61,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     # would no longer be 4-bit, and the int4 copy of a Q4_1 target would lose its exactness.
     load_dtype = "float32" if quantization != "none" else config.dtype
     loaded = models.load_for_serving(config.model, config.device, load_dtype, config.threads, config.cpus)
-    loaded = _choose_decoder(loaded, config.decoder)
+    loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
     if quantization != "none":
         kind = "auto" if quantization == "auto-cpu" else quantization
         quantization = quantize_copy(loaded.model, kind, keep_wide=config.int8_wide_rows != 0)
@@ -110,20 +110,6 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         step_timings=[common_pb2.StepTiming(sequences=n, forward_ns=ns) for n, ns in step_timings],
     )
     return engine, info
-
-
-def _choose_decoder(loaded: models.LoadedModel, decoder: str) -> models.LoadedModel:
-    """The loaded model with the forward `decoder` asks for (before quantizing: the fused products
-    are quantized as they are used)."""
-    if decoder == "transformers":
-        return loaded
-    if not fused_llama.supports(loaded.model):
-        if decoder == "fused":
-            raise ValueError(f"--decoder fused takes a Llama-architecture model, not {type(loaded.model).__name__}")
-        log.info("the drafter runs transformers' forward (%s has no fused one)", type(loaded.model).__name__)
-        return loaded
-    log.info("the drafter runs the fused forward (q/k/v and gate/up each one product)")
-    return dataclasses.replace(loaded, model=fused_llama.fuse(loaded.model))
 
 
 def _prefill_once(lm: BatchedCausalLM, rows: int) -> None:

@@ -86,6 +86,8 @@ def field(default: Any, help: str, choices: Sequence[str] | None = None, secret:
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+# A Llama model's forward in the drafter and the verifier (specd.fused_llama.choose).
+DECODER_CHOICES = ("auto", "fused", "transformers")
 
 
 @dataclasses.dataclass(frozen=True)

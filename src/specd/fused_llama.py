@@ -11,20 +11,28 @@ same model with
 - rotary embedding applied to queries and keys in one pass;
 - attention on the key/value heads as cached (`_grouped_attention`).
 
-It computes what `LlamaForCausalLM` computes, up to the summation order of the fused products,
-and it is used only for drafting, where that order changes no output: the verifier decides every
-token. `fuse` builds it from a loaded transformers model; `supports` says which models it takes
-(anything else keeps transformers' forward).
+It computes what `LlamaForCausalLM` computes, up to the summation order of the fused products.
+The drafter runs it for a cheaper draft step. The verifier runs it too (`--decoder`): exactness
+is the verifier's output with and without speculation, and both run this same forward; a
+product over concatenated weights computes each output as the separate product does, so its
+logits may differ from transformers' only in the last bits, where a CPU's kernel blocks the
+outputs differently. `fuse` builds it from a loaded transformers model; `supports` says which
+models it takes (anything else keeps transformers' forward); `choose` is the services' flag.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from specd.configuration import DECODER_CHOICES
+
+log = logging.getLogger(__name__)
 
 
 def supports(model: Any) -> bool:
@@ -198,3 +206,20 @@ def fuse(model: Any) -> FusedLlamaForCausalLM:
     if not supports(model):
         raise ValueError(f"the fused forward does not take {type(model).__name__}")
     return FusedLlamaForCausalLM(model).eval()
+
+
+def choose(model: Any, decoder: str, service: str) -> Any:
+    """`model` with the forward `decoder` (one of DECODER_CHOICES) asks for, logged as `service`'s: fused,
+    transformers', or auto, fused wherever `supports` says it reproduces the model. Before any
+    quantizing: the fused products are quantized as they are used."""
+    if decoder not in DECODER_CHOICES:
+        raise ValueError(f"--decoder takes {', '.join(DECODER_CHOICES)}, not {decoder!r}")
+    if decoder == "transformers":
+        return model
+    if not supports(model):
+        if decoder == "fused":
+            raise ValueError(f"--decoder fused takes a Llama-architecture model, not {type(model).__name__}")
+        log.info("the %s runs transformers' forward (%s has no fused one)", service, type(model).__name__)
+        return model
+    log.info("the %s runs the fused forward (q/k/v and gate/up each one product)", service)
+    return fuse(model)

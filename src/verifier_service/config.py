@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specd import configuration
-from specd.configuration import ModelServiceConfig, field
+from specd.configuration import DECODER_CHOICES, ModelServiceConfig, field
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,13 @@ class VerifierConfig(ModelServiceConfig):
     model: str = field("embedded", "target model: a local HF directory, a .gguf file, or 'embedded'")
     dtype: str = field(
         "float32", "dtype of the target (float32 keeps greedy output exact)", ["float32", "bfloat16", "float16"]
+    )
+    decoder: str = field(
+        "auto",
+        "the target's forward: fused (q/k/v and gate/up each one product, without transformers' per-layer "
+        "work: a cheaper step, the same for target-only and speculative rounds; Llama-architecture models), "
+        "transformers, or auto: fused where the model takes it",
+        DECODER_CHOICES,
     )
 
     @classmethod

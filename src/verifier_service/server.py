@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import grpc
 
-from specd import models
+from specd import fused_llama, models
 from specd.grammar import grammar_compiler
 from specd.kvcache import BatchedCausalLM
 from specd.leases import Leases
@@ -22,6 +23,7 @@ HEAD_CALIBRATION_ROWS = 16
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
     loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
+    loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "verifier"))
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = VerifierEngine(

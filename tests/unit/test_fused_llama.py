@@ -1,6 +1,6 @@
-"""The drafter's fused Llama forward computes what transformers' forward computes, through the
-slot KV cache, for rows of different lengths, quantized or not; and the drafter picks it only
-for the models it reproduces."""
+"""The fused Llama forward computes what transformers' forward computes, through the slot KV
+cache, for rows of different lengths, quantized or not; drafter and verifier pick it only for the
+models it reproduces, and the verifier's greedy choices do not move."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from drafter_service.config import DrafterConfig
-from drafter_service.server import _choose_decoder
-from specd import fused_llama, models
+from specd import fused_llama
 from specd.featurehead import FeatureHeadLM
 from specd.kvcache import BatchedCausalLM, Row
 from specd.quant import quantize_copy
+from verifier_service import server as verifier_server
+from verifier_service.config import VerifierConfig
 
 
 def llama(heads: int = 4, kv_heads: int = 2, bias: bool = False) -> LlamaForCausalLM:
@@ -77,14 +78,34 @@ def test_models_it_does_not_reproduce_keep_transformers_forward(tiny_target) -> 
     assert not fused_llama.supports(gelu)
     with pytest.raises(ValueError, match="does not take"):
         fused_llama.fuse(gelu)
-    loaded = models.LoadedModel(gelu, torch.device("cpu"), torch.float32, None)  # type: ignore[arg-type]
-    assert _choose_decoder(loaded, "auto").model is gelu
+    assert fused_llama.choose(gelu, "auto", "drafter") is gelu
     with pytest.raises(ValueError, match="--decoder fused takes a Llama-architecture model"):
-        _choose_decoder(loaded, "fused")
+        fused_llama.choose(gelu, "fused", "verifier")
+    with pytest.raises(ValueError, match="--decoder takes auto, fused, transformers, not 'eager'"):
+        fused_llama.choose(gelu, "eager", "verifier")
     target = copy.deepcopy(tiny_target)
-    plain = models.LoadedModel(target, torch.device("cpu"), torch.float32, None)  # type: ignore[arg-type]
-    assert _choose_decoder(plain, "transformers").model is target
-    assert isinstance(_choose_decoder(plain, "auto").model, fused_llama.FusedLlamaForCausalLM)
+    assert fused_llama.choose(target, "transformers", "drafter") is target
+    assert isinstance(fused_llama.choose(target, "auto", "drafter"), fused_llama.FusedLlamaForCausalLM)
+
+
+def test_the_verifier_serves_the_fused_forward_unless_told_otherwise(model_dirs) -> None:
+    for decoder, kind in (("auto", fused_llama.FusedLlamaForCausalLM), ("transformers", LlamaForCausalLM)):
+        config = VerifierConfig(model=str(model_dirs["target"]), decoder=decoder, max_sequences=2, max_context=64)
+        engine, _ = verifier_server.build_engine(config)
+        assert type(engine.lm.model) is kind
+    with pytest.raises(SystemExit):
+        VerifierConfig.from_args(["--decoder", "eager"])
+
+
+def test_float32_verify_rounds_choose_the_same_tokens_fused(tiny_target) -> None:
+    # The verifier's rounds: several rows of a few tokens each, every position's logits wanted.
+    reference = copy.deepcopy(tiny_target)
+    fused = fused_llama.fuse(copy.deepcopy(tiny_target))
+    want = rounds(BatchedCausalLM(reference, torch.device("cpu"), torch.float32))
+    got = rounds(BatchedCausalLM(fused, torch.device("cpu"), torch.float32))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
 def test_decoder_applies_to_model_drafters_only() -> None:
