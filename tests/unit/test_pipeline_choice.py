@@ -404,6 +404,15 @@ def test_draft_ahead_prices_its_blocks_as_timed_beside_the_drafter(timed_apart: 
         assert policy.costs.verify_beside.samples == 0
 
 
+def traced_drafter_costs(model: CostModel) -> None:
+    """The int4 drafter's step for one and two sequences, its fixed cost and the gateway's, as
+    traced beside the fused float32 verifier on a 2-core EPYC."""
+    model.step.observe(1, 16 * MS)
+    model.step.observe(2, 30 * MS)
+    model.draft_fixed.observe(2 * MS)
+    model.overhead.observe(1 * MS)
+
+
 def test_draft_ahead_reaches_the_long_block_a_humped_verify_hides() -> None:
     """Shaped as traced on a 2-core EPYC (float32 target, fused forward): beside the drafter, a
     verify of 2 positions took 76 ms, of 3 about 118 and of 5 only 80 (the CPU's products over 3
@@ -414,15 +423,11 @@ def test_draft_ahead_reaches_the_long_block_a_humped_verify_hides() -> None:
     positions cost."""
     beside_ms = {1: 53.0, 2: 76.0, 3: 118.0, 4: 95.0, 5: 80.0}
     policy = SpeculationPolicy(PolicyConfig(k_max=4))
-    model = CostModel()
+    model = policy.costs
     for _ in range(30):  # warm-up and target-only rounds: one sequence and two, alone
         model.verify.observe(1, 54 * MS)
         model.verify.observe(2, 78 * MS)
-    model.step.observe(1, 16 * MS)
-    model.step.observe(2, 30 * MS)
-    model.draft_fixed.observe(2 * MS)
-    model.overhead.observe(1 * MS)
-    policy.costs = model
+    traced_drafter_costs(model)
     chosen = []
     for _ in range(40):
         rates = policy.overall.rates()
@@ -459,10 +464,7 @@ def test_the_search_scores_every_uniform_k_where_the_price_line_misses_it() -> N
         model.step_beside.observe(1, 18 * MS)
     model.verify_beside.observe(3, 101 * MS)
     model.verify_beside.observe(3, 134 * MS)
-    model.step.observe(1, 16 * MS)
-    model.step.observe(2, 30 * MS)
-    model.draft_fixed.observe(2 * MS)
-    model.overhead.observe(1 * MS)
+    traced_drafter_costs(model)
     candidates = [Candidate(cap=4, rates=[0.995] * 4, guess=0.99)]
     assert policy.choose(candidates, 1, MODES) == [4]
     assert policy.last_pipeline == "ahead"
