@@ -141,7 +141,9 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
     """
     ordered = sorted(set(cpus))
     half = ordered[: (len(ordered) + 1) // 2]
-    key = json.dumps([cpu_model(), ordered, model, dtype, importlib.metadata.version("torch")])
+    # "fused": what the verifier runs by default (specd.fused_llama); a cache of transformers'
+    # forward, timed by earlier releases, is measured again.
+    key = json.dumps([cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused"])
     path = cache / f"placement-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json" if cache else None
     if path is not None and path.exists():
         try:
@@ -160,13 +162,15 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
 def _step_seconds(model: str, dtype: str, cpus: str) -> float:
     import torch
 
+    from specd import fused_llama
     from specd.kvcache import BatchedCausalLM, Row
     from specd.models import load_model, parse_dtype
 
     pinned = pin(cpus)
     torch.set_num_threads(len(pinned))
     cpu, torch_dtype = torch.device("cpu"), parse_dtype(dtype)
-    lm = BatchedCausalLM(load_model(model, cpu, torch_dtype), cpu, torch_dtype)
+    # The verifier's default forward (its --decoder auto).
+    lm = BatchedCausalLM(fused_llama.choose(load_model(model, cpu, torch_dtype), "auto", "timing"), cpu, torch_dtype)
     lm.reserve(1, 64)
     with torch.inference_mode():
         lm.forward([Row(0, 0, [0] * 16, 15)])
