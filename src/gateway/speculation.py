@@ -84,11 +84,16 @@ class Acceptance:
                 self.accepted[j] += 1.0
 
     def rate(self, j: int) -> float:
-        return self.rates()[j] if self.borrow else self._smoothed(j, self.prior[j])
+        # The policy reads rate(0) for every sequence of every round: borrowing walks only to j.
+        return self._rates(j + 1)[j] if self.borrow else self._smoothed(j, self.prior[j])
 
     def rates(self) -> list[float]:
+        return self._rates(self.k_max)
+
+    def _rates(self, n: int) -> list[float]:
+        """The first n positions' rates."""
         out: list[float] = []
-        for j in range(self.k_max):
+        for j in range(n):
             prior = max(self.prior[j], out[-1]) if self.borrow and out else self.prior[j]
             out.append(self._smoothed(j, prior))
         return out
