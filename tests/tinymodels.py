@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from specd.checkpoints import EMBEDDED, materialize
+from specd.engine.checkpoints import EMBEDDED, materialize
 
 
 def device_under_test() -> torch.device:

@@ -7,15 +7,15 @@ from collections.abc import Sequence
 
 import torch
 
-from specd import hidden_states, ngram
-from specd.errors import EngineError, invalid, precondition
-from specd.featurehead import FeatureTrack
-from specd.fingerprint import TokenizerFingerprint
-from specd.grammar import GrammarCompiler, GrammarError, apply_mask
-from specd.kvcache import BatchedCausalLM, Row, to_device
-from specd.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
-from specd.sequences import SequenceState, SequenceTable
-from specd.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
+from specd.engine import hidden_states, ngram
+from specd.engine.errors import EngineError, invalid, precondition
+from specd.engine.featurehead import FeatureTrack
+from specd.engine.fingerprint import TokenizerFingerprint
+from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
+from specd.engine.kvcache import BatchedCausalLM, Row, to_device
+from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
+from specd.engine.sequences import SequenceState, SequenceTable
+from specd.engine.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
 
 
 class _DrafterBase:

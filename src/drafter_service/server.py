@@ -11,15 +11,15 @@ import grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd import checkpoints, fused_llama, models
-from specd.grammar import grammar_compiler
-from specd.kvcache import BatchedCausalLM, Row, trim_heap
-from specd.leases import Leases
-from specd.placement import pin
+from specd.engine import checkpoints, fused_llama, models
+from specd.engine.cpus import pin
+from specd.engine.grammar import grammar_compiler
+from specd.engine.kvcache import BatchedCausalLM, Row, trim_heap
+from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
-from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
-from specd.tracing import Tracing
+from specd.rpc.leases import Leases
+from specd.rpc.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
+from specd.rpc.tracing import Tracing
 
 # The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
 NGRAM_VOCAB_LIMIT = 2**31 - 1

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.leases import Leases
+from specd.engine.tasks import DraftProposal, DraftTask
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics
-from specd.tasks import DraftProposal, DraftTask
-from specd.tracing import Tracing
+from specd.rpc.leases import Leases
+from specd.rpc.serving import EngineRunner, SequenceRpcs, ServiceMetrics
+from specd.rpc.tracing import Tracing
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.backend_auth import client_interceptors
-from specd.fingerprint import TokenizerFingerprint
+from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specd.serving import channel_options, fingerprint_from_pb
-from specd.tls import server_name_option
+from specd.rpc.backend_auth import client_interceptors
+from specd.rpc.serving import channel_options, fingerprint_from_pb
+from specd.rpc.tls import server_name_option
 
 log = logging.getLogger(__name__)
 

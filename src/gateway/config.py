@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from gateway.pool import parse_endpoints
 from specd import configuration
-from specd.backend_auth import BACKEND_TOKEN_ENV
 from specd.configuration import field
+from specd.rpc.backend_auth import BACKEND_TOKEN_ENV
 
 
 @dataclass(frozen=True)

@@ -8,18 +8,65 @@ is one sequence's proposal in one round, mean acceptance length is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specd.serving import peak_rss_bytes
-
-if TYPE_CHECKING:
-    from gateway.observer import RoundTimes
+from specd.rpc.serving import peak_rss_bytes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """Where one round's time went, as the gateway saw it and as the services reported.
+
+    The draft and drafter times are the drafting on the round's critical path (before
+    the verify); `overlap_ns` is the drafting that ran while the verifier worked
+    (cohort and draft-ahead pipelines), which costs the round nothing unless it
+    outlasts the verify.
+    """
+
+    round_ns: int
+    draft_ns: int
+    verify_ns: int  # the verify, and the wait for any draft exchange run beside it
+    drafter_ns: int
+    verifier_ns: int
+    drafter_forward_ns: int
+    verifier_forward_ns: int
+    overlap_ns: int = 0
+    # The round's wait, after the verify, for the drafter to open the sequences joining it.
+    join_ns: int = 0
+    # The verify exchange alone, from its request to its reply: without the wait for a draft
+    # exchange beside it, which `verify_ns` includes. 0: not timed apart.
+    verify_reply_ns: int = 0
+    # The drafter's forward passes in the draft exchange beside the verify (`overlap_ns` is the exchange).
+    overlap_forward_ns: int = 0
+
+    @property
+    def overhead_ns(self) -> int:
+        """Network, serialisation and gateway scheduling: the round minus the services' own time on its path."""
+        return self.round_ns - self.drafter_ns - self.verifier_ns
+
+    def attributes(self, batch_size: int) -> dict[str, float | int]:
+        return {
+            "specd.batch_size": batch_size,
+            "specd.round_ms": self.round_ns / 1e6,
+            "specd.draft_ms": self.draft_ns / 1e6,
+            "specd.verify_ms": self.verify_ns / 1e6,
+            "specd.verify_reply_ms": self.verify_reply_ns / 1e6,
+            "specd.drafter_ms": self.drafter_ns / 1e6,
+            "specd.verifier_ms": self.verifier_ns / 1e6,
+            "specd.drafter_forward_ms": self.drafter_forward_ns / 1e6,
+            "specd.verifier_forward_ms": self.verifier_forward_ns / 1e6,
+            "specd.overlap_ms": self.overlap_ns / 1e6,
+            "specd.overlap_forward_ms": self.overlap_forward_ns / 1e6,
+            "specd.join_ms": self.join_ns / 1e6,
+            "specd.overhead_ms": self.overhead_ns / 1e6,
+        }
 
 
 class GatewayMetrics:

@@ -27,9 +27,9 @@ from prometheus_client.registry import Collector
 
 from gateway.backends import BackendError, DrafterClient, VerifierClient, describe
 from gateway.owed_closes import OwedCloses
-from specd.fingerprint import TokenizerFingerprint
+from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
-from specd.serving import fingerprint_from_pb
+from specd.rpc.serving import fingerprint_from_pb
 
 log = logging.getLogger(__name__)
 

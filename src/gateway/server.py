@@ -16,20 +16,21 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway import http_limits, tool_parsers
+from gateway.api import http_limits, tool_parsers
+from gateway.api.grpc_api import GatewayServicer
+from gateway.api.limits import RateLimiter
+from gateway.api.openai_api import OpenAIApi
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
-from gateway.grpc_api import GatewayServicer
-from gateway.limits import RateLimiter
-from gateway.openai_api import OpenAIApi
 from gateway.pool import PoolCollector, drafter_pool, verifier_pool
-from gateway.scheduler import Scheduler
-from specd import backend_auth, checkpoints, tls
-from specd.fingerprint import TokenizerFingerprint
-from specd.grpc_decode import DecodeErrorInterceptor
+from gateway.round.scheduler import Scheduler
+from specd.engine import checkpoints
+from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from specd.serving import channel_options, setup_logging
-from specd.tracing import Tracing
+from specd.rpc import backend_auth, tls
+from specd.rpc.grpc_decode import DecodeErrorInterceptor
+from specd.rpc.serving import channel_options, setup_logging
+from specd.rpc.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ async def run(config: GatewayConfig) -> None:
         "resolve_interval_s": config.backend_resolve_interval_s,
     }
     # This instance's lease owner id: its sequences on the backends are its own, never a
-    # predecessor's, and are freed there if it dies (see specd.leases).
+    # predecessor's, and are freed there if it dies (see specd.rpc.leases).
     lease_owner = uuid.uuid4().hex
     log.info("gateway instance %s", lease_owner)
     # Pools stand where single clients stood: one replica is a pool of one.

@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif command == "distill":
         from specd.tools.distill import main as run
     elif command == "health":
-        from specd.health import main as run
+        from specd.rpc.health import main as run
     elif command == "up":
         run = up
     else:
@@ -176,7 +176,7 @@ def _up_parser() -> argparse.ArgumentParser:
 
 def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
     """`specd up --drafter` -> (kind, drafter service --model, --quantize)."""
-    from specd.checkpoints import EMBEDDED, EMBEDDED_DRAFTER
+    from specd.engine.checkpoints import EMBEDDED, EMBEDDED_DRAFTER
 
     if choice == "auto":
         # The shipped distilled drafter (a feature head) agrees with the target on about a third of
@@ -194,7 +194,7 @@ def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize:
 
 def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
     """Where `specd up` runs the drafter and the verifier on the CPU (see --placement)."""
-    from specd.checkpoints import cache_dir
+    from specd.engine.checkpoints import cache_dir
     from specd.placement import CpuPlacement, choose_cpu_placement, measured_steps, split_placement
 
     explicit = args.drafter_cpus or args.verifier_cpus or args.drafter_threads or args.verifier_threads
@@ -237,8 +237,8 @@ def apply_placement(args: argparse.Namespace, placement: CpuPlacement) -> None:
 def up(argv: Sequence[str]) -> None:
     import grpc  # keep `specd --help` light
 
-    from specd.health import check
     from specd.launch import GiveUp, Supervisor
+    from specd.rpc.health import check
 
     parser = _up_parser()
     args = parser.parse_args(argv)
@@ -330,8 +330,8 @@ def up(argv: Sequence[str]) -> None:
         "drafter": f"{LOOPBACK}:{args.drafter_port}",
         "gateway": f"{args.host}:{args.grpc_port}",
     }
-    from specd.backend_auth import child_environment
-    from specd.tls import TlsConfigError, channel_credentials
+    from specd.rpc.backend_auth import child_environment
+    from specd.rpc.tls import TlsConfigError, channel_credentials
 
     env, generated = child_environment(os.environ)
     print(
@@ -360,7 +360,7 @@ def up(argv: Sequence[str]) -> None:
     try:
         # Convert the embedded GGUF once here rather than in three racing children.
         if "embedded" in (args.target_model, draft_model) or args.target_model.endswith(".gguf"):
-            from specd.checkpoints import materialize
+            from specd.engine.checkpoints import materialize
 
             materialize(args.target_model)
         for name, child_args in children.items():

@@ -12,7 +12,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from specd.backend_auth import BACKEND_TOKEN_ENV, exposure_problem
+from specd.engine import DTYPE_CHOICES
+from specd.rpc.backend_auth import BACKEND_TOKEN_ENV, exposure_problem
 
 T = TypeVar("T")
 
@@ -85,11 +86,6 @@ def field(default: Any, help: str, choices: Sequence[str] | None = None, secret:
     return dataclasses.field(default=default, metadata=metadata)
 
 
-DTYPE_CHOICES = ("float32", "bfloat16", "float16")
-# A Llama model's forward in the drafter and the verifier (specd.fused_llama.choose).
-DECODER_CHOICES = ("auto", "fused", "transformers")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelServiceConfig:
     """What the drafter and verifier services both take; each subclass sets its own defaults."""
@@ -130,7 +126,7 @@ class ModelServiceConfig:
     )
 
     def validate(self) -> None:
-        from specd.placement import parse_cpus
+        from specd.engine.cpus import parse_cpus
 
         parse_cpus(self.cpus)
         if self.lease_s < 0:

@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,35 +19,7 @@ from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
 
-
-def parse_cpus(spec: str) -> set[int]:
-    """'0', '0-3', '0,2,4-5' -> a set of CPU ids; '' -> empty (no pinning)."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        low, sep, high = part.partition("-")
-        try:
-            first, last = int(low), int(high) if sep else int(low)
-        except ValueError:
-            raise ValueError(f"bad CPU list {spec!r}: expected ids and ranges such as 0,2-3") from None
-        if first < 0 or last < first:
-            raise ValueError(f"bad CPU range {part!r} in {spec!r}")
-        cpus.update(range(first, last + 1))
-    return cpus
-
-
-def pin(spec: str) -> set[int]:
-    """Restrict this process to the CPUs of `spec` (Linux); returns them, or an empty set for no pinning."""
-    cpus = parse_cpus(spec)
-    if not cpus:
-        return cpus
-    if not hasattr(os, "sched_setaffinity"):
-        raise ValueError("CPU pinning (--cpus) needs Linux")
-    available = os.sched_getaffinity(0)
-    if not cpus <= available:
-        raise ValueError(f"--cpus {spec!r} names CPUs this process may not use (it may use {sorted(available)})")
-    os.sched_setaffinity(0, cpus)
-    return cpus
-
+from specd.engine.cpus import pin
 
 # Split the cores between the services only if the target, on its half, steps at most this much
 # slower than on all of them: what overlapping the drafter gains with split cores (README,
@@ -141,7 +112,7 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
     """
     ordered = sorted(set(cpus))
     half = ordered[: (len(ordered) + 1) // 2]
-    # "fused": what the verifier runs by default (specd.fused_llama); a cache of transformers'
+    # "fused": what the verifier runs by default (specd.engine.fused_llama); a cache of transformers'
     # forward, timed by earlier releases, is measured again.
     key = json.dumps([cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused"])
     path = cache / f"placement-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json" if cache else None
@@ -162,9 +133,9 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
 def _step_seconds(model: str, dtype: str, cpus: str) -> float:
     import torch
 
-    from specd import fused_llama
-    from specd.kvcache import BatchedCausalLM, Row
-    from specd.models import load_model, parse_dtype
+    from specd.engine import fused_llama
+    from specd.engine.kvcache import BatchedCausalLM, Row
+    from specd.engine.models import load_model, parse_dtype
 
     pinned = pin(cpus)
     torch.set_num_threads(len(pinned))

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specd import configuration
-from specd.configuration import DECODER_CHOICES, ModelServiceConfig, field
+from specd.configuration import ModelServiceConfig, field
+from specd.engine import DECODER_CHOICES
 
 
 @dataclass(frozen=True)

@@ -9,15 +9,15 @@ from typing import TypeVar
 
 import torch
 
-from specd.errors import EngineError, ErrorKind, invalid, precondition
-from specd.fingerprint import TokenizerFingerprint
-from specd.grammar import GrammarCompiler, apply_mask
-from specd.kvcache import BatchedCausalLM, Row
-from specd.logprobs import token_logprobs
-from specd.params import TokenLogprob
-from specd.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, probabilities, spans_keys
-from specd.sequences import SequenceState, SequenceTable
-from specd.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
+from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
+from specd.engine.fingerprint import TokenizerFingerprint
+from specd.engine.grammar import GrammarCompiler, apply_mask
+from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.logprobs import token_logprobs
+from specd.engine.params import TokenLogprob
+from specd.engine.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, probabilities, spans_keys
+from specd.engine.sequences import SequenceState, SequenceTable
+from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
 
 T = TypeVar("T", list[int], torch.Tensor)
 

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import grpc
 
-from specd import fused_llama, models
-from specd.grammar import grammar_compiler
-from specd.kvcache import BatchedCausalLM
-from specd.leases import Leases
+from specd.engine import fused_llama, models
+from specd.engine.grammar import grammar_compiler
+from specd.engine.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
-from specd.tracing import Tracing
+from specd.rpc.leases import Leases
+from specd.rpc.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
+from specd.rpc.tracing import Tracing
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from specd import hidden_states
-from specd.leases import Leases
+from specd.engine import hidden_states
+from specd.engine.tasks import VerifyResult, VerifyTask
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from specd.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, token_logprob_pb
-from specd.tasks import VerifyResult, VerifyTask
-from specd.tracing import Tracing
+from specd.rpc.leases import Leases
+from specd.rpc.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, token_logprob_pb
+from specd.rpc.tracing import Tracing
 from verifier_service.engine import VerifierEngine
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from gateway.scheduler import Scheduler
+from gateway.round.scheduler import Scheduler
 from specd.cli import main
 
 VICTIM_MAX_TOKENS = 23

@@ -13,7 +13,7 @@ import pytest
 import stack as st
 import torch
 
-from specd import checkpoints, models
+from specd.engine import checkpoints, models
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import stack as st
 
-from specd.health import check
 from specd.proto.speculative.v1 import verifier_pb2, verifier_pb2_grpc
-from specd.tls import channel_credentials
+from specd.rpc.health import check
+from specd.rpc.tls import channel_credentials
 
 LAUNCH = Path(__file__).resolve().parents[2] / "deploy" / "launch.sh"
 

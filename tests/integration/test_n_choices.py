@@ -20,7 +20,7 @@ import pytest
 import stack as st
 from stack import base_url
 
-from gateway.choices import choice_seed
+from gateway.api.choices import choice_seed
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
 MODEL = "target"

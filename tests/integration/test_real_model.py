@@ -18,8 +18,8 @@ import stack as st
 import torch
 from target_reference import penalized_greedy, raw_logprobs
 
-from gateway.choices import choice_seed
-from specd import checkpoints, models
+from gateway.api.choices import choice_seed
+from specd.engine import checkpoints, models
 
 pytestmark = pytest.mark.slow
 

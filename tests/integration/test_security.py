@@ -24,7 +24,6 @@ import pytest
 import stack as st
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specd.health import check
 from specd.proto.speculative.v1 import (
     common_pb2,
     drafter_pb2,
@@ -34,6 +33,7 @@ from specd.proto.speculative.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from specd.rpc.health import check
 
 TOKEN = "test-backend-token-0123456789abcdef"
 API_KEY = "sk-security-test"

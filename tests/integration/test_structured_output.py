@@ -321,7 +321,7 @@ def test_guided_regex_and_choice_hold_with_speculation_on_and_off(close_stack, s
 def test_guided_choice_with_several_sampled_choices(close_stack):
     fields = GUIDED[5][1]
     # Seeded, so the response is reproducible: unseeded, all 8 choices once drew the same size.
-    # Each choice gets a seed of its own (gateway.choices), so they still differ.
+    # Each choice gets a seed of its own (gateway.api.choices), so they still differ.
     body = {"model": MODEL, "prompt": "Size?", "max_tokens": 8, "temperature": 1.5, "n": 8, "seed": 11, **fields}
     r = httpx.post(close_stack.base_url + "/v1/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text

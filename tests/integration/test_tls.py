@@ -22,9 +22,9 @@ import httpx
 import pytest
 import stack as st
 
-from specd.health import check
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
-from specd.tls import channel_credentials
+from specd.rpc.health import check
+from specd.rpc.tls import channel_credentials
 
 KEYS = ("key-one", "key-two")
 MODEL = "target"

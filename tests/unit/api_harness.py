@@ -11,9 +11,9 @@ from typing import Any
 import grpc
 import httpx
 
-from gateway.grpc_api import GatewayServicer
-from gateway.openai_api import OpenAIApi
-from gateway.scheduler import Delta, Finished, GenerationParams
+from gateway.api.grpc_api import GatewayServicer
+from gateway.api.openai_api import OpenAIApi
+from gateway.round.scheduler import Delta, Finished, GenerationParams
 from specd.proto.speculative.v1 import gateway_pb2
 
 MODEL = "target"

@@ -7,9 +7,9 @@ import tinymodels
 import torch
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.fingerprint import TokenizerFingerprint
-from specd.grammar import GrammarCompiler
-from specd.kvcache import BatchedCausalLM
+from specd.engine.fingerprint import TokenizerFingerprint
+from specd.engine.grammar import GrammarCompiler
+from specd.engine.kvcache import BatchedCausalLM
 from verifier_service.engine import VerifierEngine
 
 DEVICE = tinymodels.device_under_test()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.speculation import CostModel
+from gateway.round.costs import CostModel
 
 MS = 1e6
 

@@ -9,8 +9,8 @@ import pytest
 from fake_backends import EOS, FakeDrafter, FakeVerifier, reference
 from test_scheduler import GREEDY, PROMPTS, CharTokenizer, collect
 
-from gateway.observer import RoundOutcome
-from gateway.scheduler import GenerationParams, Scheduler
+from gateway.round.observer import RoundOutcome
+from gateway.round.scheduler import GenerationParams, Scheduler
 
 
 def auto_scheduler(verifier: Any, drafter: Any, speculative_mode: str = "auto") -> Scheduler:

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 
 from drafter_service.config import DrafterConfig
+from gateway.api.http_limits import body_limits
 from gateway.config import GatewayConfig
-from gateway.http_limits import body_limits
-from specd.backend_auth import (
+from specd.rpc.backend_auth import (
     BACKEND_TOKEN_ENV,
     BackendAuthError,
     child_environment,

@@ -14,13 +14,13 @@ from tinymodels import backed_kv_bytes
 
 from drafter_service.engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.errors import EngineError, ErrorKind
-from specd.leases import Leases, engine_id
-from specd.params import SamplingParams
+from specd.engine.errors import EngineError, ErrorKind
+from specd.engine.params import SamplingParams
+from specd.engine.tasks import SequenceSpec
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from specd.serving import EngineRunner, ServiceMetrics
-from specd.tasks import SequenceSpec
-from specd.tracing import Tracing
+from specd.rpc.leases import Leases, engine_id
+from specd.rpc.serving import EngineRunner, ServiceMetrics
+from specd.rpc.tracing import Tracing
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [11, 22, 33, 44, 55]

@@ -10,10 +10,10 @@ import pytest
 from fake_backends import FakeVerifier, reference
 from test_scheduler import GREEDY, scheduler
 
-from gateway.choices import Choices, Outcome, best, choice_params, choice_seed, merged
+from gateway.api.choices import Choices, Outcome, best, choice_params, choice_seed, merged
 from gateway.failures import GenerationError
-from gateway.scheduler import Delta, Failed, Finished, GenerationParams
-from specd.params import LogprobsRequest, SamplingParams, TokenLogprob
+from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams
+from specd.engine.params import LogprobsRequest, SamplingParams, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2
 
 

@@ -10,9 +10,9 @@ import pytest
 from fake_backends import FakeDrafter, FakeVerifier, reference
 from test_scheduler import GREEDY, collect, generate, scheduler
 
-from gateway.round import plan_prefill
-from gateway.scheduler import Finished, GenerationParams, _Sequence
-from specd.params import LogprobsRequest
+from gateway.round.messages import plan_prefill
+from gateway.round.scheduler import Finished, GenerationParams, _Sequence
+from specd.engine.params import LogprobsRequest
 
 LONG = [(5 * i + 1) % 49 + 1 for i in range(97)]
 PROMPTS = [[3, 4, 5], LONG, [9], LONG[:40], [11, 12], LONG[10:80]]

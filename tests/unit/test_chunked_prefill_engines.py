@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specd.errors import ErrorKind
-from specd.params import LogprobsRequest, SamplingParams
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from specd.engine.errors import ErrorKind
+from specd.engine.params import LogprobsRequest, SamplingParams
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [(7 * i + 3) % 500 + 10 for i in range(37)]

@@ -28,8 +28,8 @@ import yaml
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from specd import configuration
-from specd.backend_auth import BACKEND_TOKEN_ENV
-from specd.health import HealthConfig
+from specd.rpc.backend_auth import BACKEND_TOKEN_ENV
+from specd.rpc.health import HealthConfig
 from verifier_service.config import VerifierConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specd import featurehead
+from specd.engine import featurehead
 from specd.tools import distill_features
 
 

@@ -39,8 +39,8 @@ from test_engine_distribution import (
 )
 from transformers import LlamaForCausalLM
 
-from specd.sampling import truncate
-from specd.tasks import DraftProposal, DraftTask, SparseDist, VerifyTask
+from specd.engine.sampling import truncate
+from specd.engine.tasks import DraftProposal, DraftTask, SparseDist, VerifyTask
 
 Block = tuple[list[int], list[SparseDist]]
 

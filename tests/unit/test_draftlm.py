@@ -6,10 +6,10 @@ import pytest
 import tinymodels
 import torch
 
-from specd import checkpoints, draftlm
-from specd.params import SamplingParams
-from specd.sampling import probabilities
-from specd.tools import distill
+from specd.engine import checkpoints, draftlm
+from specd.engine.params import SamplingParams
+from specd.engine.sampling import probabilities
+from specd.tools import distill_data, distill_train
 
 
 def head(vocab=(5, 2, 9, 0), target_vocab=12, hidden=8, seed=0):
@@ -63,7 +63,7 @@ def test_save_and_load_with_a_borrowed_embedding(tmp_path, tok):
     target = tinymodels.build_model(0, len(tok), tok.bos_token_id, tok.eos_token_id, layers=3)
     target_dir = tinymodels.save(target, tok, tmp_path / "target")
     vocab = torch.tensor([tok.eos_token_id, *range(100, 163)])
-    student = distill.init_student(target, [0, 2], vocab)
+    student = distill_train.init_student(target, [0, 2], vocab)
     out = tmp_path / "drafter"
     draftlm.save(student, out, {"target": str(target_dir)}, borrow_embedding=True, dtype=torch.float32)
     tok.save_pretrained(out)
@@ -82,19 +82,19 @@ def test_save_and_load_with_a_borrowed_embedding(tmp_path, tok):
 
 
 def test_held_out_prompts_are_kept_out_of_training():
-    held = distill.held_out_prompts()
-    assert distill.too_close(held[0], held)
-    assert distill.too_close(held[0].upper() + "!", held)
-    assert not distill.too_close("Write a limerick about a robot learning to paint.", held)
-    prompts = distill.training_prompts("", seed=0)
+    held = distill_data.held_out_prompts()
+    assert distill_data.too_close(held[0], held)
+    assert distill_data.too_close(held[0].upper() + "!", held)
+    assert not distill_data.too_close("Write a limerick about a robot learning to paint.", held)
+    prompts = distill_data.training_prompts("", seed=0)
     assert len(prompts) > 1000
     assert not set(prompts) & set(held)
-    assert prompts == distill.training_prompts("", seed=0)
+    assert prompts == distill_data.training_prompts("", seed=0)
 
 
 def test_vocab_keeps_stop_tokens_and_takes_the_most_frequent():
     ex = {"tokens": torch.tensor([1, 2, 7, 7, 7, 8], dtype=torch.int32), "prompt_len": 2}
     ex["ids"] = torch.tensor([[7, 3], [7, 3], [7, 3], [8, 3]], dtype=torch.int32)
-    vocab = distill.choose_vocab([ex], 3, 20, {0})
+    vocab = distill_train.choose_vocab([ex], 3, 20, {0})
     assert vocab.tolist() == [0, 7, 8]
-    assert len(set(distill.choose_vocab([ex], 10, 20, {0}).tolist())) == 10
+    assert len(set(distill_train.choose_vocab([ex], 10, 20, {0}).tolist())) == 10

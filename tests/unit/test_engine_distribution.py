@@ -19,11 +19,11 @@ import torch
 from scipy import stats
 
 from drafter_service.engine import ModelDrafter
-from specd import sampling
-from specd.kvcache import BatchedCausalLM
-from specd.params import SamplingParams
-from specd.sampling import probabilities
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from specd.engine import sampling
+from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.params import SamplingParams
+from specd.engine.sampling import probabilities
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 
 CPU = torch.device("cpu")

@@ -7,9 +7,9 @@ import torch
 from tinymodels import backed_kv_bytes
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.errors import EngineError, ErrorKind
-from specd.params import SamplingParams
-from specd.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
+from specd.engine.errors import EngineError, ErrorKind
+from specd.engine.params import SamplingParams
+from specd.engine.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
 from verifier_service.engine import PROB_SUM_TOLERANCE, VerifierEngine
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -8,16 +8,16 @@ import tinymodels
 import torch
 
 from drafter_service.engine import ModelDrafter
-from gateway.hidden_log import HiddenLog
-from gateway.membership import DrafterMembership
-from gateway.round import draft_request, read_verdicts, verify_request
-from specd import checkpoints, draftlm, featurehead, hidden_states
-from specd.errors import ErrorKind
-from specd.featurehead import FeatureTrack
-from specd.kvcache import BatchedCausalLM
-from specd.params import SamplingParams
+from gateway.round.hidden_log import HiddenLog
+from gateway.round.membership import DrafterMembership
+from gateway.round.messages import draft_request, read_verdicts, verify_request
+from specd.engine import checkpoints, draftlm, featurehead, hidden_states, models
+from specd.engine.errors import ErrorKind
+from specd.engine.featurehead import FeatureTrack
+from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.params import SamplingParams
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 from specd.proto.speculative.v1 import verifier_pb2
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [5, 17, 42, 8, 99, 3, 250, 61]
@@ -125,7 +125,7 @@ def test_round_asks_for_hidden_states_and_forwards_the_new_ones_to_the_drafter()
     verdict = read_verdicts(request, reply, [seq])[0]
     assert (verdict.hidden_start, verdict.hidden_states) == (9, rows_for(range(9, 11)))
     seq.hidden.add(verdict.hidden_start, verdict.hidden_states)
-    from gateway.round import DraftItem
+    from gateway.round.messages import DraftItem
 
     task = draft_request(2, [DraftItem(seq, 4)], {}).tasks[0]
     assert (task.hidden_start, task.hidden_states) == (9, rows_for(range(9, 11)))
@@ -269,7 +269,7 @@ def test_feature_head_saves_and_loads_borrowing_the_targets_tensors(head, tiny_t
     out = tmp_path / "drafter"
     featurehead.save(head, out, {"target": str(target_dir), "seed": 0, "head_sha256": sha}, torch.float32, head_from)
     assert checkpoints.is_distilled(out)
-    loaded = draftlm.load(out, torch.float32, lambda spec: target_dir)
+    loaded = models.load_distilled(out, torch.float32, lambda spec: target_dir)
     ids = torch.tensor([PROMPT])
     feats = torch.randn(1, len(PROMPT), head.feature_size)
     with torch.inference_mode():
@@ -277,14 +277,14 @@ def test_feature_head_saves_and_loads_borrowing_the_targets_tensors(head, tiny_t
     other = tinymodels.build_model(99, int(tiny_target.config.vocab_size), 1, 2)
     other_dir = tinymodels.save(other, tok, tmp_path / "other")
     with pytest.raises(ValueError, match="borrows"):
-        draftlm.load(out, torch.float32, lambda spec: other_dir)
+        models.load_distilled(out, torch.float32, lambda spec: other_dir)
 
 
 def test_gateway_refuses_a_feature_drafter_trained_for_another_width(tok):
     from types import SimpleNamespace
 
     from gateway.backends import BackendError, check_compatible
-    from specd.fingerprint import TokenizerFingerprint
+    from specd.engine.fingerprint import TokenizerFingerprint
     from specd.proto.speculative.v1 import common_pb2
 
     fp = TokenizerFingerprint.of(tok)

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from specd.fingerprint import TokenizerFingerprint
+from specd.engine.fingerprint import TokenizerFingerprint
 
 
 def test_same_tokenizer_same_fingerprint(tok):

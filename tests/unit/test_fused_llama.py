@@ -12,10 +12,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from drafter_service.config import DrafterConfig
-from specd import fused_llama
-from specd.featurehead import FeatureHeadLM
-from specd.kvcache import BatchedCausalLM, Row
-from specd.quant import quantize_copy
+from specd.engine import fused_llama
+from specd.engine.featurehead import FeatureHeadLM
+from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.quant import quantize_copy
 from verifier_service import server as verifier_server
 from verifier_service.config import VerifierConfig
 

@@ -17,7 +17,7 @@ def test_the_gateway_and_its_tokenizer_load_without_torch(tmp_path: Path, tok, t
         "import sys\n"
         "import gateway.server\n"
         "print('torch' in sys.modules)\n"
-        "from specd import checkpoints\n"
+        "from specd.engine import checkpoints\n"
         f"checkpoints.load_tokenizer({str(saved)!r})\n"
         "print('torch' in sys.modules)\n"
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specd import checkpoints
+from specd.engine import checkpoints
 
 
 @pytest.fixture

@@ -5,14 +5,14 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
-from specd.checkpoints import (
+from specd.engine.checkpoints import (
     EMBEDDED_DRAFTER,
     _set_special_tokens,
     embedded_gguf_path,
     gguf_special_token_ids,
     load_tokenizer,
 )
-from specd.fingerprint import TokenizerFingerprint
+from specd.engine.fingerprint import TokenizerFingerprint
 
 
 def test_the_embedded_gguf_declares_smollm2_instruct_special_tokens():

@@ -17,11 +17,11 @@ import torch
 from tinymodels import device_under_test, on_test_device
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.grammar import JSON_OBJECT_SCHEMA, apply_mask, canonical, schema_problem
-from specd.kvcache import BatchedCausalLM
-from specd.params import SamplingParams
-from specd.sampling import gumbel_argmax, position_keys, probabilities
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from specd.engine.grammar import JSON_OBJECT_SCHEMA, apply_mask, canonical, schema_problem
+from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.params import SamplingParams
+from specd.engine.sampling import gumbel_argmax, position_keys, probabilities
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 
 CPU = torch.device("cpu")
@@ -252,7 +252,7 @@ def test_opened_mid_generation_the_grammar_consumes_what_was_generated(tok, tiny
 
 
 def test_gateway_turns_response_format_into_schema_text():
-    from gateway.validation import InvalidParameter, json_schema
+    from gateway.api.validation import InvalidParameter, json_schema
 
     assert json_schema(None) == "" and json_schema({"type": "text"}) == ""
     assert json.loads(json_schema({"type": "json_object"})) == {"type": "object"}

@@ -12,11 +12,11 @@ import grpc
 import pytest
 from api_harness import MODEL, Aborted, FakeContext
 
-from gateway.choices import choice_seed
+from gateway.api.choices import choice_seed
+from gateway.api.grpc_api import GatewayServicer
 from gateway.failures import GenerationError
-from gateway.grpc_api import GatewayServicer
-from gateway.scheduler import Delta, Failed, Finished, GenerationParams
-from specd.params import TokenLogprob
+from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams
+from specd.engine.params import TokenLogprob
 from specd.proto.speculative.v1 import gateway_pb2
 
 PROMPT_TOKENS = 3

@@ -11,10 +11,10 @@ import pytest
 from test_grammar import PARAMS, decode_under, generate, make_drafter, make_verifier, text_of
 
 from drafter_service.engine import NgramDrafter
-from gateway.validation import InvalidParameter, RequestedParams, generation_params
-from specd.grammar import GrammarError, choice_grammar, regex_grammar
-from specd.params import SamplingParams
-from specd.tasks import SequenceSpec
+from gateway.api.validation import InvalidParameter, RequestedParams, generation_params
+from specd.engine.grammar import GrammarError, choice_grammar, regex_grammar
+from specd.engine.params import SamplingParams
+from specd.engine.tasks import SequenceSpec
 
 # Digits as [0-9], not \d: \d means every Unicode digit, and the grammar engine's Unicode tables
 # are newer than Python's, so a random model finds digits (U+1CCF9) that `re` here does not know.

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from specd.head_product import HeadProduct, choose_rows
-from specd.quant import Int8WeightOnlyLinear
+from specd.engine.head_product import HeadProduct, choose_rows
+from specd.engine.quant import Int8WeightOnlyLinear
 
 
 def test_choose_rows_takes_the_transposed_product_only_where_it_is_clearly_faster():
@@ -47,7 +47,7 @@ def test_the_product_is_picked_by_row_count(monkeypatch):
 
 def test_calibration_measures_every_row_count_and_keeps_only_what_it_chose(caplog):
     product = HeadProduct(nn.Linear(64, 4096))
-    with caplog.at_level("INFO", logger="specd.head_product"):
+    with caplog.at_level("INFO", logger="specd.engine.head_product"):
         chosen = product.calibrate(6, repeats=1)
     assert chosen == product.transposed_rows
     assert chosen <= frozenset(range(1, 7))

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from drafter_service.engine import ModelDrafter
-from specd import kvcache
-from specd.kvcache import BatchedCausalLM, Row, SlotKVCache
-from specd.params import SamplingParams
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from specd.engine import kvcache
+from specd.engine.kvcache import BatchedCausalLM, Row, SlotKVCache
+from specd.engine.params import SamplingParams
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 
 CPU = torch.device("cpu")
@@ -42,7 +42,7 @@ def random_tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
 @pytest.mark.parametrize("slots", [(5, 0, 3), (1, 2, 3)], ids=["scattered", "contiguous"])
 def test_batched_rows_with_different_starts_and_lengths_match_full_recompute(tiny_target, vocab_size, slots, head):
     lm = BatchedCausalLM(tiny_target, CPU, torch.float32)
-    if head == "transposed":  # the LM head's other product (specd.head_product), at every row count
+    if head == "transposed":  # the LM head's other product (specd.engine.head_product), at every row count
         lm.head_product.transposed_rows = frozenset(range(1, 64))
     rng = random.Random(0)
     seqs = {slot: random_tokens(rng, 40, vocab_size) for slot in slots}

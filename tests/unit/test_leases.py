@@ -13,10 +13,10 @@ import pytest
 
 from drafter_service.engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.leases import Leases, engine_id, public_message
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
-from specd.serving import EngineRunner, ServiceMetrics, expire_leases
-from specd.tracing import Tracing
+from specd.rpc.leases import Leases, engine_id, public_message
+from specd.rpc.serving import EngineRunner, ServiceMetrics, expire_leases
+from specd.rpc.tracing import Tracing
 
 
 class Clock:

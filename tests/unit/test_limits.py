@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.limits import RateLimiter, api_key
+from gateway.api.limits import RateLimiter, api_key
 
 
 def test_api_key_is_the_bearer_token():

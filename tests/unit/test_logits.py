@@ -8,9 +8,9 @@ import pytest
 import torch
 from target_reference import adjust, penalized_greedy, raw_logprobs
 
-from specd.logits import penalize
-from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob, validate_penalties
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from specd.engine.logits import penalize
+from specd.engine.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob, validate_penalties
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [11, 22, 33, 44, 55, 11, 22, 901, 902]

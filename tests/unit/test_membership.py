@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.hidden_log import HiddenLog
-from gateway.membership import MAX_REJOINS, DrafterMembership, DrafterState, MembershipError
-from gateway.round import (
+from gateway.round.hidden_log import HiddenLog
+from gateway.round.membership import MAX_REJOINS, DrafterMembership, DrafterState, MembershipError
+from gateway.round.messages import (
     Block,
     DraftItem,
     ProtocolError,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from specd.ngram import propose
+from specd.engine.ngram import propose
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specd import noise
-from specd.sampling import gumbel_argmax, position_keys, spans_keys
+from specd.engine import noise
+from specd.engine.sampling import gumbel_argmax, position_keys, spans_keys
 
 MIN_P_VALUE = 1e-3
 CPU = torch.device("cpu")

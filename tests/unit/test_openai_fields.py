@@ -11,7 +11,7 @@ from api_harness import CHAT, COMPLETIONS, body_for, http_post
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-from gateway.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
+from gateway.api.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -13,13 +13,13 @@ from dataclasses import replace
 import pytest
 from synthetic_costs import MS, costs
 
-from gateway import pipeline_choice
-from gateway.observer import offered_text
-from gateway.pipeline_choice import MODES, Calibration, Overlap, RoundModel, concurrent
-from gateway.speculation import (
+from gateway.round import pipeline_choice
+from gateway.round.costs import CostModel
+from gateway.round.observer import offered_text
+from gateway.round.pipeline_choice import MODES, Calibration, Overlap, RoundModel, concurrent
+from gateway.round.speculation import (
     Candidate,
     Choice,
-    CostModel,
     HitRate,
     PolicyConfig,
     SpeculationPolicy,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.prefill_budget import FIRST_CHUNK, MIN_CHUNK, DrafterPrefillBudget
+from gateway.round.prefill_budget import FIRST_CHUNK, MIN_CHUNK, DrafterPrefillBudget
 
 MS = 1e6
 

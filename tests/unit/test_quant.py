@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from drafter_service.config import DrafterConfig
-from specd.quant import (
+from specd.engine.quant import (
     NEVER,
     Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,

@@ -7,9 +7,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specd.errors import EngineError
-from specd.params import SamplingParams
-from specd.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
+from specd.engine.errors import EngineError
+from specd.engine.params import SamplingParams
+from specd.engine.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [11, 22, 33, 44, 55, 11, 22]

@@ -14,8 +14,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specd.params import SamplingParams, validate_sampling
-from specd.sampling import (
+from specd.engine.params import SamplingParams, validate_sampling
+from specd.engine.sampling import (
     TOP_P_CANDIDATES,
     Verdict,
     coupled_verdict,
@@ -511,7 +511,7 @@ def test_greedy_property():
 
 
 def test_every_sampling_field_crosses_the_wire():
-    from specd.serving import sampling_from_pb, sampling_pb
+    from specd.rpc.serving import sampling_from_pb, sampling_pb
 
     params = SamplingParams(temperature=0.75, top_p=0.875, top_k=12, seed=99, min_p=0.25)
     assert sampling_from_pb(sampling_pb(params)) == params

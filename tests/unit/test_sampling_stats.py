@@ -18,9 +18,9 @@ import pytest
 import torch
 from scipy import stats
 
-from specd import sampling
-from specd.noise import noise_key
-from specd.sampling import (
+from specd.engine import sampling
+from specd.engine.noise import noise_key
+from specd.engine.sampling import (
     coupled_verdict,
     gumbel_argmax,
     rejection_sample,

@@ -11,9 +11,9 @@ from synthetic_costs import costs
 
 from gateway.backends import BackendError
 from gateway.failures import GenerationError
-from gateway.round import DraftItem
-from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
-from specd.params import SamplingParams
+from gateway.round.messages import DraftItem
+from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
+from specd.engine.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7], [11, 12], [20, 21, 22], [5, 5]]

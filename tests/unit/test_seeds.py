@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.params import SamplingParams
-from specd.sampling import gumbel_argmax, position_keys, probabilities
-from specd.tasks import DraftTask, SequenceSpec, VerifyTask
+from specd.engine.params import SamplingParams
+from specd.engine.sampling import gumbel_argmax, position_keys, probabilities
+from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 
 CPU = torch.device("cpu")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specd.params import LogprobsRequest, SamplingParams
-from specd.tasks import SequenceSpec, VerifyTask
+from specd.engine.params import LogprobsRequest, SamplingParams
+from specd.engine.tasks import SequenceSpec, VerifyTask
 
 PROMPT = [5, 9, 14, 2, 7, 7, 30, 11]
 OTHER = [3, 4, 5, 6]

@@ -8,14 +8,12 @@ import random
 import pytest
 from synthetic_costs import MS, costs
 
-from gateway.pipeline_choice import MODES as PIPELINES
-from gateway.speculation import (
+from gateway.round.costs import CostModel, LinearCost, SizedCost
+from gateway.round.pipeline_choice import MODES as PIPELINES
+from gateway.round.speculation import (
     Acceptance,
     Candidate,
-    CostModel,
-    LinearCost,
     PolicyConfig,
-    SizedCost,
     SpeculationPolicy,
     choose_ks,
     expected_tokens,

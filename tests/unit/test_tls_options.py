@@ -6,7 +6,7 @@ import pytest
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
-from specd.tls import ApiKeys, TlsConfigError, channel_credentials, server_credentials
+from specd.rpc.tls import ApiKeys, TlsConfigError, channel_credentials, server_credentials
 
 
 def test_api_keys_accept_only_bearer_with_a_listed_key():

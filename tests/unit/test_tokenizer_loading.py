@@ -13,8 +13,8 @@ import tinymodels
 from transformers import AutoTokenizer, TokenizersBackend
 from transformers.models.auto import tokenization_auto
 
-from specd import checkpoints
-from specd.fingerprint import TokenizerFingerprint
+from specd.engine import checkpoints
+from specd.engine.fingerprint import TokenizerFingerprint
 
 TEXTS = ["Hello  world\n\tX é", "<|im_start|>user\nhi<|im_end|>", "  leading spaces and 123 digits"]
 

@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 from api_harness import CHAT, ScriptedScheduler, body_for, http_post
 
-from gateway.tool_calls import NO_PARAMETERS, CallArrayStream, tool_choice
-from gateway.validation import InvalidParameter
+from gateway.api.tool_calls import NO_PARAMETERS, CallArrayStream, tool_choice
+from gateway.api.validation import InvalidParameter
 
 WEATHER = {
     "type": "object",
@@ -63,7 +63,7 @@ def test_required_forces_an_array_of_calls_to_the_declared_tools(parallel):
     assert len({c["id"] for c in calls}) == 2
 
 
-# Laid out as the grammar forces it (specd.grammar.JSON_OPTIONS): ", " and ": ", no other spaces.
+# Laid out as the grammar forces it (specd.engine.grammar.JSON_OPTIONS): ", " and ": ", no other spaces.
 ARRAY = (
     '[{"name": "weather", "parameters": {"city": "Os\\"lo} [", "unit": "c"}}, '
     '{"name": "time", "parameters": {}}, {"name": "weather", "parameters": {"nested": [{"a": [1, {}]}], "s": "]}"}}]'

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from api_harness import CHAT, ScriptedScheduler, body_for, http_post
 
-from gateway.tool_calls import tool_choice
-from gateway.tool_parsers import CallStream, ParserUnusable, check_tokenizer, read_calls
+from gateway.api.tool_calls import tool_choice
+from gateway.api.tool_parsers import CallStream, ParserUnusable, check_tokenizer, read_calls
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},

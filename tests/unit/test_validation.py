@@ -11,8 +11,8 @@ import grpc
 import pytest
 from api_harness import CHAT, COMPLETIONS, MODEL, body_for, grpc_generate, grpc_generate_stream, http_post
 
-from gateway.validation import RequestedParams, generation_params
-from specd.params import LogprobsRequest
+from gateway.api.validation import RequestedParams, generation_params
+from specd.engine.params import LogprobsRequest
 
 NO_GRPC = None  # the proto's own type cannot carry this value
 NO_HTTP = None  # a gRPC-only parameter (HTTP's echo is its completions-only form)
@@ -185,7 +185,7 @@ def test_good_values_reach_the_scheduler_identically_from_both_apis(tok):
 
 
 def test_validator_is_the_one_place_ranges_live():
-    from gateway.validation import InvalidParameter
+    from gateway.api.validation import InvalidParameter
 
     with pytest.raises(InvalidParameter) as info:
         generation_params(RequestedParams(top_k=2**31), vocab_size=10)

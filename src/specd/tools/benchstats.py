@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.speculation import leviathan_speedup
+from gateway.round.speculation import leviathan_speedup
 from specd.tools.traces import percentile
 
 QUANTILES = (50, 95, 99)

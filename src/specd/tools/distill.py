@@ -1,6 +1,6 @@
 """`specd distill`: train a cheap drafter for a target on the target's own outputs.
 
-The drafter (see specd.draftlm) is a shallow model of the target's architecture:
+The drafter (see specd.engine.draftlm) is a shallow model of the target's architecture:
 a few of the target's decoder layers (copied, then trained), the target's input
 embedding (frozen; borrowed from the target at load time unless --embedding copy)
 and an LM head over the K tokens the target emits most often (initialised from
@@ -27,29 +27,29 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
-import math
 import random
-import re
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Sequence
-from importlib import resources
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
-from specd import checkpoints, draftlm, featurehead, models
-from specd.kvcache import BatchedCausalLM, Row
+from specd.engine import checkpoints, draftlm, featurehead, models
 from specd.placement import cpu_model
-from specd.tools.workloads import prompts_for
-
-STATE = "state.json"
-CKPT = "train.pt"
+from specd.tools import distill_features
+from specd.tools.distill_data import Work, default_work_dir, load_examples, phase_data, stop_ids
+from specd.tools.distill_train import (
+    choose_vocab,
+    eval_references,
+    evaluate,
+    init_student,
+    layer_indices,
+    phase_train,
+    step_ms,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--design",
         choices=["feature-head", "shallow"],
         default="feature-head",
-        help="feature-head: one layer reading the target's hidden states (EAGLE-style, specd.featurehead); "
+        help="feature-head: one layer reading the target's hidden states (EAGLE-style, specd.engine.featurehead); "
         "shallow: --layers of the target's own layers, reading tokens only",
     )
     p.add_argument("--layers", default="first,last", help="shallow design: target layers copied (indices)")
@@ -94,485 +94,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # -- prompts ---------------------------------------------------------------
-
-
-def _words(text: str) -> set[str]:
-    return set(re.findall(r"[a-z0-9']+", text.lower()))
-
-
-def too_close(prompt: str, held_out: Sequence[str], threshold: float = 0.5) -> bool:
-    """Whether `prompt` shares most of its words with a held-out prompt (Jaccard >= threshold)."""
-    words = _words(prompt)
-    for other in held_out:
-        theirs = _words(other)
-        union = words | theirs
-        if union and len(words & theirs) / len(union) >= threshold:
-            return True
-    return False
-
-
-def held_out_prompts() -> list[str]:
-    from specd.tools.workloads import workload_names
-
-    return [p for name in workload_names() for p in prompts_for(name)]
-
-
-def training_prompts(path: str, seed: int) -> list[str]:
-    if path:
-        text = Path(path).read_text(encoding="utf-8")
-    else:
-        text = resources.files("specd.tools").joinpath("data/distill_prompts.json").read_text(encoding="utf-8")
-    prompts: list[str] = []
-    if path.endswith(".jsonl"):
-        for line in text.splitlines():
-            if line.strip():
-                row = json.loads(line)
-                prompts.append(row["prompt"] if "prompt" in row else row["messages"][-1]["content"])
-    else:
-        data = json.loads(text)
-        for group in data.get("groups", []):
-            prompts += [t.format(x=x) for t in group["templates"] for x in group["subjects"]]
-        prompts += data.get("standalone", [])
-    held = held_out_prompts()
-    kept = sorted({p for p in prompts if not too_close(p, held)})
-    random.Random(seed).shuffle(kept)
-    return kept
-
-
-# -- generation --------------------------------------------------------------
-
-
-def chat_ids(tok: Any, prompt: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    return list(tok(text, add_special_tokens=False).input_ids)
-
-
-def stop_ids(tok: Any) -> set[int]:
-    ids = {tok.eos_token_id}
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tok.unk_token_id:
-        ids.add(im_end)
-    return {i for i in ids if i is not None}
-
-
-@torch.inference_mode()
-def generate(
-    model: Any,
-    prefixes: list[list[int]],
-    temperatures: list[float],
-    max_new: int,
-    stops: set[int],
-    top_k: int,
-    gen: torch.Generator,
-    top_p: float = 0.95,
-) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """Answer every prefix at once; per row: tokens, and the top-k ids and logits that chose each token.
-
-    Runs on the services' BatchedCausalLM: a preallocated per-slot KV cache (no copy per step) where
-    rows of different lengths share each forward and finished rows drop out.
-    """
-    dtype = next(model.parameters()).dtype
-    b = len(prefixes)
-    lengths = [len(p) for p in prefixes]
-    # Bounded to what this batch can reach: one slot per prefix, its prompt and answer.
-    lm = BatchedCausalLM(model, torch.device("cpu"), dtype, max_slots=b, max_positions=max(lengths) + max_new)
-    logits = torch.cat(lm.forward([Row(i, 0, list(p), len(p) - 1) for i, p in enumerate(prefixes)]))
-    temps = torch.tensor(temperatures, dtype=torch.float32)
-    live = list(range(b))
-    tokens: list[list[int]] = [[] for _ in range(b)]
-    top_ids: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    top_vals: list[list[torch.Tensor]] = [[] for _ in range(b)]
-    for _ in range(max_new):
-        tv, ti = logits.topk(top_k, dim=-1)
-        nxt = logits.argmax(-1)
-        t_live = temps[live]
-        sampled = (t_live > 0).nonzero().flatten()
-        if sampled.numel():
-            x = logits[sampled] / t_live[sampled, None]
-            sv, si = x.sort(dim=-1, descending=True)
-            probs = sv.softmax(-1)
-            probs = probs.masked_fill(probs.cumsum(-1) - probs > top_p, 0.0)
-            pick = torch.multinomial(probs, 1, generator=gen).flatten()
-            nxt[sampled] = si.gather(1, pick[:, None]).flatten()
-        keep = []
-        for j, r in enumerate(live):
-            t = int(nxt[j])
-            tokens[r].append(t)
-            top_ids[r].append(ti[j].to(torch.int32))
-            top_vals[r].append(tv[j].to(torch.float16))
-            if t not in stops:
-                keep.append(r)
-        if not keep:
-            break
-        rows = []
-        for r in keep:
-            rows.append(Row(r, lengths[r], [tokens[r][-1]], 0))
-            lengths[r] += 1
-        live = keep
-        logits = torch.cat(lm.forward(rows))
-    return [(tokens[i], torch.stack(top_ids[i]), torch.stack(top_vals[i])) for i in range(b)]
-
-
-def self_instruct(model: Any, tok: Any, n: int, stops: set[int], gen: torch.Generator, held: list[str]) -> list[str]:
-    """User turns the target writes itself: sampled after the chat template's opening."""
-    system = tok.apply_chat_template([{"role": "user", "content": "X"}], tokenize=False)
-    opening = system[: system.index("X")]
-    prefix = list(tok(opening, add_special_tokens=False).input_ids)
-    answers = generate(model, [prefix] * n, [1.0] * n, 48, stops, 1, gen)
-    prompts = []
-    for tokens, _, _ in answers:
-        if not tokens or tokens[-1] not in stops:
-            continue
-        text = tok.decode(tokens[:-1], skip_special_tokens=True).strip()
-        if 3 <= len(text.split()) <= 60 and not too_close(text, held):
-            prompts.append(text)
-    return prompts
-
-
-# -- state -------------------------------------------------------------------
-
-
-class Work:
-    """The work directory: a JSON state, data shards and the training checkpoint."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
-        f = path / STATE
-        self.state: dict[str, Any] = json.loads(f.read_text()) if f.is_file() else {}
-
-    def save(self) -> None:
-        tmp = self.path / (STATE + ".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2))
-        tmp.replace(self.path / STATE)
-
-    def shards(self) -> list[Path]:
-        return sorted(self.path.glob("data-*.pt"))
-
-    def add_time(self, phase: str, seconds: float) -> None:
-        times = self.state.setdefault("seconds", {})
-        times[phase] = times.get(phase, 0.0) + seconds
-        self.save()
-
-    def seconds(self, phase: str) -> float:
-        return float(self.state.get("seconds", {}).get(phase, 0.0))
-
-
-def default_work_dir(args: argparse.Namespace) -> Path:
-    key = hashlib.sha256(f"{Path(args.out).resolve()}|{args.target}|{args.seed}".encode()).hexdigest()[:12]
-    return checkpoints.cache_dir() / "distill" / f"{Path(args.out).name}-{key}"
-
-
-def phase_data(args: argparse.Namespace, work: Work, target: Any, tok: Any, seconds: float) -> None:
-    stops = stop_ids(tok)
-    held = held_out_prompts()
-    written = work.state.setdefault("prompts", training_prompts(args.prompts, args.seed))
-    work.save()
-    done = work.seconds("data")
-    bar = tqdm(total=round(seconds), initial=min(round(done), round(seconds)), unit="s", desc="data", file=sys.stderr)
-    batch_i = len(work.shards())
-    while done < seconds:
-        start = time.monotonic()
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + batch_i)
-        rng = random.Random(args.seed * 7919 + batch_i)
-        n_self = round(args.gen_batch * args.self_instruct)
-        prompts = self_instruct(target, tok, n_self, stops, gen, held) if n_self else []
-        n_written_by_target = len(prompts)
-        cursor = work.state.get("cursor", 0)
-        while len(prompts) < args.gen_batch:
-            prompts.append(written[cursor % len(written)])
-            cursor += 1
-        temps = [args.temperature if rng.random() < args.sampled_share else 0.0 for _ in prompts]
-        if cursor > len(written):  # a second pass over the written prompts: sample them all
-            temps = [args.temperature] * len(prompts)
-        prefixes = [chat_ids(tok, p) for p in prompts]
-        answers = generate(target, prefixes, temps, args.max_new_tokens, stops, args.top_k, gen)
-        examples = [
-            {"tokens": torch.tensor(pre + ans, dtype=torch.int32), "prompt_len": len(pre), "ids": ti, "logits": tv}
-            for pre, (ans, ti, tv) in zip(prefixes, answers, strict=True)
-        ]
-        shard = {"examples": examples, "prompts": prompts, "temperatures": temps}
-        torch.save(shard, work.path / f"data-{batch_i:05d}.pt")
-        batch_i += 1
-        work.state["cursor"] = cursor
-        elapsed = time.monotonic() - start
-        work.add_time("data", elapsed)
-        done += elapsed
-        work.state["answer_tokens"] = work.state.get("answer_tokens", 0) + sum(len(a[0]) for a in answers)
-        work.state["answers"] = work.state.get("answers", 0) + len(answers)
-        work.state["self_instruct"] = work.state.get("self_instruct", 0) + n_written_by_target
-        work.save()
-        bar.update(min(round(elapsed), bar.total - bar.n))
-        bar.set_postfix(answers=work.state["answers"], tokens=work.state["answer_tokens"])
-    bar.close()
-
-
-def load_examples(work: Work) -> list[dict[str, Any]]:
-    examples = []
-    for shard in work.shards():
-        examples += torch.load(shard)["examples"]
-    return examples
-
-
-def choose_vocab(examples: list[dict[str, Any]], size: int, vocab_size: int, stops: set[int]) -> torch.Tensor:
-    """The `size` target ids the target most often puts first (its greedy choices), stop tokens always in."""
-    counts: Counter[int] = Counter()
-    for ex in examples:
-        counts.update(ex["ids"][:, 0].tolist())
-        counts.update(ex["tokens"][ex["prompt_len"] :].tolist())
-    size = min(size, vocab_size)
-    chosen = [t for t in stops if t < vocab_size]
-    for t, _ in counts.most_common():
-        if len(chosen) >= size:
-            break
-        if t not in chosen:
-            chosen.append(t)
-    if len(chosen) < size:  # fewer distinct tokens seen than K: fill with the rest, by id
-        seen = set(chosen)
-        chosen += [t for t in range(vocab_size) if t not in seen][: size - len(chosen)]
-    return torch.tensor(chosen, dtype=torch.long)
-
-
-# -- the student -------------------------------------------------------------
-
-
-def layer_indices(spec: str, num_layers: int) -> list[int]:
-    names = {"first": 0, "last": num_layers - 1}
-    out = [names[part.strip()] if part.strip() in names else int(part) for part in spec.split(",")]
-    if not out or any(not 0 <= i < num_layers for i in out):
-        raise ValueError(f"--layers {spec!r}: indices must lie in [0, {num_layers})")
-    return out
-
-
-def init_student(target: Any, layers: list[int], vocab: torch.Tensor) -> Any:
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = len(layers)
-    for attr in ("layer_types",):
-        if isinstance(getattr(config, attr, None), list):
-            setattr(config, attr, [getattr(config, attr)[i] for i in layers])
-    embedding = target.get_input_embeddings().weight.detach().float().clone()
-    student = draftlm.build_model(config, vocab, embedding)
-    with torch.no_grad():
-        for dst, src in zip(student.model.layers, layers, strict=True):
-            state = {k: v.float() for k, v in target.model.layers[src].state_dict().items()}
-            dst.load_state_dict(state)
-        student.model.norm.load_state_dict({k: v.float() for k, v in target.model.norm.state_dict().items()})
-        student.lm_head.weight.copy_(target.get_output_embeddings().weight.detach().float()[vocab])
-    for i, layer in enumerate(student.model.layers):
-        if hasattr(layer, "self_attn") and hasattr(layer.self_attn, "layer_idx"):
-            layer.self_attn.layer_idx = i
-    return student.float()
-
-
-def batches(examples: list[dict[str, Any]], batch_tokens: int, rng: random.Random) -> list[list[int]]:
-    """Index batches of similar lengths, each at most `batch_tokens` padded tokens, in random order."""
-    order = list(range(len(examples)))
-    rng.shuffle(order)
-    out = []
-    for chunk_start in range(0, len(order), 256):
-        chunk = sorted(order[chunk_start : chunk_start + 256], key=lambda i: len(examples[i]["tokens"]))
-        cur: list[int] = []
-        longest = 0
-        for i in chunk:
-            n = len(examples[i]["tokens"])
-            if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
-                out.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, n)
-        if cur:
-            out.append(cur)
-    rng.shuffle(out)
-    return out
-
-
-def loss_of(student: Any, examples: list[dict[str, Any]], index: torch.Tensor, hard_weight: float) -> torch.Tensor:
-    length = max(len(ex["tokens"]) for ex in examples)
-    ids = torch.zeros((len(examples), length), dtype=torch.long)
-    attn = torch.zeros((len(examples), length), dtype=torch.long)
-    bi, pj, tid, tval = [], [], [], []
-    for b, ex in enumerate(examples):
-        n = len(ex["tokens"])
-        ids[b, :n] = ex["tokens"].long()
-        attn[b, :n] = 1
-        p, m = ex["prompt_len"], len(ex["ids"])
-        bi.append(torch.full((m,), b))
-        pj.append(torch.arange(p - 1, p - 1 + m))
-        tid.append(ex["ids"].long())
-        tval.append(ex["logits"].float())
-    hidden = student.model(input_ids=ids, attention_mask=attn).last_hidden_state
-    h = hidden[torch.cat(bi), torch.cat(pj)]
-    logp = student.lm_head.draft_logits(h).float().log_softmax(-1)
-    tid_all, tval_all = torch.cat(tid), torch.cat(tval)
-    didx = index[tid_all]
-    inside = didx >= 0
-    teacher = tval_all.masked_fill(~inside, float("-inf"))
-    usable = inside.any(-1)
-    p = teacher[usable].softmax(-1)
-    lp = logp[usable].gather(1, didx[usable].clamp(min=0))
-    soft = -(p * lp.masked_fill(~inside[usable], 0.0)).sum(-1).mean()
-    first = didx[:, 0]
-    hard_rows = first >= 0
-    hard = -logp[hard_rows].gather(1, first[hard_rows, None]).mean() if hard_rows.any() else soft * 0
-    return (1 - hard_weight) * soft + hard_weight * hard
-
-
-def phase_train(
-    args: argparse.Namespace, work: Work, student: Any, examples: list[dict[str, Any]], seconds: float
-) -> dict[str, Any]:
-    """Train the shallow design: cross-entropy to the target's top-k distribution and its argmax."""
-    index = draftlm.target_index(student.lm_head.draft_vocab, student.config.vocab_size)
-
-    def step_loss(chosen: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-        return loss_of(student, [examples[i] for i in chosen], index, args.hard_weight), {}
-
-    return train_loop(args, work, student, examples, seconds, step_loss, {draftlm.EMBEDDING_KEY}, (0.9, 0.98))
-
-
-def train_loop(
-    args: argparse.Namespace,
-    work: Work,
-    model: Any,
-    examples: list[dict[str, Any]],
-    seconds: float,
-    step_loss: Callable[[list[int]], tuple[torch.Tensor, dict[str, float]]],
-    frozen: set[str],
-    betas: tuple[float, float],
-) -> dict[str, Any]:
-    """AdamW with warm-up and a cosine schedule over the time budget (or --max-steps), batches of
-    similar lengths, resumable from the work directory's checkpoint (which leaves out `frozen`).
-
-    `step_loss(example indices)` returns a batch's loss and figures to show beside it."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=betas)
-    ckpt = work.path / CKPT
-    step, epoch, pos, tokens_seen = 0, 0, 0, 0
-    losses: list[float] = []
-    if ckpt.is_file():
-        saved = torch.load(ckpt)
-        model.load_state_dict(saved["model"], strict=False)
-        opt.load_state_dict(saved["opt"])
-        step, epoch, pos, tokens_seen = saved["step"], saved["epoch"], saved["pos"], saved["tokens"]
-        losses = saved.get("losses", [])
-    done = work.seconds("train")
-    autocast = args.train_dtype == "bfloat16"
-
-    def save_ckpt() -> None:
-        trainable = {k: v for k, v in model.state_dict().items() if k not in frozen}
-        state = {"model": trainable, "opt": opt.state_dict(), "step": step, "epoch": epoch, "pos": pos}
-        torch.save({**state, "tokens": tokens_seen, "losses": losses}, work.path / (CKPT + ".tmp"))
-        (work.path / (CKPT + ".tmp")).replace(ckpt)
-
-    model.train()
-    bar = tqdm(total=round(seconds), initial=min(round(done), round(seconds)), unit="s", desc="train", file=sys.stderr)
-    last_ckpt = time.monotonic()
-    plan = batches(examples, args.batch_tokens, random.Random(args.seed * 31 + epoch))
-    shown: dict[str, list[float]] = {}
-    while done < seconds and (not args.max_steps or step < args.max_steps):
-        if pos >= len(plan):
-            epoch, pos = epoch + 1, 0
-            plan = batches(examples, args.batch_tokens, random.Random(args.seed * 31 + epoch))
-        start = time.monotonic()
-        frac = min(1.0, done / seconds) if not args.max_steps else step / args.max_steps
-        lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        chosen = plan[pos]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss, figures = step_loss(chosen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step, pos = step + 1, pos + 1
-        tokens_seen += sum(len(examples[i]["ids"]) for i in chosen)
-        losses.append(round(float(loss.detach()), 4))
-        elapsed = time.monotonic() - start
-        done += elapsed
-        work.add_time("train", elapsed)
-        bar.update(min(round(done) - bar.n, bar.total - bar.n))
-        for name, value in {"loss": losses[-1], **figures}.items():
-            shown.setdefault(name, []).append(value)
-        recent = {name: f"{sum(v[-20:]) / len(v[-20:]):.3f}" for name, v in shown.items()}
-        bar.set_postfix(step=step, epoch=epoch, lr=f"{lr:.1e}", **recent)
-        if time.monotonic() - last_ckpt > args.checkpoint_minutes * 60:
-            save_ckpt()
-            last_ckpt = time.monotonic()
-    bar.close()
-    save_ckpt()
-    model.eval()
-    epochs = epoch + pos / max(1, len(plan))
-    return {"steps": step, "epochs": epochs, "answer_tokens_seen": tokens_seen, "losses": losses}
-
-
-# -- evaluation ---------------------------------------------------------------
-
-
-def eval_references(args: argparse.Namespace, work: Work, tok: Any) -> list[tuple[list[int], list[int]]]:
-    """The float32 target's greedy answers to the held-out prompts: (prompt ids, answer ids)."""
-    path = work.path / f"eval-{args.eval_workload}-{args.eval_max_tokens}.pt"
-    if path.is_file():
-        return torch.load(path)
-    target = models.load_model(args.target, torch.device("cpu"), torch.float32)
-    prompts = list(prompts_for(args.eval_workload))
-    prefixes = [chat_ids(tok, p) for p in prompts]
-    refs = []
-    for i in range(0, len(prefixes), 16):
-        part = prefixes[i : i + 16]
-        answers = generate(target, part, [0.0] * len(part), args.eval_max_tokens, stop_ids(tok), 1, torch.Generator())
-        refs += [(pre, ans[0]) for pre, ans in zip(part, answers, strict=True)]
-    torch.save(refs, path)
-    return refs
-
-
-@torch.inference_mode()
-def evaluate(student: Any, refs: list[tuple[list[int], list[int]]], dtype: torch.dtype, k: int = 4) -> dict[str, Any]:
-    """Teacher-forced agreement with the target's greedy answers, and acceptance simulated at k drafts a round."""
-    model = copy.deepcopy(student).to(dtype).eval()
-    matches_all: list[list[bool]] = []
-    for prompt, answer in refs:
-        ids = torch.tensor([prompt + answer])
-        hidden = model.model(input_ids=ids).last_hidden_state[0]
-        logits = model.lm_head(hidden[len(prompt) - 1 : len(prompt) - 1 + len(answer)])
-        matches_all.append((logits.argmax(-1) == torch.tensor(answer)).tolist())
-    agree = sum(sum(m) for m in matches_all) / max(1, sum(len(m) for m in matches_all))
-    drafted = accepted = rounds = 0
-    per_pos = [[0, 0] for _ in range(k)]
-    for m in matches_all:
-        t = 1  # the stack's first round of a sequence is target-only
-        while t < len(m):
-            n = min(k, len(m) - t)
-            acc = 0
-            while acc < n and m[t + acc]:
-                acc += 1
-            for j in range(min(n, acc + 1)):
-                per_pos[j][0] += 1
-                per_pos[j][1] += j < acc
-            drafted, accepted, rounds = drafted + n, accepted + acc, rounds + 1
-            t += acc + 1
-    return {
-        "prompts": len(refs),
-        "answer_tokens": sum(len(m) for m in matches_all),
-        "per_token_agreement": round(agree, 4),
-        f"acceptance_rate_k{k}": round(accepted / max(1, drafted), 4),
-        f"mean_acceptance_length_k{k}": round(1 + accepted / max(1, rounds), 3),
-        f"per_position_k{k}": [round(a / max(1, d), 4) for d, a in per_pos],
-    }
-
-
-def step_ms(model: Any, dtype: torch.dtype, n: int = 30) -> float:
-    """Median time of one single-sequence decode step through the drafter service's BatchedCausalLM."""
-    lm = BatchedCausalLM(model, torch.device("cpu"), dtype, max_slots=1, max_positions=128 + n)
-    lm.forward([Row(0, 0, list(range(100, 228)), 127)])
-    times = []
-    for i in range(n):
-        start = time.perf_counter()
-        lm.forward([Row(0, 128 + i, [100 + i], 0)])
-        times.append(time.perf_counter() - start)
-    return sorted(times)[n // 2] * 1e3
-
-
-# -- output ------------------------------------------------------------------
 
 
 def model_card(args: argparse.Namespace, report: dict[str, Any]) -> str:
@@ -650,7 +171,7 @@ def _model_lines(args: argparse.Namespace, report: dict[str, Any], embedding: st
     )
     if report["design"] == "feature-head":
         return [
-            "- Model: a feature head (specd.featurehead, EAGLE-style): at position j it reads token j and the "
+            "- Model: a feature head (specd.engine.featurehead, EAGLE-style): at position j it reads token j and the "
             "target's last hidden state at j - 1 (zeros inside the prompt), fuses them with one linear layer, "
             "and runs one decoder layer of the target's architecture (initialised from the target's last) and "
             f"its final norm; the output, a prediction of the target's hidden state at j, goes through {vocab}. "
@@ -704,8 +225,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     examples = load_examples(work)
     if not examples:
         raise SystemExit("specd distill: no training data was generated within the budget")
-    from specd.tools import distill_features  # it builds on this module's data phase
-
     feats = distill_features.phase_features(work, teacher) if args.design == "feature-head" else []
     del teacher
     target = models.load_model(args.target, torch.device("cpu"), torch.float32)

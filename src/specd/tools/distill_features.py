@@ -1,4 +1,4 @@
-"""`specd distill --design feature-head`: train a feature drafter (specd.featurehead).
+"""`specd distill --design feature-head`: train a feature drafter (specd.engine.featurehead).
 
 Phases after the shared data phase (specd.tools.distill), each resumable:
 
@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specd import featurehead
-from specd.tools.distill import Work, train_loop
+from specd.engine import featurehead
+from specd.tools.distill_data import Work
+from specd.tools.distill_train import train_loop
 
 FEATURES = "features-{:05d}.pt"
 # Share of the positions of the second pass fed the head's own prediction rather than the target's.

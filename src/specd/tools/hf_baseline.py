@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from specd.checkpoints import load_tokenizer
-from specd.models import load_model, parse_device, parse_dtype
-from specd.quant import quantize_copy
+from specd.engine.checkpoints import load_tokenizer
+from specd.engine.models import load_model, parse_device, parse_dtype
+from specd.engine.quant import quantize_copy
 from specd.tools.benchstats import RequestResult
 
 

@@ -1,0 +1,1 @@
+"""The gateway's client-facing APIs: OpenAI-compatible HTTP and gRPC, their request models and validation."""

@@ -1,0 +1,521 @@
+"""OpenAI-compatible HTTP API over the scheduler (FastAPI)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.api import tool_calls, tool_parsers
+from gateway.api.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
+from gateway.api.limits import RateLimiter, api_key
+from gateway.api.logprob_format import TokenTexts, chat_content, completion_logprobs
+from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Request
+from gateway.api.tool_calls import ToolChoice
+from gateway.api.validation import InvalidParameter, choices, encode_prompt
+from gateway.failures import GenerationError, failure_kind
+from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
+from specd.engine.params import TokenLogprob
+
+
+def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    kind = failure_kind(status)
+    body = {"error": {"message": message, "type": kind.openai_type, "param": param, "code": code}}
+    headers = {"Retry-After": "1"} if kind.retry else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class OpenAIApi:
+    """Routes and handlers; `health` reports backend readiness."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        model_name: str,
+        health: Any,
+        limiter: RateLimiter | None = None,
+        max_n: int = 8,
+        tool_parser: str = "",
+    ) -> None:
+        self.scheduler = scheduler
+        # Reads the calls of tool_choice "auto" out of the model's text; "" refuses "auto".
+        self.tool_parser = tool_parser
+        # The most choices (n, best_of) one request may ask for: each is a sequence of its own.
+        self.max_n = max_n
+        self.limiter = limiter or RateLimiter(0)
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.health = health
+        self.created = int(time.time())
+        self.texts = TokenTexts(tokenizer)
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="specd gateway", version="0.1.0")
+        app.add_exception_handler(RequestValidationError, self._invalid)
+        app.add_exception_handler(StarletteHTTPException, self._http_error)
+        if self.limiter.enabled:
+            app.middleware("http")(self._rate_limit)
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/health", self.health_check, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        return app
+
+    # -- errors ----------------------------------------------------------
+    async def _invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, "the request body is not valid JSON", "invalid_json")
+        if first.get("type") == "extra_forbidden":
+            name = ".".join(loc)
+            return error_response(
+                400,
+                f"unknown parameter {name!r}: specd refuses parameters it does not implement "
+                "rather than ignore them (README lists every parameter)",
+                "unknown_parameter",
+                name,
+            )
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors
+        )
+        return error_response(400, message, "invalid_value", ".".join(loc) or None)
+
+    async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    async def _rate_limit(self, request: Request, call_next: Any) -> Response:
+        limited = request.method == "POST" and request.url.path.startswith("/v1/")
+        if limited and not await self.limiter.allow(api_key(request.headers.get("authorization"))):
+            return error_response(
+                429, f"rate limit of {self.limiter.rate:g} requests/s for this API key", "rate_limit_exceeded"
+            )
+        return await call_next(request)
+
+    # -- routes ----------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}],
+        }
+
+    async def metrics(self) -> Response:
+        return Response(self.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def health_check(self) -> Response:
+        status = await self.health()
+        return JSONResponse(status, status_code=200 if status.get("status") == "ok" else 503)
+
+    def _check_model(self, name: str) -> JSONResponse | None:
+        if name != self.model_name:
+            return error_response(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
+        return None
+
+    def _submit(
+        self, prompt: list[int], group: list[GenerationParams], request: Request
+    ) -> list[_Sequence] | JSONResponse:
+        # A client's own W3C trace context makes the request span a child of its span.
+        carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+        try:
+            return self.scheduler.submit_group(prompt, group, carrier)
+        except GenerationError as exc:
+            return error_response(exc.status, exc.message, exc.code)
+
+    def _params(self, body: _Request) -> tuple[GenerationParams, Choices]:
+        """The body's generation parameters and choices; raises InvalidParameter for anything refused."""
+        refused = body.refused()
+        if refused is not None:
+            raise refused
+        params = body.generation_params(len(self.tokenizer))
+        return params, choices(body.requested(), self.max_n, bool(body.stream))
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        if (problem := body.prompt_problem()) is not None:
+            raise problem
+        if isinstance(body.prompt, str):
+            return encode_prompt(self.tokenizer, body.prompt)
+        if isinstance(body.prompt[0], str):
+            return encode_prompt(self.tokenizer, body.prompt[0])
+        prompt = [t for t in body.prompt if isinstance(t, int)]  # token ids
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {vocab})")
+        return prompt
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        if (bad := self._check_model(body.model)) is not None:
+            return bad
+        try:
+            prompt = self._completion_prompt(body)
+            params, wanted = self._params(body)
+        except InvalidParameter as exc:
+            return invalid(exc)
+        seqs = self._submit(prompt, choice_params(params, wanted), request)
+        if isinstance(seqs, JSONResponse):
+            return seqs
+        ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
+        # Characters of each choice's text so far, for logprobs' text_offset.
+        offsets = [0] * len(seqs)
+
+        def chunk(index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None) -> dict[str, Any]:
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = completion_logprobs(lps or [], self.texts, offsets[index])
+            offsets[index] += len(text)
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {
+                "id": ident,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [choice],
+            }
+
+        def echoed(index: int) -> dict[str, Any]:
+            """The prompt as the choice's first text, with its logprobs when asked for."""
+            out = chunk(index, echo, None)
+            if params.logprobs is not None and params.logprobs.prompt:
+                # Choice 0 asked the verifier for them; the prompt is every choice's.
+                out["choices"][0]["logprobs"] = completion_logprobs(
+                    seqs[0].prompt_logprobs, self.texts, 0, unscored_first=prompt[0]
+                )
+            return out
+
+        if body.stream:
+            return self._sse(seqs, request, chunk, echoed if echo else None, body.include_usage)
+        outcomes = await self._collect(seqs, request)
+        if isinstance(outcomes, JSONResponse):
+            return outcomes
+        out: list[dict[str, Any]] = []
+        for index, outcome in enumerate(best(outcomes, wanted)):
+            offsets[index] = 0
+            head = echoed(index)["choices"][0] if echo else None
+            choice = chunk(index, outcome.text, outcome.finished.reason, outcome.logprobs)["choices"][0]
+            if head is not None:
+                choice["text"] = head["text"] + outcome.text
+                if choice["logprobs"] is not None:
+                    choice["logprobs"] = {k: head["logprobs"][k] + v for k, v in choice["logprobs"].items()}
+            out.append(choice)
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": out,
+                "usage": usage(outcomes),
+            }
+        )
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        if (bad := self._check_model(body.model)) is not None:
+            return bad
+        try:
+            if (problem := body.messages_problem()) is not None:
+                raise problem
+            params, wanted = self._params(body)
+        except InvalidParameter as exc:
+            return invalid(exc)
+        tools = body.tool_choice_spec  # checked with the other parameters above
+        if tools is not None and tools.mode == "auto" and not self.tool_parser:
+            return invalid(
+                InvalidParameter(
+                    "tool_choice",
+                    'tool_choice "auto" (the default when tools are given) reads calls out of the text the '
+                    "model writes, and this gateway was started without --tool-call-parser (hermes: "
+                    '<tool_call> blocks, as Qwen2.5, Qwen3 and Hermes 2 Pro write them): send tool_choice "required" '
+                    'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
+                )
+            )
+        messages = [m.for_template() for m in body.messages]
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tools=body.template_tools(), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template may reject some role orders
+            return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
+        # The template already wrote the special tokens.
+        try:
+            prompt = encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False)
+        except InvalidParameter as exc:
+            return invalid(exc)
+        seqs = self._submit(prompt, choice_params(params, wanted), request)
+        if isinstance(seqs, JSONResponse):
+            return seqs
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def logprobs(lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+            if params.logprobs is None:
+                return None
+            return {"content": chat_content(lps or [], self.texts), "refusal": None}
+
+        def chunk(
+            index: int, text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None, first: bool = False
+        ) -> dict[str, Any]:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {
+                "id": ident,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}],
+            }
+
+        if body.stream:
+            unsent: dict[int, list[TokenLogprob]] = {}  # a choice's logprobs that no chunk has carried yet
+
+            def stream_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None
+            ) -> dict[str, Any] | list[dict[str, Any]] | None:
+                if tools is not None and tools.mode == "auto":
+                    return written_calls_chunk(index, text, finish, lps)
+                if tools is None or not tools.forced:
+                    return chunk(index, text if text or finish is None else None, finish, lps)
+                if not text and finish is None and not lps:
+                    return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
+                if tools.mode == "named":
+                    return named_call_chunk(index, text, finish, lps)
+                return required_calls_chunk(index, text, finish, lps)
+
+            arrays: dict[int, tool_calls.CallArrayStream] = {}
+
+            def required_calls_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
+            ) -> list[dict[str, Any]] | None:
+                """Required calls as they are generated: each call's id and name once its name is
+                whole, then its arguments piece by piece; the output as text if it never named one."""
+                assert tools is not None
+                stream = arrays.setdefault(index, tool_calls.CallArrayStream())
+                kept = unsent.setdefault(index, [])
+                kept.extend(lps or [])
+                parts = []
+                for piece in stream.feed(text):
+                    delta = chunk(index, None, None, kept)
+                    delta["choices"][0]["delta"]["tool_calls"] = [piece]
+                    parts.append(delta)
+                    kept = unsent[index] = []
+                if finish is not None:
+                    if stream.index < 0:  # cut short before a call was named: what was written, as text
+                        parts.append(chunk(index, stream.text, None, kept))
+                        kept = []
+                    parts.append(chunk(index, None, tool_finish(tools, finish), kept or None))
+                return parts or None
+
+            calls_begun: set[int] = set()  # choices whose call's id and name were sent
+
+            def named_call_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
+            ) -> dict[str, Any] | list[dict[str, Any]]:
+                """A named call's output is its arguments, streamed as they come, as OpenAI streams them:
+                the call's id and name with the first piece, then pieces of the arguments alone."""
+                assert tools is not None
+                parts = []
+                if text or index not in calls_begun:
+                    delta = chunk(index, None, None, lps)
+                    if index in calls_begun:
+                        piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+                    else:
+                        piece = {"index": 0, **tool_calls.call(tools.name, text)}
+                        calls_begun.add(index)
+                    delta["choices"][0]["delta"]["tool_calls"] = [piece]
+                    parts.append(delta)
+                if finish is not None:
+                    parts.append(chunk(index, None, finish))
+                return parts
+
+            streams: dict[int, tool_parsers.CallStream] = {}
+
+            def written_calls_chunk(
+                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
+            ) -> dict[str, Any] | list[dict[str, Any]] | None:
+                """tool_choice "auto": content as soon as it cannot begin a call, each call when its
+                block closes (its id, name and whole arguments in one delta)."""
+                assert tools is not None
+                if not text and finish is None and not lps:
+                    return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
+                stream = streams.get(index)
+                if stream is None:
+                    stream = streams[index] = tool_parsers.call_stream(self.tool_parser, tools)
+                kept = unsent.setdefault(index, [])
+                kept.extend(lps or [])
+                pieces = stream.feed(text) + (stream.finish() if finish is not None else [])
+                parts = []
+                n = stream.calls - sum(p.call is not None for p in pieces)  # the calls sent before these
+                for piece in pieces:
+                    if piece.call is None:
+                        parts.append(chunk(index, piece.text, None, kept))
+                    else:
+                        delta = chunk(index, None, None, kept)
+                        delta["choices"][0]["delta"]["tool_calls"] = [{"index": n, **piece.call}]
+                        n += 1
+                        parts.append(delta)
+                    kept = unsent[index] = []
+                if finish is not None:
+                    reason = "tool_calls" if stream.calls and finish == "stop" else finish
+                    parts.append(chunk(index, None, reason, kept or None))
+                return parts or None
+
+            def role(index: int) -> dict[str, Any]:
+                return chunk(index, "", None, first=True)
+
+            return self._sse(seqs, request, stream_chunk, role, body.include_usage)
+        outcomes = await self._collect(seqs, request)
+        if isinstance(outcomes, JSONResponse):
+            return outcomes
+        return JSONResponse(
+            {
+                "id": ident,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [
+                    {
+                        "index": index,
+                        **message(tools, outcome, self.tool_parser),
+                        "logprobs": logprobs(outcome.logprobs),
+                    }
+                    for index, outcome in enumerate(best(outcomes, wanted))
+                ],
+                "usage": usage(outcomes),
+            }
+        )
+
+    # -- plumbing --------------------------------------------------------
+    async def _collect(self, seqs: list[_Sequence], request: Request) -> list[Outcome] | JSONResponse:
+        """Gather every sequence's whole output, cancelling them all if the client disconnects
+        or one of them fails."""
+        gathered = Gathered(len(seqs))
+        events = merged(self.scheduler, seqs)
+        watcher = asyncio.create_task(_watch_disconnect(request))
+        try:
+            async for i, event in events:
+                if isinstance(event, Failed):
+                    return error_response(event.error.status, event.error.message, event.error.code)
+                gathered.add(i, event)
+                if gathered.complete:
+                    return gathered.outcomes()
+                if watcher.done():
+                    break
+            return error_response(499, "client closed the request")
+        finally:
+            watcher.cancel()
+            await events.aclose()
+
+    def _sse(
+        self,
+        seqs: list[_Sequence],
+        request: Request,
+        chunk: Callable[..., dict[str, Any] | list[dict[str, Any]] | None],
+        first_chunk: Callable[[int], dict[str, Any]] | None,
+        include_usage: bool,
+    ) -> StreamingResponse:
+        """Every choice's chunks as they come, interleaved, each tagged with its index."""
+
+        def sent(payload: dict[str, Any] | list[dict[str, Any]] | None) -> bytes:
+            """A chunk callable may hold a choice's text back (None) or send several chunks at once."""
+            if payload is None:
+                return b""
+            return b"".join(sse(p) for p in (payload if isinstance(payload, list) else [payload]))
+
+        async def body() -> AsyncIterator[bytes]:
+            events = merged(self.scheduler, seqs)
+            pending_first = [first_chunk is not None] * len(seqs)
+            done: dict[int, Finished] = {}
+            try:
+                async for i, event in events:
+                    if pending_first[i] and first_chunk is not None:
+                        # Sent with the choice's first event: by then the verifier has opened
+                        # the sequence, and an echo's prompt logprobs are in.
+                        yield sse(first_chunk(i))
+                        pending_first[i] = False
+                    if isinstance(event, Delta):
+                        # Tokens whose text is held back (a partial character, a possible
+                        # stop string) still bring their logprobs.
+                        if (event.text or event.logprobs) and (
+                            data := sent(chunk(i, event.text, None, event.logprobs))
+                        ):
+                            yield data
+                    elif isinstance(event, Finished):
+                        done[i] = event
+                        yield sent(chunk(i, "", event.reason))
+                        if include_usage and len(done) == len(seqs):
+                            last = chunk(0, "", None)
+                            assert isinstance(last, dict)  # an empty delta is never held back
+                            last["choices"] = []
+                            last["usage"] = usage([done[j] for j in range(len(seqs))])
+                            yield sse(last)
+                    elif isinstance(event, Failed):
+                        err = event.error
+                        yield sse({"error": {"message": err.message, "type": err.kind.openai_type, "code": err.code}})
+                yield b"data: [DONE]\n\n"
+            finally:
+                # Runs when the client disconnects too: every choice's sequence is freed on both services.
+                await events.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def tool_finish(tools: ToolChoice, reason: str) -> str:
+    """OpenAI's finish_reason for whole forced calls: "tool_calls" when the model was made to call
+    (required), "stop" for a named function, as OpenAI answers one."""
+    return "tool_calls" if tools.mode == "required" and reason == "stop" else reason
+
+
+def message(tools: ToolChoice | None, outcome: Outcome, parser: str) -> dict[str, Any]:
+    """A choice's message and finish_reason: forced calls as tool_calls, text otherwise; a named call
+    cut short keeps its partial arguments (as OpenAI's do), required calls cut short are text; with
+    "auto", the calls the parser reads in the text and the text around them."""
+    if tools is not None and tools.mode == "auto":
+        content, calls = tool_parsers.read_calls(parser, tools, outcome.text)
+        if calls:
+            reason = "tool_calls" if outcome.finished.reason == "stop" else outcome.finished.reason
+            return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": reason}
+    if tools is not None and tools.forced and (calls := tools.calls(outcome.text)) is not None:
+        return {
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": tool_finish(tools, outcome.finished.reason),
+        }
+    return {"message": {"role": "assistant", "content": outcome.text}, "finish_reason": outcome.finished.reason}
+
+
+def invalid(exc: InvalidParameter) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.code, exc.param)
+
+
+async def _watch_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.5)
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def usage(finished: Sequence[Finished | Outcome]) -> dict[str, int]:
+    """The request's usage in OpenAI's shape (gateway.api.choices.request_usage counts it)."""
+    prompt, completion = request_usage([f.finished if isinstance(f, Outcome) else f for f in finished])
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,1 @@
+"""The gateway's round: which sequences draft and verify, the exchange with the services, and the policy."""

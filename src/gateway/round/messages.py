@@ -1,0 +1,263 @@
+"""One round's messages and verdicts, as pure functions over the sequences taking part.
+
+A round reads like a scheduler step:
+
+1. *plan*: which sequences draft before the verify (on the critical path), which
+   are verified, and which draft ahead while the verifier works (`RoundPlan`);
+2. the RPCs run (the scheduler does that);
+3. *read*: the drafter's and the verifier's replies become per-sequence verdicts
+   (`read_drafts`, `read_verdicts`), checked against the protocol before anything
+   is committed;
+4. the scheduler applies the verdicts, and the observer records them.
+
+Nothing here does I/O or changes a sequence, so every path is testable with fakes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from gateway.failures import GenerationError, verifier_round_error
+from gateway.round.hidden_log import HiddenLog
+from gateway.round.membership import DrafterMembership
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
+
+
+class RoundSequence(Protocol):
+    """What a round needs of a sequence."""
+
+    id: str
+    tokens: list[int]  # prompt + committed output
+    drafter: DrafterMembership
+    hidden: HiddenLog | None  # the target's hidden states, kept for a drafter that reads them
+
+
+@dataclass(frozen=True)
+class Block:
+    """Draft tokens (and, for sampled sequences, their distributions) ready to verify.
+
+    `base` is the committed length the block continues; `tail` the committed tokens
+    it was drafted after that the gateway had not seen committed yet when it asked
+    (a draft-ahead block assumes them). The block is only valid if the sequence's
+    committed tokens end in exactly `tail` at length `base`.
+    """
+
+    tokens: list[int]
+    distributions: list[common_pb2.SparseDistribution]
+    base: int
+    tail: tuple[int, ...] = ()
+
+    def valid_for(self, committed: Sequence[int]) -> bool:
+        if len(committed) != self.base:
+            return False
+        return not self.tail or tuple(committed[self.base - len(self.tail) :]) == self.tail
+
+
+@dataclass(frozen=True)
+class DraftItem:
+    """One sequence's share of a draft exchange."""
+
+    seq: RoundSequence
+    num_draft_tokens: int
+    # None: drafts continue the committed tokens. A tuple: the sequence is being
+    # verified meanwhile, and drafts continue these tokens of its block, assumed accepted.
+    assumed: tuple[int, ...] | None = None
+    # Above 0: a chunk of its prefill on the drafter instead of drafts (num_draft_tokens is 0).
+    prefill: int = 0
+
+
+@dataclass
+class RoundPlan:
+    pre_draft: list[DraftItem] = field(default_factory=list)  # drafted before the verify
+    verify: list[RoundSequence] = field(default_factory=list)
+    ahead: list[DraftItem] = field(default_factory=list)  # drafted while the verifier works
+    ks: dict[str, int] = field(default_factory=dict)  # drafts each verified sequence may use
+    # Sequences still prefilling on the verifier, and the prompt tokens each prefills this round.
+    prefill: list[tuple[RoundSequence, int]] = field(default_factory=list)
+    # Sequences opened on the drafter beside the verify: the policy wants drafts from them.
+    join: list[RoundSequence] = field(default_factory=list)
+    # Prompt tokens the drafter may prefill beside the verify, joins' and chunks' together.
+    drafter_prefill: int = 0
+
+
+def plan_prefill(pending: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:
+    """Share a round's prefill budget out first come, first served: each sequence's chunk, by id.
+
+    `pending` is (id, tokens left to prefill) in arrival order; a sequence gets all it
+    has left or what is left of the budget, so the round prefills at most `budget` tokens.
+    """
+    chunks: dict[str, int] = {}
+    for sid, left in pending:
+        if budget <= 0:
+            break
+        if left > 0:
+            chunks[sid] = min(left, budget)
+            budget -= chunks[sid]
+    return chunks
+
+
+def draft_request(
+    round_id: int, items: Sequence[DraftItem], contexts: Mapping[str, Mapping[str, str]]
+) -> drafter_pb2.DraftRequest:
+    request = drafter_pb2.DraftRequest(round_id=round_id)
+    for item in items:
+        s = item.seq
+        task = request.tasks.add(
+            sequence_id=s.id,
+            new_token_ids=s.tokens[s.drafter.synced :],
+            num_committed=len(s.tokens),
+            num_draft_tokens=item.num_draft_tokens,
+            assumed_token_ids=item.assumed or (),
+            prefill_tokens=item.prefill,
+            # A draft-ahead's first token guesses the verifier's own token after the block it assumes.
+            guess_first=item.assumed is not None and not item.prefill,
+        )
+        if s.hidden is not None:
+            task.hidden_start, task.hidden_states = s.hidden.since(s.drafter.hidden_sent)
+        if s.id in contexts:
+            task.trace_context.update(contexts[s.id])
+    return request
+
+
+def verify_request(
+    round_id: int,
+    seqs: Sequence[RoundSequence],
+    blocks: Mapping[str, Block],
+    ks: Mapping[str, int],
+    contexts: Mapping[str, Mapping[str, str]],
+    prefill: Sequence[tuple[RoundSequence, int]] = (),
+) -> verifier_pb2.VerifyRequest:
+    """The verify tasks of `seqs`, then a prefill task for each (sequence, chunk) of `prefill`."""
+    request = verifier_pb2.VerifyRequest(round_id=round_id)
+    for s in seqs:
+        task = request.tasks.add(
+            sequence_id=s.id, num_committed=len(s.tokens), return_hidden_states=s.hidden is not None
+        )
+        block = blocks.get(s.id)
+        k = ks.get(s.id, 0)
+        if block is not None and k > 0:
+            task.draft_token_ids.extend(block.tokens[:k])
+            task.draft_distributions.extend(block.distributions[:k])
+        if s.id in contexts:
+            task.trace_context.update(contexts[s.id])
+    for s, n in prefill:
+        request.tasks.add(sequence_id=s.id, num_committed=len(s.tokens), prefill_tokens=n)
+    return request
+
+
+@dataclass
+class DraftVerdicts:
+    """What one draft exchange gave each sequence."""
+
+    proposals: dict[str, drafter_pb2.DraftProposal] = field(default_factory=dict)
+    lost: list[tuple[RoundSequence, str]] = field(default_factory=list)  # the drafter no longer has it
+    refused: list[tuple[RoundSequence, str]] = field(default_factory=list)  # it refused this sequence's task
+    protocol_error: str = ""  # the whole reply is unusable
+
+
+# Codes for which a sequence is re-opened on the drafter rather than given up.
+LOST_ON_DRAFTER = (
+    common_pb2.ERROR_CODE_NOT_FOUND,
+    common_pb2.ERROR_CODE_FAILED_PRECONDITION,
+    common_pb2.ERROR_CODE_UNAVAILABLE,  # its drafter replica failed: re-open it on another
+)
+
+
+def read_drafts(items: Sequence[DraftItem], reply: drafter_pb2.DraftResponse) -> DraftVerdicts:
+    verdicts = DraftVerdicts()
+    if [p.sequence_id for p in reply.proposals] != [i.seq.id for i in items]:
+        verdicts.protocol_error = "the drafter answered a round out of protocol"
+        return verdicts
+    for item, proposal in zip(items, reply.proposals, strict=True):
+        if proposal.error.code in LOST_ON_DRAFTER:
+            verdicts.lost.append((item.seq, proposal.error.message))
+        elif proposal.error.code:
+            verdicts.refused.append((item.seq, proposal.error.message))
+        elif len(proposal.token_ids) > item.num_draft_tokens or (
+            proposal.distributions and len(proposal.distributions) != len(proposal.token_ids)
+        ):
+            verdicts.refused.append((item.seq, "the drafter proposed more than asked, or unmatched distributions"))
+        else:
+            verdicts.proposals[item.seq.id] = proposal
+    return verdicts
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The verifier's answer for one sequence."""
+
+    seq: RoundSequence
+    drafted: int
+    accepted: int = 0
+    tokens: tuple[int, ...] = ()  # accepted drafts + the verifier's own token
+    error: GenerationError | None = None
+    drafts_refused: bool = False  # the verifier refused its drafts; it goes on target-only
+    logprobs: Sequence[common_pb2.TokenLogprob] = ()  # the target's, per emitted token, when asked
+    prefill_pending: int | None = None  # a prefill task's: prompt tokens still to prefill (None: not one)
+    # The target's hidden states of the positions it committed, from hidden_start, when asked.
+    hidden_states: bytes = b""
+    hidden_start: int = 0
+
+
+def read_guesses(
+    blocks: Sequence[tuple[RoundSequence, Block]], verdicts: Sequence[Verdict]
+) -> list[tuple[RoundSequence, bool]]:
+    """Draft-ahead blocks whose assumption held (the block verified meanwhile accepted whole),
+    and whether their guess at the verifier's own token after it was right too.
+
+    A block that missed its assumption says nothing about the guess; a guess that missed is
+    what keeps a draft-ahead block from standing although every draft was accepted.
+    """
+    by_id = {v.seq.id: v for v in verdicts}
+    outcomes = []
+    for seq, block in blocks:
+        v = by_id.get(seq.id)
+        assumed = len(block.tail) - 1  # the tail is the assumed drafts, then the guess
+        if v is None or v.error is not None or v.drafts_refused or assumed < 0:
+            continue
+        if v.accepted != assumed or v.drafted != assumed or len(v.tokens) <= assumed:
+            continue
+        outcomes.append((seq, v.tokens[assumed] == block.tail[-1]))
+    return outcomes
+
+
+class ProtocolError(Exception):
+    """A backend's reply that does not answer the request it was given."""
+
+
+def read_verdicts(
+    request: verifier_pb2.VerifyRequest, reply: verifier_pb2.VerifyResponse, seqs: Sequence[RoundSequence]
+) -> list[Verdict]:
+    if [r.sequence_id for r in reply.results] != [t.sequence_id for t in request.tasks]:
+        raise ProtocolError("the verifier answered a round out of protocol")
+    verdicts = []
+    for s, task, result in zip(seqs, request.tasks, reply.results, strict=True):
+        k = len(task.draft_token_ids)
+        if task.prefill_tokens > 0:
+            error = verifier_round_error(result.error) if result.error.code else None
+            verdicts.append(Verdict(s, 0, error=error, prefill_pending=result.prefill_pending))
+        elif result.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and k > 0:
+            # The verifier checks a round before changing anything, so bad drafts
+            # cost this sequence one round.
+            verdicts.append(Verdict(s, k, drafts_refused=True))
+        elif result.error.code:
+            verdicts.append(Verdict(s, k, error=verifier_round_error(result.error)))
+        elif result.num_accepted > k:
+            raise ProtocolError(f"the verifier accepted {result.num_accepted} of {k} drafts")
+        else:
+            accepted = result.num_accepted
+            tokens = (*task.draft_token_ids[:accepted], result.next_token_id)
+            verdicts.append(
+                Verdict(
+                    s,
+                    k,
+                    accepted,
+                    tokens,
+                    logprobs=result.logprobs,
+                    hidden_states=result.hidden_states,
+                    hidden_start=result.hidden_start,
+                )
+            )
+    return verdicts

@@ -1,0 +1,166 @@
+"""Turns a round's outcome into spans, metrics and what the speculation policy learns.
+
+Observing never fails a request: an error here is logged and the round's tokens
+stand.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.metrics import GatewayMetrics, RoundTimes
+from gateway.round.messages import Verdict
+from gateway.round.speculation import SpeculationPolicy
+from specd.rpc.tracing import Tracing
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundOutcome:
+    round_id: int
+    verdicts: list[Verdict]
+    times: RoundTimes
+    pipeline: str = "sequential"  # the one it ran (under auto, the one chosen); "a+b" for a mixed batch
+    wasted_drafts: int = 0  # drafted ahead and thrown away
+    spans: dict[str, Any] = field(default_factory=dict)
+    # Prompt chunks prefilled in the round on the verifier (chunked prefill): its times are not a verify's alone.
+    prefill_tokens: int = 0
+    # Drafts asked per sequence of the exchange before the verify, and of the one during it.
+    pre_drafted: list[int] = field(default_factory=list)
+    ahead_drafted: list[int] = field(default_factory=list)
+    # Prompt tokens the drafter opened beside the verify (sequences joining it).
+    joined_tokens: int = 0
+    # Draft-ahead blocks whose assumed block was accepted whole: was the guess after it right?
+    guesses: list[tuple[Any, bool]] = field(default_factory=list)
+    # Prompt chunks the drafter prefilled beside the verify: the round's times are not its drafts' alone.
+    drafter_prefill_tokens: int = 0
+
+    @property
+    def drafted(self) -> list[int]:
+        return [v.drafted for v in self.verdicts]
+
+    @property
+    def emitted(self) -> int:
+        return sum(len(v.tokens) for v in self.verdicts)
+
+
+class RoundObserver:
+    def __init__(self, metrics: GatewayMetrics, policy: SpeculationPolicy, tracing: Tracing) -> None:
+        self.metrics = metrics
+        self.policy = policy
+        self.tracing = tracing
+
+    def start_spans(self, round_id: int, seqs: Sequence[Any]) -> dict[str, Any]:
+        """One round span per request, under that request's span.
+
+        A trace viewer shows one request's trace at a time, and each then holds all
+        of its rounds and the services' work in them. The batch a round served is in
+        the specd.round_id / specd.batch_size attributes, shared by its spans.
+        """
+        if not self.tracing.enabled:
+            return {}
+        return {
+            s.id: self.tracing.start("specd.round", s.span, attributes={"specd.round_id": round_id})
+            for s in seqs
+            if s.span is not None
+        }
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        try:
+            self._observe(outcome)
+        except Exception:
+            log.exception("observing round %d failed; its tokens stand", outcome.round_id)
+        finally:
+            for span in outcome.spans.values():
+                if span.is_recording():
+                    span.end()
+
+    def _observe(self, outcome: RoundOutcome) -> None:
+        times = outcome.times
+        proposals: list[tuple[int, int]] = []
+        for v in outcome.verdicts:
+            if v.error is None and not v.drafts_refused:
+                proposals.append((v.drafted, v.accepted))
+                if v.drafted:
+                    acceptance = getattr(v.seq, "acceptance", None)
+                    if acceptance is not None:
+                        acceptance.observe(v.drafted, v.accepted)
+                    self.policy.overall.observe(v.drafted, v.accepted)
+        for seq, hit in outcome.guesses:
+            self.policy.observe_guess(getattr(seq, "guess", None), hit)
+            self.metrics.ahead_guesses.labels(outcome="right" if hit else "wrong").inc()
+        choice = self.policy.last_choice
+        observed_gain = None
+        if not outcome.prefill_tokens:
+            # A round that also prefilled on the verifier would teach the policy a verify far dearer
+            # than it is, and hold its pipeline to account for a prefill it did not choose.
+            # Nor does a join's wait belong to the costs of drafting and verifying: it is paid
+            # once per sequence, in rounds the policy chose for their drafts, not for their verify.
+            # The drafter's prefill beside the verify is the pipeline's own doing (it prepares the
+            # drafts the policy chose): such a round still calibrates the pipeline, though its
+            # times teach no cost. Left out, a policy whose batch joins the drafter round after
+            # round learns nothing while it joins, and keeps a choice its rounds do not bear out.
+            observed_gain = self.policy.observe_round(
+                outcome.drafted,
+                times.round_ns - times.join_ns,
+                times.draft_ns,
+                times.verify_ns,
+                times.drafter_forward_ns,
+                outcome.emitted,
+                outcome.pre_drafted,
+                outcome.ahead_drafted,
+                outcome.joined_tokens,
+                times.join_ns,
+                times.verify_reply_ns,
+                times.overlap_ns,
+                times.overlap_forward_ns,
+                learn_costs=not outcome.drafter_prefill_tokens,
+            )
+        attributes = times.attributes(len(outcome.verdicts))
+        round_k_max = max(outcome.drafted, default=0)
+        # Once per round, not per span: a round of a large batch has one span per sequence.
+        predictions = offered_text(choice.offered) if choice is not None and len(choice.offered) > 1 else ""
+        for v in outcome.verdicts:
+            span = outcome.spans.get(v.seq.id)
+            if span is None:
+                continue
+            span.set_attributes(
+                {
+                    "specd.k": v.drafted,
+                    "specd.accepted": v.accepted,
+                    "specd.round_k_max": round_k_max,
+                    "specd.pipeline": outcome.pipeline,
+                    **attributes,
+                }
+            )
+            if choice is not None:
+                # What the policy believed: a trace reader can tell a wrong cost from a wrong acceptance.
+                span.set_attributes(
+                    {
+                        "specd.predicted_gain": choice.predicted_gain,
+                        "specd.predicted_tokens_per_s": choice.predicted_rate,
+                        "specd.baseline_tokens_per_s": choice.baseline_rate,
+                        "specd.overlap_estimate": self.policy.overlap.value,
+                        # Realised over modelled tokens of this pipeline's recent rounds (1: as modelled).
+                        "specd.pipeline_calibration": self.policy.calibration.factor(choice.pipeline, len(choice.ks)),
+                    }
+                )
+                if predictions:
+                    span.set_attribute("specd.pipeline_predictions", predictions)
+            if observed_gain is not None:
+                span.set_attribute("specd.observed_gain", observed_gain)
+        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
+        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
+        self.metrics.observe_ks(outcome.drafted)
+        if outcome.wasted_drafts:
+            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
+
+
+def offered_text(offered: Sequence[tuple[str, float, float]]) -> str:
+    """The pipelines a round's choice weighed, for a span: "sequential 61.2/k0.0, cohort 80.4/k3.5"
+    (predicted tokens per second of the round, and its mean k)."""
+    return ", ".join(f"{mode} {rate:.1f}/k{k:.1f}" for mode, rate, k in offered)

@@ -1,0 +1,10 @@
+"""Model code: loading, the batched forward and KV cache, quantized products, sampling and grammars.
+
+Nothing here imports grpc: the services' servicers wrap these engines.
+"""
+
+from __future__ import annotations
+
+DTYPE_CHOICES = ("float32", "bfloat16", "float16")
+# A Llama model's forward in the drafter and the verifier (specd.engine.fused_llama.choose).
+DECODER_CHOICES = ("auto", "fused", "transformers")

@@ -1,0 +1,225 @@
+"""A lean forward for Llama-architecture drafters: fused projections, no per-layer framework work.
+
+A draft step feeds one token per sequence, so much of its cost is the fixed cost of each
+operation rather than arithmetic: on a CPU, transformers' Llama spends a large share of a
+one-token step on module calls, keyword handling and small tensor operations beside the
+quantized products (README, "The drafter's forward", has the profile). This module runs the
+same model with
+
+- q, k and v in one product and gate and up in another (their weights concatenated along the
+  outputs, so an int8 or int4 copy quantizes every output row exactly as the separate layers would);
+- rotary embedding applied to queries and keys in one pass;
+- attention on the key/value heads as cached (`_grouped_attention`).
+
+It computes what `LlamaForCausalLM` computes, up to the summation order of the fused products.
+The drafter runs it for a cheaper draft step. The verifier runs it too (`--decoder`): exactness
+is the verifier's output with and without speculation, and both run this same forward; a
+product over concatenated weights computes each output as the separate product does, so its
+logits may differ from transformers' only in the last bits, where a CPU's kernel blocks the
+outputs differently. `fuse` builds it from a loaded transformers model; `supports` says which
+models it takes (anything else keeps transformers' forward); `choose` is the services' flag.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specd.engine import DECODER_CHOICES
+
+log = logging.getLogger(__name__)
+
+
+def supports(model: Any) -> bool:
+    """Whether `fuse` reproduces this model's forward: transformers' Llama (its attention is plain:
+    no sliding window, soft-capping or per-head norms) with the gate·silu·up MLP."""
+    from transformers import LlamaForCausalLM
+
+    if type(model) is not LlamaForCausalLM:
+        return False
+    return getattr(model.config, "hidden_act", None) == "silu"
+
+
+def _concat(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose outputs are those of `linears`, in order."""
+    first = linears[0]
+    out = nn.Linear(
+        first.in_features,
+        sum(m.out_features for m in linears),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in linears], dim=0))
+        if first.bias is not None:
+            out.bias.copy_(torch.cat([m.bias for m in linears], dim=0))
+    return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As transformers' LlamaRMSNorm: the variance in float32 whatever the model's dtype.
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention of q [batch, heads, length, dim] over k, v [batch, kv_heads, keys, dim].
+
+    The query heads that share a key/value head become that head's queries, so the product runs
+    on the key/value heads as they are cached: no repeated keys, and none of the slow paths
+    `enable_gqa` takes on the CPU with a mask. `mask` is grouped the same way (`_group_mask`,
+    made once a forward for every layer)."""
+    batch, heads, length, dim = q.shape
+    groups = k.shape[1]
+    if heads > groups:
+        q = q.reshape(batch, groups, heads // groups * length, dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.view(batch, heads, length, dim)
+
+
+def _group_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
+    """The attention mask [batch, 1, length, keys] for `rep` query heads grouped per key/value head
+    (`_grouped_attention`): repeated along the queries; as it is for one query, which broadcasts."""
+    if mask is None or rep == 1 or mask.shape[2] == 1:
+        return mask
+    return mask.repeat(1, 1, rep, 1)
+
+
+class FusedLlamaLayer(nn.Module):
+    """One decoder layer: attention then MLP, each behind an RMSNorm and a residual."""
+
+    def __init__(self, layer: Any, config: Any, index: int) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.index = index
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.eps = float(config.rms_norm_eps)
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.qkv_proj = _concat([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_proj = attn.o_proj
+        self.gate_up_proj = _concat([mlp.gate_proj, mlp.up_proj])
+        self.down_proj = mlp.down_proj
+        # Released as they are fused, so the model never holds both copies of every layer.
+        attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
+    ) -> torch.Tensor:
+        """`sin` has its first half negated (`FusedLlamaBody.forward`). The products (and the layers,
+        in the body) are called through `.forward`: a one-token step makes about 150 such calls, and
+        nn.Module's call machinery (hooks, which nothing here registers) was a visible share of it."""
+        batch, length, _ = x.shape
+        d, hq, hkv = self.head_dim, self.heads, self.kv_heads
+        qkv = self.qkv_proj.forward(_rms_norm(x, self.input_norm, self.eps)).view(batch, length, hq + 2 * hkv, d)
+        qk = qkv[:, :, : hq + hkv]
+        half = d // 2
+        # transformers' rotate_half(qk) * sin, with rotate_half's negation folded into `sin`.
+        qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+        q = qk[:, :, :hq].transpose(1, 2)
+        k = qk[:, :, hq:].transpose(1, 2)
+        v = qkv[:, :, hq + hkv :].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.index)
+        attended = _grouped_attention(q, k, v, mask, self.scaling)
+        x = x + self.o_proj.forward(attended.transpose(1, 2).reshape(batch, length, hq * d))
+        gate, up = self.gate_up_proj.forward(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down_proj.forward(F.silu(gate) * up)
+
+
+@dataclass
+class _Output:
+    last_hidden_state: torch.Tensor
+
+
+class FusedLlamaBody(nn.Module):
+    """The decoder stack; called as transformers' base model is by `specd.engine.kvcache.BatchedCausalLM`."""
+
+    cache_keyword = "cache"
+
+    def __init__(self, base: Any, config: Any) -> None:
+        super().__init__()
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.layers = nn.ModuleList(
+            FusedLlamaLayer(layer, config, i) for i, layer in enumerate(base.layers[: config.num_hidden_layers])
+        )
+        self.norm = base.norm.weight
+        self.eps = float(config.rms_norm_eps)
+        self.heads_per_kv_head = int(config.num_attention_heads) // int(config.num_key_value_heads)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = True,
+    ) -> _Output:
+        x = self.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
+        cos, sin = self.rotary_emb(x, position_ids=position_ids)
+        # [batch, length, 1, head_dim]: one rotation for every query and key head; the first half
+        # of `sin` negated once here, for every layer's rotation (FusedLlamaLayer.forward).
+        half = sin.shape[-1] // 2
+        cos, sin = cos[:, :, None, :], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, :, None, :]
+        mask = _group_mask(attention_mask, self.heads_per_kv_head)
+        for layer in self.layers:
+            x = layer.forward(x, cos, sin, mask, cache if use_cache else None)
+        return _Output(_rms_norm(x, self.norm, self.eps))
+
+
+class FusedLlamaForCausalLM(nn.Module):
+    """A Llama causal LM with the lean forward: `model.base_model` and `get_output_embeddings()`."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.config = model.config
+        self.body = FusedLlamaBody(model.model, model.config)
+        self.lm_head = model.get_output_embeddings()
+
+    @property
+    def base_model(self) -> FusedLlamaBody:
+        return self.body
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.body.embed_tokens
+
+
+def fuse(model: Any) -> FusedLlamaForCausalLM:
+    """The lean forward over `model`'s weights: copied into the fused products, shared elsewhere.
+    `model` is consumed (its separate products are released)."""
+    if not supports(model):
+        raise ValueError(f"the fused forward does not take {type(model).__name__}")
+    return FusedLlamaForCausalLM(model).eval()
+
+
+def choose(model: Any, decoder: str, service: str) -> Any:
+    """`model` with the forward `decoder` (one of DECODER_CHOICES) asks for, logged as `service`'s: fused,
+    transformers', or auto, fused wherever `supports` says it reproduces the model. Before any
+    quantizing: the fused products are quantized as they are used."""
+    if decoder not in DECODER_CHOICES:
+        raise ValueError(f"--decoder takes {', '.join(DECODER_CHOICES)}, not {decoder!r}")
+    if decoder == "transformers":
+        return model
+    if not supports(model):
+        if decoder == "fused":
+            raise ValueError(f"--decoder fused takes a Llama-architecture model, not {type(model).__name__}")
+        log.info("the %s runs transformers' forward (%s has no fused one)", service, type(model).__name__)
+        return model
+    log.info("the %s runs the fused forward (q/k/v and gate/up each one product)", service)
+    return fuse(model)

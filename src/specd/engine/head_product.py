@@ -1,0 +1,76 @@
+"""The output projection's matrix product, chosen per row count by measurement.
+
+Over a handful of rows, torch's CPU float32 product hidden·Wᵀ with a large W (the
+vocabulary projection) can cost about one single-row product per row, and then less
+over 4 rows than over 3 (README, "Measured on this project's machine", has the
+figures). Computing the same numbers as W·hiddenᵀ, with the vocabulary as the long
+side, reads W once however many rows there are. Which
+product is faster depends on the CPU, the torch build and the row count, so the
+service measures both at start-up for the row counts a verify round produces (one per
+verified position) and uses the faster one for each. The two differ only in summation
+order (a few units in the last place); greedy exactness is relative to the same
+service's target-only output, whose single-row product is timed and chosen the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from specd.engine.timing import best_time
+
+log = logging.getLogger(__name__)
+
+
+def choose_rows(timings: Mapping[int, tuple[float, float]], margin: float = 0.1) -> frozenset[int]:
+    """From {rows: (plain seconds, transposed seconds)}, the row counts where the transposed
+    product was faster by more than `margin` (a tie keeps the plain one)."""
+    return frozenset(rows for rows, (plain, transposed) in timings.items() if transposed < plain * (1.0 - margin))
+
+
+class HeadProduct:
+    """Applies the LM head to gathered hidden states [rows, hidden], with the product chosen per row count."""
+
+    def __init__(self, head: nn.Module) -> None:
+        self.head = head
+        self.transposed_rows: frozenset[int] = frozenset()
+        # Only a plain linear layer has a weight to multiply from the other side.
+        self.applies = type(head) is nn.Linear
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.applies and hidden.shape[0] in self.transposed_rows:
+            return self._transposed(hidden)
+        return self.head(hidden)
+
+    def _transposed(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.head, nn.Linear)
+        out = torch.mm(self.head.weight, hidden.t()).t().contiguous()
+        if self.head.bias is not None:
+            out = out + self.head.bias
+        return out
+
+    def calibrate(self, max_rows: int, repeats: int = 2) -> frozenset[int]:
+        """Time both products for 1..max_rows rows (best of `repeats`, after one untimed run)
+        and use the transposed one where `choose_rows` says; returns those row counts."""
+        if not self.applies or max_rows < 1:
+            return frozenset()
+        assert isinstance(self.head, nn.Linear)
+        weight = self.head.weight
+        timings: dict[int, tuple[float, float]] = {}
+        with torch.inference_mode():
+            for rows in range(1, max_rows + 1):
+                hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+                timings[rows] = (
+                    best_time(lambda h=hidden: self.head(h), repeats),
+                    best_time(lambda h=hidden: self._transposed(h), repeats),
+                )
+        self.transposed_rows = choose_rows(timings)
+        log.info(
+            "LM head: W·hᵀ for %s (plain / transposed ms by rows: %s)",
+            f"rows {sorted(self.transposed_rows)}" if self.transposed_rows else "no row count",
+            ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in sorted(timings.items())),
+        )
+        return self.transposed_rows

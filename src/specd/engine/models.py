@@ -1,0 +1,92 @@
+"""Loading causal LMs onto a device, for the services and the tools.
+
+Where a model's files are and how its tokenizer loads is specd.engine.checkpoints (no torch there,
+for the gateway); nothing here downloads either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specd.engine import draftlm, featurehead
+from specd.engine.checkpoints import ModelLoadError, is_distilled, load_tokenizer, materialize
+from specd.engine.cpus import pin
+from specd.engine.fingerprint import TokenizerFingerprint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+
+
+def parse_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA devices exist")
+    return device
+
+
+def load_distilled(path: str | Path, dtype: torch.dtype, materialize: Any) -> Any:
+    """A distilled drafter directory as a causal LM, whichever design its manifest names."""
+    path = Path(path)
+    info = draftlm.manifest(path)
+    if info.get("design") == "feature-head":
+        return featurehead.load(path, info, dtype, materialize)
+    return draftlm.load(path, dtype, materialize)
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path = materialize(spec)
+    if is_distilled(path):
+        try:
+            model = load_distilled(path, dtype, materialize)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"cannot load the distilled drafter in {path}: {exc}") from exc
+        model.to(device)
+        return model
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: TokenizerFingerprint
+    # The tokenizer itself: structured output compiles grammars against it.
+    tokenizer: Any = None
+
+
+def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int = 0, cpus: str = "") -> LoadedModel:
+    """What a model service loads at startup: weights on their device, and the tokenizer's identity.
+
+    Pinning comes first, so every thread torch starts afterwards inherits it.
+    """
+    pinned = pin(cpus)
+    device = parse_device(device_name)
+    dtype = parse_dtype(dtype_name)
+    if threads or pinned:
+        torch.set_num_threads(threads or len(pinned))
+    model = load_model(spec, device, dtype)
+    tokenizer = load_tokenizer(spec)
+    return LoadedModel(model, device, dtype, TokenizerFingerprint.of(tokenizer), tokenizer)
