@@ -5,9 +5,10 @@ exits non-zero when the committed file differs from what the parsers generate
 (tests/unit/test_config_docs.py runs it).
 
 The flags are read from the argparse parser each command really parses with, so
-the page cannot drift from the code: the commands are the ones `specd --help`
-lists (`specd.cli.USAGE`), each is started through `specd.cli.main` with its
-`parse_known_args` intercepted, and the parser it built is walked. Flags built
+the page cannot drift from the code, wherever a module moves: the `specd` entry
+point is read from pyproject.toml, the commands are the ones its `--help` lists,
+each is started through it with `parse_known_args` intercepted, and the parser
+it built is walked. Flags built
 from a config dataclass (specd.configuration) carry their environment variable
 in their help text; it gets its own column here. The environment is cleared of
 SPECD_* and OTEL_* variables first, so a default is the code's, not this
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import io
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -29,6 +32,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "configuration.md"
 COMMAND_LINE = re.compile(r"^  ([a-z][a-z-]*)\s{2,}(\S.*)$")
+SCRIPT_LINE = re.compile(r'^specd\s*=\s*"([\w.]+:\w+)"', re.M)
 ENV_SUFFIX = re.compile(r"\s*\(env (\S+); default .*\)\s*$", re.S)
 
 HEADER = """\
@@ -54,12 +58,22 @@ class _Captured(Exception):
         self.parser = parser
 
 
+def entry_point() -> Callable[[Sequence[str]], None]:
+    """The function the `specd` command runs, as pyproject.toml's [project.scripts] names it."""
+    match = SCRIPT_LINE.search((ROOT / "pyproject.toml").read_text())
+    if match is None:
+        raise SystemExit("pyproject.toml names no `specd` script")
+    module, _, function = match.group(1).partition(":")
+    return getattr(importlib.import_module(module), function)  # type: ignore[no-any-return]
+
+
 def commands() -> list[tuple[str, str]]:
     """(command, one-line summary) in the order `specd --help` lists them."""
-    from specd.cli import USAGE
-
+    usage = io.StringIO()
+    with contextlib.redirect_stdout(usage), contextlib.suppress(SystemExit):
+        entry_point()(["--help"])
     found: list[tuple[str, str]] = []
-    for line in USAGE.splitlines():
+    for line in usage.getvalue().splitlines():
         match = COMMAND_LINE.match(line)
         if match:
             found.append((match.group(1), match.group(2).strip()))
@@ -67,13 +81,13 @@ def commands() -> list[tuple[str, str]]:
             name, summary = found[-1]
             found[-1] = (name, f"{summary} {line.strip()}")
     if not found:
-        raise SystemExit("no commands found in specd.cli.USAGE")
+        raise SystemExit("`specd --help` lists no commands")
     return found
 
 
 def parser_of(command: str) -> argparse.ArgumentParser:
     """The parser `specd COMMAND` parses its arguments with."""
-    from specd.cli import main
+    main = entry_point()
 
     def capture(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
         raise _Captured(self)
