@@ -5,7 +5,7 @@ non-zero when the committed tables differ from the rendering
 (tests/unit/test_benchmarks_doc.py runs it).
 
 Only the part of docs/benchmarks.md between the BEGIN and END markers is
-rendered; the prose around it is written by hand. One table per CPU model,
+rendered; the prose around it is written by hand. One table per CPU model (and GPU),
 one row per file and concurrency: the date and the commit measured (from the
 JSON's own `date` and `commit`, which `specd bench` records, else from
 docs/bench/provenance.json, which holds what the commits that added older files
@@ -116,9 +116,12 @@ def render_tables(bench: Path = BENCH) -> str:
     known = _provenance(bench)
     by_cpu: dict[str, list[tuple[str, str, list[str]]]] = defaultdict(list)
     for name, report in _load(bench):
-        cpu = (report.get("machine") or {}).get("cpu") or NONE
+        machine = report.get("machine") or {}
+        cpu = machine.get("cpu") or NONE
         if cpu == "AMD EPYC":
             cpu = "AMD EPYC (model not recorded)"
+        if machine.get("gpus"):
+            cpu += " with " + ", ".join(sorted(set(machine["gpus"])))
         by_cpu[cpu] += [(date, name, cells) for date, cells in _rows(name, report, known.get(name, {}))]
     newest = {cpu: max(date for date, _, _ in rows) for cpu, rows in by_cpu.items()}
     parts = []

@@ -37,6 +37,11 @@ def _result(mode: str, tps: float, ratio: float, blocks: list[float]) -> dict[st
     }
 
 
+def _sections(tables: str) -> dict[str, str]:
+    parts = tables.split("### ")[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in parts}
+
+
 def test_committed_tables_are_the_rendering(render: ModuleType) -> None:
     committed = (ROOT / "docs" / "benchmarks.md").read_text()
     assert committed == render.render(committed), "docs/benchmarks.md is stale: run python scripts/render_benchmarks.py"
@@ -60,6 +65,12 @@ def test_a_row_names_machine_date_commit_modes_and_ratios(render: ModuleType, tm
     (tmp_path / "bench-x.json").write_text(json.dumps(report))
     tables = render.render_tables(tmp_path)
     assert "### Test CPU (avx512f)" in tables
+    report["machine"] = {"cpu": "Test CPU (avx512f)", "cpus": 16, "gpus": ["Test GPU"]}
+    (tmp_path / "bench-gpu.json").write_text(json.dumps(report))
+    sections = _sections(render.render_tables(tmp_path))
+    assert "[bench-gpu.json]" in sections["Test CPU (avx512f) with Test GPU"]
+    assert "[bench-gpu.json]" not in sections["Test CPU (avx512f)"]
+    tables = sections["Test CPU (avx512f)"]
     row = next(line for line in tables.splitlines() if line.startswith("| [bench-x.json]"))
     cells = [c.strip() for c in row.strip("|").split(" | ")]
     assert cells[1:] == [
