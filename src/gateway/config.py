@@ -59,8 +59,8 @@ class GatewayConfig:
         0,
         "prompt tokens the verifier prefills per round, in chunks interleaved with the running sequences' "
         "rounds, so a long prompt delays them by at most one chunk a round; 0 prefills each prompt whole at "
-        "its open (the default: see README, chunked prefill). The drafter always prefills what fits behind a "
-        "verify, at most this many tokens when set",
+        "its open (the default: see docs/architecture.md, chunked prefill). The drafter always prefills what "
+        "fits behind a verify, at most this many tokens when set",
     )
     backend_timeout_s: float = field(60.0, "deadline for each verifier call and round exchange")
     drafter_timeout_s: float = field(

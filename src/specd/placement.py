@@ -22,8 +22,8 @@ from pathlib import Path
 from specd.engine.cpus import pin
 
 # Split the cores between the services only if the target, on its half, steps at most this much
-# slower than on all of them: what overlapping the drafter gains with split cores (README,
-# "Measured") can then win that back.
+# slower than on all of them: what overlapping the drafter gains with split cores (docs/benchmarks.md,
+# "Placement") can then win that back.
 SPLIT_IF_SLOWDOWN_AT_MOST = 1.25
 
 

@@ -84,7 +84,7 @@ class OpenAIApi:
             return error_response(
                 400,
                 f"unknown parameter {name!r}: specd refuses parameters it does not implement "
-                "rather than ignore them (README lists every parameter)",
+                "rather than ignore them (docs/api.md lists every parameter)",
                 "unknown_parameter",
                 name,
             )

@@ -3,7 +3,7 @@
 Every field of OpenAI's request schemas is one of: implemented (declared with its type
 here, its range checked by gateway.api.validation), refused with a 400 naming it unless it
 has its neutral value (REFUSED), or accepted and ignored for a stated reason (IGNORED,
-also in README). Anything else is an unknown parameter and gets a 400 naming it too: a
+also in docs/api.md). Anything else is an unknown parameter and gets a 400 naming it too: a
 misspelt `temprature` must not silently sample at temperature 1.
 """
 

@@ -53,7 +53,7 @@ class Acceptance:
     `borrow`: a position's prior is also at least the estimate of the position before it.
     Rounds that draft little leave the later positions untried, at the prior, however often
     the earlier ones are accepted; priced that low, a longer block is never chosen, so never
-    tried, and its acceptance never learnt (README, "Adaptive speculation"). The rate before
+    tried, and its acceptance never learnt (docs/architecture.md, "Adaptive speculation"). The rate before
     is the optimistic guess: the later drafts of a block whose first ones stood are usually
     accepted at least as often, and a position tried learns its own rate.
     """

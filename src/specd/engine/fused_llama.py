@@ -3,7 +3,7 @@
 A draft step feeds one token per sequence, so much of its cost is the fixed cost of each
 operation rather than arithmetic: on a CPU, transformers' Llama spends a large share of a
 one-token step on module calls, keyword handling and small tensor operations beside the
-quantized products (README, "The drafter's forward", has the profile). This module runs the
+quantized products (docs/architecture.md, "The fused forward"). This module runs the
 same model with
 
 - q, k and v in one product and gate and up in another (their weights concatenated along the

@@ -15,7 +15,7 @@ the exact rules sample from it unchanged; it then commits the accepted drafts an
 next token (`commit`). The model drafter masks its own logits the same way
 (`sync`, then `allowed` and `push` per draft step). No torch on the wire, no gRPC here.
 
-Why llguidance and not xgrammar: see README ("Structured output").
+Why llguidance and not xgrammar: see docs/benchmarks.md ("Grammar engine").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Over a handful of rows, torch's CPU float32 product hidden·Wᵀ with a large W (the
 vocabulary projection) can cost about one single-row product per row, and then less
-over 4 rows than over 3 (README, "Measured on this project's machine", has the
+over 4 rows than over 3 (docs/pipeline.md, "Measured, and what chose the default", has the
 figures). Computing the same numbers as W·hiddenᵀ, with the vocabulary as the long
 side, reads W once however many rows there are. Which
 product is faster depends on the CPU, the torch build and the row count, so the

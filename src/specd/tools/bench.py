@@ -54,6 +54,7 @@ from specd.tools.benchstats import (
     speedup_bound,
     summarize,
 )
+from specd.tools.provenance import measured_at, source_commit
 from specd.tools.workloads import prompts_for, workload_names
 
 HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "auto-pipeline", "server")
@@ -520,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "name": name,
         "command": "specd bench " + " ".join(sys.argv[2:] if argv is None else argv),
         "machine": machine(),
+        "date": measured_at(),
+        "commit": source_commit(),
         "args": {k: v for k, v in vars(args).items() if k != "levels"},
         "hf_peers": hf_runs,
         "results": rows,

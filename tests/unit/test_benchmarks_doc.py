@@ -1,0 +1,117 @@
+"""docs/benchmarks.md's tables are what scripts/render_benchmarks.py renders from docs/bench."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from specd.tools.provenance import measured_at, source_commit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def render() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("render_benchmarks", ROOT / "scripts" / "render_benchmarks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(mode: str, tps: float, ratio: float, blocks: list[float]) -> dict[str, object]:
+    return {
+        "mode": mode,
+        "concurrency": 1,
+        "output_tokens_per_s": tps,
+        "speedup_vs_target": ratio,
+        "speedup_vs_target_blocks": blocks,
+        "speedup_vs_target_min": min(blocks),
+        "speedup_vs_target_max": max(blocks),
+    }
+
+
+def _sections(tables: str) -> dict[str, str]:
+    parts = tables.split("### ")[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in parts}
+
+
+def test_committed_tables_are_the_rendering(render: ModuleType) -> None:
+    committed = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert committed == render.render(committed), "docs/benchmarks.md is stale: run python scripts/render_benchmarks.py"
+
+
+def test_every_json_has_a_row(render: ModuleType) -> None:
+    tables = render.render_tables()
+    for path in (ROOT / "docs" / "bench").glob("bench-*.json"):
+        assert f"[{path.name}](bench/{path.name})" in tables
+
+
+def test_a_row_names_machine_date_commit_modes_and_ratios(render: ModuleType, tmp_path: Path) -> None:
+    report = {
+        "machine": {"cpu": "Test CPU (avx512f)", "cpus": 2, "torch": "2.13.0+cpu"},
+        "date": "2026-11-27T10:00:00+00:00",
+        "commit": "abc1234",
+        "args": {"workload": "chat", "temperature": 0.0, "k": 4, "max_tokens": 64},
+        "results": [_result("target", 16.84, 1.0, [1.0, 1.0]), _result("auto", 40.0, 2.434, [2.32, 2.62])],
+        "output_mismatches_vs_target": {"target@1": 0, "auto@1": 2},
+    }
+    (tmp_path / "bench-x.json").write_text(json.dumps(report))
+    tables = render.render_tables(tmp_path)
+    assert "### Test CPU (avx512f)" in tables
+    report["machine"] = {"cpu": "Test CPU (avx512f)", "cpus": 16, "gpus": ["Test GPU"]}
+    (tmp_path / "bench-gpu.json").write_text(json.dumps(report))
+    sections = _sections(render.render_tables(tmp_path))
+    assert "[bench-gpu.json]" in sections["Test CPU (avx512f) with Test GPU"]
+    assert "[bench-gpu.json]" not in sections["Test CPU (avx512f)"]
+    tables = sections["Test CPU (avx512f)"]
+    row = next(line for line in tables.splitlines() if line.startswith("| [bench-x.json]"))
+    cells = [c.strip() for c in row.strip("|").split(" | ")]
+    assert cells[1:] == [
+        "2026-11-27",
+        "`abc1234`",
+        "2 CPUs, torch 2.13.0+cpu",
+        "chat, greedy, k=4, 64 tokens",
+        "1",
+        "16.8",
+        "auto 2.43x (2.32–2.62); outputs differing from target-only: auto 2",
+    ]
+
+
+def test_missing_fields_show_a_dash_and_provenance_fills_in(render: ModuleType, tmp_path: Path) -> None:
+    report = {"machine": {}, "args": {}, "results": [{"mode": "auto", "concurrency": 8, "output_tokens_per_s": 5.0}]}
+    (tmp_path / "bench-y.json").write_text(json.dumps(report))
+    row = render.render_tables(tmp_path).splitlines()[-1]
+    assert row.split(" | ")[1:4] == ["–", "–", "–"]
+    assert "auto 5.0 tok/s" in row
+    (tmp_path / "provenance.json").write_text(json.dumps({"bench-y.json": {"date": "2026-11-01", "commit": "def5678"}}))
+    row = render.render_tables(tmp_path).splitlines()[-1]
+    assert row.split(" | ")[1:3] == ["2026-11-01", "`def5678`"]
+
+
+def test_check_fails_on_stale_tables_and_text_outside_markers_stays(render: ModuleType, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# prose kept\n\n{render.BEGIN}\nold table\n{render.END}\n\nmore prose\n")
+    original = render.DOC
+    render.DOC = doc
+    try:
+        assert render.main(["--check"]) == 1
+        assert render.main([]) == 0
+        assert render.main(["--check"]) == 0
+    finally:
+        render.DOC = original
+    text = doc.read_text()
+    assert text.startswith("# prose kept\n") and text.endswith("more prose\n") and "old table" not in text
+
+
+def test_bench_records_when_and_from_which_code(tmp_path: Path) -> None:
+    assert source_commit(tmp_path) is None  # not a source checkout: no commit rather than a wrong one
+    assert measured_at()[:2] == "20" and measured_at().endswith("+00:00")
+    commit = source_commit(ROOT)
+    assert commit is None or commit.split("-")[0].isalnum()
