@@ -88,6 +88,8 @@ def field(default: Any, help: str, choices: Sequence[str] | None = None, secret:
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 # A Llama model's forward in the drafter and the verifier (specd.fused_llama.choose).
 DECODER_CHOICES = ("auto", "fused", "transformers")
+LOAD_FORMAT_CHOICES = ("auto", "dummy")
+CUDA_GRAPH_CHOICES = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +101,18 @@ class ModelServiceConfig:
     model: str = field("embedded", "model: a local HF directory, a .gguf file, or 'embedded'")
     device: str = field("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     dtype: str = field("float32", "activation dtype", choices=DTYPE_CHOICES)
+    load_format: str = field(
+        "auto",
+        "auto: the model's weights; dummy: random weights in the shape of the model's config.json (with its "
+        "tokenizer), made on the device, to time a model whose weights are not at hand; its output is meaningless",
+        LOAD_FORMAT_CHOICES,
+    )
+    cuda_graphs: str = field(
+        "auto",
+        "capture the decode and verify forwards as CUDA graphs per batch bucket (auto: on a CUDA device, "
+        "for the fused Llama forward); prefill and other shapes run eagerly; nothing on the CPU",
+        CUDA_GRAPH_CHOICES,
+    )
     max_sequences: int = field(64, "most sequences open at once")
     max_context: int = field(2048, "most positions per sequence (capped by the model's own limit)")
     max_draft_tokens: int = field(16, "most draft tokens per sequence per round")
