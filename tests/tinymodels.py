@@ -37,7 +37,11 @@ def backed_kv_bytes(table, positions: int) -> int:
 
 
 def tokenizer():
-    return AutoTokenizer.from_pretrained(str(materialize(EMBEDDED)), local_files_only=True)
+    """The embedded model's tokenizer; SPECD_TEST_TOKENIZER names a directory holding the same one
+    (the shipped drafter's, src/specd/data/smollm2-135m-drafter) where the embedded GGUF is not at
+    hand: a GPU host it cannot travel to (scripts/gpu_check.py)."""
+    where = os.environ.get("SPECD_TEST_TOKENIZER") or str(materialize(EMBEDDED))
+    return AutoTokenizer.from_pretrained(where, local_files_only=True)
 
 
 def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2, **overrides: Any) -> LlamaForCausalLM:

@@ -11,7 +11,7 @@ import grpc
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.engine import checkpoints, fused_llama, models
+from specd.engine import checkpoints, cuda_graphs, fused_llama, models
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM, Row, trim_heap
@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 # Batch sizes whose one-token step a model drafter times at start-up (those it has room for).
 STEP_TIMING_SIZES = (1, 2, 4, 8, 16, 32)
+# The longest block a draft step's row feeds through a CUDA graph: later steps feed one token, the
+# first one or two (more only after rounds that drafted nothing, which run eagerly).
+DRAFT_GRAPH_BLOCK = 4
 
 
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
@@ -60,7 +63,9 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     # A quantized copy is made from float32 weights: rounded to bfloat16 first, 4-bit weights
     # would no longer be 4-bit, and the int4 copy of a Q4_1 target would lose its exactness.
     load_dtype = "float32" if quantization != "none" else config.dtype
-    loaded = models.load_for_serving(config.model, config.device, load_dtype, config.threads, config.cpus)
+    loaded = models.load_for_serving(
+        config.model, config.device, load_dtype, config.threads, config.cpus, config.load_format
+    )
     loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
     if quantization != "none":
         kind = "auto" if quantization == "auto-cpu" else quantization
@@ -88,6 +93,8 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
     elif quantization != "none":
         set_wide_rows(loaded.model, config.int8_wide_rows)
     lm.warm_up(2)
+    # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
+    cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", config.max_sequences)
     # What a step costs for batches the gateway has not drafted for yet: on a CPU it grows with the
     # batch far more than a line through a few small batches says.
     step_timings = lm.time_steps([n for n in STEP_TIMING_SIZES if n <= config.max_sequences])

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from specd.mps import SharedGpu
     from specd.placement import CpuPlacement
 
 LOOPBACK = "127.0.0.1"
@@ -88,6 +89,27 @@ def _up_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--drafter-device", default="cpu")
     p.add_argument("--verifier-device", default="cpu")
+    p.add_argument(
+        "--shared-gpu",
+        choices=["auto", "mps", "off"],
+        default="auto",
+        help="when the drafter and the verifier are on one CUDA device: auto runs them under CUDA MPS (starting "
+        "nvidia-cuda-mps-control -d, or using a daemon already running) and, where MPS cannot be had, the "
+        "sequential pipeline unless one was named; mps: MPS or refuse to start; off: neither",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="both models' weights; dummy: random weights in the shape of each model directory's config.json "
+        "(timing a model whose weights are not at hand: every output is meaningless)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="both services' (see specd verifier --help)",
+    )
     p.add_argument("--drafter-dtype", default=None, help="default: float32 for a distilled drafter, else bfloat16")
     p.add_argument("--verifier-dtype", default="float32")
     p.add_argument(
@@ -234,6 +256,25 @@ def apply_placement(args: argparse.Namespace, placement: CpuPlacement) -> None:
         args.pipeline = "auto" if placement.split else "sequential"
 
 
+def shared_gpu(args: argparse.Namespace, drafter: str) -> SharedGpu | None:
+    """Where a model drafter and the verifier share one CUDA device, MPS or the sequential
+    pipeline (`specd.mps.decide`), said on stderr; the pipeline it chose goes into `args`. Two
+    CUDA devices: the pipeline defaults to auto, as the two then truly run at once."""
+    from specd import mps
+
+    if drafter in ("none", "ngram"):
+        return None
+    on_cuda = args.drafter_device.startswith("cuda") and args.verifier_device.startswith("cuda")
+    shared = mps.decide(args.shared_gpu, args.drafter_device, args.verifier_device, args.pipeline)
+    if shared is None:
+        if on_cuda and args.pipeline is None:
+            args.pipeline = "auto"
+        return None
+    args.pipeline = shared.pipeline
+    print(f"specd up: {shared.message}", file=sys.stderr, flush=True)
+    return shared
+
+
 def up(argv: Sequence[str]) -> None:
     import grpc  # keep `specd --help` light
 
@@ -255,6 +296,10 @@ def up(argv: Sequence[str]) -> None:
         placement = resolve_placement(args, drafter)
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        shared = shared_gpu(args, drafter)
+    except ValueError as exc:
+        parser.error(str(exc))
     apply_placement(args, placement)
     overlap = drafter_overlap(args, placement, drafter, explicit)
     where = f" (verifier on CPUs {placement.verifier_cpus}, drafter on {placement.drafter_cpus})"
@@ -270,6 +315,7 @@ def up(argv: Sequence[str]) -> None:
     # The backends never leave loopback here, and still ask for the gateway's token:
     # any local user could otherwise open sequences on them.
     common = ["--host", LOOPBACK, "--max-context", str(args.max_context), "--lease-s", str(args.lease_s), *tracing]
+    common += ["--load-format", args.load_format, "--cuda-graphs", args.cuda_graphs]
     children = {
         "verifier": [
             "verifier",
@@ -380,6 +426,10 @@ def up(argv: Sequence[str]) -> None:
             code = 1
     finally:
         supervisor.stop_all()
+        if shared is not None:
+            from specd import mps
+
+            mps.stop_daemon(shared.started)
     sys.exit(code)
 
 

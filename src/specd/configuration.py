@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_type_hints
 
-from specd.engine import DTYPE_CHOICES
+from specd.engine import CUDA_GRAPH_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from specd.rpc.backend_auth import BACKEND_TOKEN_ENV, exposure_problem
 
 T = TypeVar("T")
@@ -95,6 +95,18 @@ class ModelServiceConfig:
     model: str = field("embedded", "model: a local HF directory, a .gguf file, or 'embedded'")
     device: str = field("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     dtype: str = field("float32", "activation dtype", choices=DTYPE_CHOICES)
+    load_format: str = field(
+        "auto",
+        "auto: the model's weights; dummy: random weights in the shape of the model's config.json (with its "
+        "tokenizer), made on the device, to time a model whose weights are not at hand; its output is meaningless",
+        LOAD_FORMAT_CHOICES,
+    )
+    cuda_graphs: str = field(
+        "auto",
+        "capture the decode and verify forwards as CUDA graphs per batch bucket (auto: on a CUDA device, "
+        "for the fused Llama forward); prefill and other shapes run eagerly; nothing on the CPU",
+        CUDA_GRAPH_CHOICES,
+    )
     max_sequences: int = field(64, "most sequences open at once")
     max_context: int = field(2048, "most positions per sequence (capped by the model's own limit)")
     max_draft_tokens: int = field(16, "most draft tokens per sequence per round")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from specd.engine import fused_llama, models
+from specd.engine import cuda_graphs, fused_llama, models
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -22,7 +22,9 @@ HEAD_CALIBRATION_ROWS = 16
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
-    loaded = models.load_for_serving(config.model, config.device, config.dtype, config.threads, config.cpus)
+    loaded = models.load_for_serving(
+        config.model, config.device, config.dtype, config.threads, config.cpus, config.load_format
+    )
     loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "verifier"))
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
@@ -38,6 +40,8 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
     # from a couple of dozen rows on, the plain product is the matrix-matrix one.
     lm.calibrate_head(HEAD_CALIBRATION_ROWS)
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
+    # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
+    cuda_graphs.enable(lm, config.cuda_graphs, min(config.max_draft_tokens, 8) + 1, "verifier", config.max_sequences)
     info = common_pb2.ModelInfo(
         model_id=config.model,
         tokenizer=fingerprint_pb(loaded.fingerprint),

@@ -77,6 +77,8 @@ class SlotKVCache(Cache):
         # The CPU mappings behind keys/values, per layer (None: plain tensors).
         self._key_regions: list[mmap.mmap | None] = []
         self._value_regions: list[mmap.mmap | None] = []
+        # Whether the tensors hold a scratch row past the bound (`scratch_slot`).
+        self.scratch = False
         self.reserve(max_slots, max_positions)
         # Per-forward addressing, set by `prepare`.
         self._rows: torch.Tensor | None = None
@@ -86,6 +88,8 @@ class SlotKVCache(Cache):
         self._pick: tuple[torch.Tensor, torch.Tensor] | None = None
         self._single: tuple[int, int, int] | None = None
         self._kv_len = 0
+        # Set by `set_static` (specd.engine.cuda_graphs): the static buffers of a bucketed forward.
+        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
     # -- the bound ------------------------------------------------------
     def reserve(self, max_slots: int, max_positions: int) -> None:
@@ -101,6 +105,20 @@ class SlotKVCache(Cache):
         self._value_regions = [None] * self.num_layers
         # Per slot: positions written since it was last released (what its pages back).
         self._high = [0] * max_slots
+
+    @property
+    def scratch_slot(self) -> int:
+        """The row past the bound that a bucketed forward's padding writes and reads
+        (specd.engine.cuda_graphs): no sequence owns it. Made by `add_scratch`."""
+        if not self.scratch:
+            raise RuntimeError("this cache has no scratch row (add_scratch)")
+        return self.max_slots
+
+    def add_scratch(self) -> None:
+        """Make the tensors with a scratch row past the bound, dropping what is cached."""
+        if not self.scratch:
+            self.scratch = True
+            self.reserve(self.max_slots, self.max_positions)
 
     @property
     def lazy(self) -> bool:
@@ -162,6 +180,7 @@ class SlotKVCache(Cache):
     # -- per-forward addressing ----------------------------------------
     def prepare(self, slots: Sequence[int], lengths: Sequence[int], counts: Sequence[int]) -> None:
         """Rows (sorted by slot) at `lengths` with `counts` new tokens each; padding is never written."""
+        self._static = None
         rows = to_device(slots, self.device)
         self._rows = rows
         first, last = min(slots), max(slots)
@@ -209,10 +228,13 @@ class SlotKVCache(Cache):
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             buf = store[layer_idx]
             if buf is None:
-                shape = (self.max_slots, new.shape[1], self.max_positions, new.shape[3])
+                shape = (self.max_slots + int(self.scratch), new.shape[1], self.max_positions, new.shape[3])
                 buf, region = self._allocate(shape, new.dtype)
                 store[layer_idx] = buf
                 (self._key_regions if store is self.keys else self._value_regions)[layer_idx] = region
+            if self._static is not None:
+                out.append(self._static_update(buf, new))
+                continue
             if self._single is not None:
                 slot, start, count = self._single
                 buf[slot, :, start : start + count].copy_(new[0])
@@ -228,6 +250,35 @@ class SlotKVCache(Cache):
             else:
                 out.append(buf[:, :, : self._kv_len].index_select(0, self._rows))
         return out[0], out[1]
+
+    def set_static(
+        self,
+        slots: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        keys: int = 0,
+    ) -> None:
+        """Address the next forward by static buffers (specd.engine.cuda_graphs): the new key of each fed
+        position [batch * length] is written at (`slots`, `positions`), and the rows attend the first
+        `keys` keys of the cache rows `rows` [batch]. None: back to `prepare`'s addressing."""
+        if slots is None:
+            self._static = None
+            return
+        assert positions is not None and rows is not None
+        self._static = (slots, positions, rows, keys)
+        self._kv_len = keys
+
+    def note_written(self, slots: Sequence[int], ends: Sequence[int]) -> None:
+        """Slots written up to `ends` by a forward `prepare` did not address (what their pages back)."""
+        for slot, end in zip(slots, ends, strict=True):
+            self._high[slot] = max(self._high[slot], end)
+
+    def _static_update(self, buf: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        assert self._static is not None
+        slots, positions, rows, keys = self._static
+        batch, heads, length, dim = new.shape
+        buf[slots, :, positions] = new.transpose(1, 2).reshape(batch * length, heads, dim).to(buf.dtype)
+        return buf[:, :, :keys].index_select(0, rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
@@ -340,6 +391,8 @@ class BatchedCausalLM:
         self._mask_min = torch.finfo(dtype).min
         # Above 0: the model reads a feature beside each token (Row.features).
         self.feature_size = int(getattr(model, "feature_size", 0))
+        # The bucketed static forward (specd.engine.cuda_graphs.enable), where one is on.
+        self.static: Any = None
 
     def reserve(self, max_slots: int, max_positions: int) -> None:
         """Bound the cache to `max_slots` sequences of `max_positions` positions (capped by the model's)."""
@@ -406,7 +459,7 @@ class BatchedCausalLM:
         [len(tokens), hidden], in the model's dtype."""
         if not rows:
             return [], []
-        order, rows, hidden, wanted = self._run(rows, device_ids)
+        order, rows, hidden, wanted = self._run(rows, device_ids, keep=True)
         with torch.inference_mode():
             logits = self.head_product(wanted).float()
             if self.softcap:
@@ -441,10 +494,12 @@ class BatchedCausalLM:
         return best.index_select(0, to_device(sorted(range(len(order)), key=order.__getitem__), best.device))
 
     def _run(
-        self, rows: Sequence[Row], device_ids: torch.Tensor | None
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None, keep: bool = False
     ) -> tuple[list[int], list[Row], torch.Tensor, torch.Tensor]:
         """The forward through the decoder: the rows' order by slot, the rows in it, the last hidden
-        states [rows, positions, hidden] and those of the wanted positions [wanted, hidden]."""
+        states [rows, positions, hidden] and those of the wanted positions [wanted, hidden].
+        `keep`: the caller keeps the hidden states past the next forward (a bucketed forward's
+        are its buffer's, so they are copied out)."""
         if device_ids is not None and (device_ids.shape != (len(rows),) or any(len(r.tokens) != 1 for r in rows)):
             raise ValueError("device ids feed one token to each row")
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
@@ -452,6 +507,12 @@ class BatchedCausalLM:
         for r in rows:
             # Before anything is written: a row past the bound is the caller's error, never growth.
             self.cache.check_row(r.slot, r.start, len(r.tokens))
+        if self.static is not None:
+            hidden = self.static.run(
+                rows, None if device_ids is None else device_ids.index_select(0, to_device(order, device_ids.device))
+            )
+            if hidden is not None:
+                return order, rows, hidden.clone() if keep else hidden, self._wanted(rows, hidden)
         num_new = max(len(r.tokens) for r in rows)
         lengths = [r.start for r in rows]
         self.cache.prepare([r.slot for r in rows], lengths, [len(r.tokens) for r in rows])
@@ -491,8 +552,12 @@ class BatchedCausalLM:
                 **{self._cache_keyword: self.cache},
                 **extra,
             ).last_hidden_state
-            picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
-            bi = to_device([p[0] for p in picks], self.device)
-            pj = to_device([p[1] for p in picks], self.device)
-            wanted = hidden[bi, pj]
-        return order, rows, hidden, wanted
+        return order, rows, hidden, self._wanted(rows, hidden)
+
+    def _wanted(self, rows: Sequence[Row], hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states [wanted, hidden] of each row's positions from its `logits_from` on."""
+        picks = [(i, j) for i, r in enumerate(rows) for j in range(r.logits_from, len(r.tokens))]
+        with torch.inference_mode():
+            # Both index lists in one copy to the device.
+            at = to_device([p[0] for p in picks] + [p[1] for p in picks], self.device).view(2, len(picks))
+            return hidden[at[0], at[1]]

@@ -6,6 +6,7 @@ for the gateway); nothing here downloads either.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from specd.engine import draftlm, featurehead
 from specd.engine.checkpoints import ModelLoadError, is_distilled, load_tokenizer, materialize
 from specd.engine.cpus import pin
 from specd.engine.fingerprint import TokenizerFingerprint
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,9 +48,38 @@ def load_distilled(path: str | Path, dtype: torch.dtype, materialize: Any) -> An
     return draftlm.load(path, dtype, materialize)
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
+def load_dummy(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
+    """`--load-format dummy`: a causal LM of the architecture and shape in `spec`'s config.json,
+    with random weights made on `device` in `dtype` (an 8B shape on a GPU takes seconds, and never
+    passes through host memory). Its output is meaningless: it is for timing a model whose
+    weights are not at hand."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"--load-format dummy needs a directory with a config.json, not {spec!r}")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
+    log.warning(
+        "--load-format dummy: %s has RANDOM weights in the shape of %s; every token it outputs is meaningless",
+        config.model_type,
+        path / "config.json",
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def load_model(spec: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto") -> Any:
     from transformers import AutoModelForCausalLM
 
+    if load_format == "dummy":
+        return load_dummy(spec, device, dtype)
+    if load_format != "auto":
+        raise ValueError(f"--load-format takes auto or dummy, not {load_format!r}")
     path = materialize(spec)
     if is_distilled(path):
         try:
@@ -77,7 +109,9 @@ class LoadedModel:
     tokenizer: Any = None
 
 
-def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int = 0, cpus: str = "") -> LoadedModel:
+def load_for_serving(
+    spec: str, device_name: str, dtype_name: str, threads: int = 0, cpus: str = "", load_format: str = "auto"
+) -> LoadedModel:
     """What a model service loads at startup: weights on their device, and the tokenizer's identity.
 
     Pinning comes first, so every thread torch starts afterwards inherits it.
@@ -87,6 +121,6 @@ def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int 
     dtype = parse_dtype(dtype_name)
     if threads or pinned:
         torch.set_num_threads(threads or len(pinned))
-    model = load_model(spec, device, dtype)
+    model = load_model(spec, device, dtype, load_format)
     tokenizer = load_tokenizer(spec)
     return LoadedModel(model, device, dtype, TokenizerFingerprint.of(tokenizer), tokenizer)

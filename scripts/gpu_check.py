@@ -1,0 +1,686 @@
+#!/usr/bin/env python3
+"""specd's GPU check: one JSON of what a GPU makes of specd, in about seven minutes.
+
+    python3 scripts/gpu_check.py [--out DIR] [--device cuda|cpu] [--budget-s 420] [--sections ...]
+
+Writes docs/bench/gpu-<gpu>-<date>.json (and a copy in --out, default $OUT) after every section,
+so a check cut short still leaves what it measured. Sections, most valuable first, each within
+its own time budget and each failure recorded in the JSON rather than ending the check:
+
+- `device`: the GPU, torch, and the device's copy bandwidth (bytes read + written per second).
+- `step_ms` / `verify_ms`: a one-token step of dummy-weight (`--load-format dummy`) bfloat16
+  models of the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes at batch 1, 8 and 32, eager
+  and through CUDA graphs (specd.engine.cuda_graphs), beside the bandwidth floor (the bytes of the
+  weights a step reads / the copy bandwidth); and a verify of 1..9 positions against the step.
+- `cuda_tests`: the unit tests with SPECD_TEST_DEVICE=cuda (the GPU-specific ones first), then
+  the integration tests with both services on the GPU, in what time is left for them.
+- `services`: `specd up` with both services on the GPU (dummy 135M weights, the drafter the same
+  weights), `specd bench` at 1 and 8 clients: `round_overhead_ms` (a round outside the two
+  forwards) and `shared_gpu` (draft-ahead's verify exchange against its forward, without and
+  with CUDA MPS).
+
+Where a `.whl` directory (scripts/gpu_wheels.sh) lies beside src/, its wheels are installed into
+/tmp/site first (no network needed) and put on the path of this process and its children.
+`--device cpu` is a dry run of the same code on tiny shapes (the CPU unit tests run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src"
+SITE = Path("/tmp/site")
+TOKENIZER = SRC / "specd" / "data" / "smollm2-135m-drafter"
+
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 128256,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+}
+# The published configs' shapes (their config.json files, abridged): weights never travel here.
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    },
+    "llama-3.2-1b": {
+        **_LLAMA3,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+    "llama-3.1-8b": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+}
+# The CPU dry run's stand-in: the same code on a model that steps in milliseconds.
+TINY = {
+    **SHAPES["smollm2-135m"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
+
+
+# -- the report ------------------------------------------------------------
+
+
+class Report:
+    """The JSON, written whole after every section (and copied to `copies`)."""
+
+    def __init__(self, path: Path, copies: list[Path], data: dict[str, Any]) -> None:
+        self.path, self.copies, self.data = path, copies, data
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.data, indent=1, default=str) + "\n"
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.path)
+        for directory in self.copies:
+            with contextlib.suppress(OSError):
+                directory.mkdir(parents=True, exist_ok=True)
+                (directory / self.path.name).write_text(text)
+
+    def section(self, name: str, budget_s: float, fn: Callable[[float], Any]) -> None:
+        """Run `fn(deadline)` into data[name]; its error (with traceback) is recorded instead."""
+        start = time.monotonic()
+        print(f"gpu_check: {name} (budget {budget_s:.0f} s)", file=sys.stderr, flush=True)
+        try:
+            self.data[name] = fn(start + budget_s)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            self.data[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+        self.data.setdefault("wall_s", {})[name] = round(time.monotonic() - start, 1)
+        self.write()
+
+
+# -- wheels ----------------------------------------------------------------
+
+
+def install_wheels(root: Path = ROOT, site: Path = SITE) -> str:
+    """Install the wheels of `root`/.whl into `site` once (no index, no dependencies; unpacked
+    where pip is missing or refuses) and put it first on this process's path and its children's;
+    what was done, for the JSON."""
+    wheels = sorted((root / ".whl").glob("*.whl"))
+    env_path = [str(SRC)]
+    how = "no .whl directory: the image's packages"
+    if wheels:
+        marker = site / ".specd-wheels"
+        names = "\n".join(w.name for w in wheels)
+        how = f"{len(wheels)} wheels in {site}, installed before"
+        if not (marker.is_file() and marker.read_text() == names):
+            how = f"{len(wheels)} wheels in {site}, " + _install(wheels, site)
+            marker.write_text(names)
+        sys.path.insert(0, str(site))
+        env_path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join([*env_path, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return how
+
+
+def _install(wheels: list[Path], site: Path) -> str:
+    site.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade", "--target"]
+    done = subprocess.run([*cmd, str(site), *map(str, wheels)], capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return "installed by pip"
+    import zipfile
+
+    # A wheel is a zip of what lands in site-packages (and its .dist-info, which plugins' entry points need).
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(site)
+    return f"unpacked (pip: {(done.stderr or done.stdout).strip()[-300:]})"
+
+
+# -- device ----------------------------------------------------------------
+
+
+def device_info(device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    info: dict[str, Any] = {
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            name=props.name,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            capability=f"{props.major}.{props.minor}",
+            mps_pipe=os.path.exists("/tmp/nvidia-mps/control"),
+        )
+    else:
+        info["name"] = "cpu"
+    info["copy_gbps"] = copy_bandwidth(device)
+    return info
+
+
+def copy_bandwidth(device: str, nbytes: int = 2**30, repeats: int = 10) -> float:
+    """GB/s a device-to-device copy moves, counting the bytes read and those written: the rate
+    a step that reads its weights once could at best read them at."""
+    import torch
+
+    from specd.engine.cuda_graphs import timed
+
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        nbytes = 2**26
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = timed(lambda: dst.copy_(src), dev, repeats)
+    return round(2 * nbytes / seconds / 1e9, 1)
+
+
+# -- step and verify -------------------------------------------------------
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes a step reads: every weight once (an untied input embedding only gathers rows)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if embed.data_ptr() != head.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def time_shape(
+    name: str, config: dict[str, Any], device: str, batches: list[int], positions: int, deadline: float, repeats: int
+) -> dict[str, Any]:
+    """One shape's steps and verifies, eager then graphed (uncaptured static on the CPU)."""
+    import torch
+
+    from specd.engine import cuda_graphs, fused_llama, models
+    from specd.engine.kvcache import BatchedCausalLM, Row
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16
+    context = 128
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        start = time.monotonic()
+        model = fused_llama.fuse(models.load_dummy(tmp, dev, dtype))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        load_s = time.monotonic() - start
+    out: dict[str, Any] = {"shape": name, "dtype": "bfloat16", "load_s": round(load_s, 2)}
+    out["weight_bytes"] = weight_bytes(model)
+    out["params"] = sum(p.numel() for p in model.parameters())
+    lm = BatchedCausalLM(model, dev, dtype, max_slots=max(batches), max_positions=positions)
+    static = cuda_graphs.StaticForward(lm, max(batches), 9, capture=dev.type == "cuda", batches=batches)
+    for slot in range(max(batches)):
+        lm.forward([Row(slot, 0, [(7 * slot + j) % 1000 for j in range(context)], context - 1)])
+    keys = next(k for k in static.keys if k >= context + 9)
+    lengths = [n for n in range(1, 10)]
+
+    def step(b: int, n: int = 1) -> Callable[[], Any]:
+        return lambda: lm.forward([Row(s, context, [5] * n, 0) for s in range(b)])
+
+    def measure(label: str) -> None:
+        for b in batches:
+            if time.monotonic() > deadline:
+                out.setdefault("cut_short", []).append(f"{label} batch {b}")
+                continue
+            ms = cuda_graphs.timed(step(b), dev, repeats) * 1e3
+            out.setdefault("step_ms", {}).setdefault(str(b), {})[label] = round(ms, 3)
+        for n in lengths:
+            if time.monotonic() > deadline:
+                out.setdefault("cut_short", []).append(f"{label} verify {n}")
+                continue
+            ms = cuda_graphs.timed(step(1, n), dev, repeats) * 1e3
+            out.setdefault("verify_ms", {}).setdefault(str(n), {})[label] = round(ms, 3)
+
+    measure("eager")
+    reference = [t.clone() for t in step(max(batches), 2)()]
+    lm.static = static
+    start = time.monotonic()
+    static.capture_all(
+        [cuda_graphs.Bucket(b, 1, keys) for b in batches]
+        + [cuda_graphs.Bucket(1, n, keys) for n in lengths if n > 1]
+        + [cuda_graphs.Bucket(max(batches), 2, keys)]
+    )
+    out["capture_s"] = round(time.monotonic() - start, 2)
+    out["capture_mib"] = round(static.capture_bytes / 2**20, 1)
+    got = step(max(batches), 2)()
+    out["graphed_vs_eager"] = {
+        "max_abs_logit_diff": max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True)),
+        "same_argmax": all(bool(torch.equal(g.argmax(-1), r.argmax(-1))) for g, r in zip(got, reference, strict=True)),
+    }
+    measure("graphed")
+    return out
+
+
+def free_device_memory(device: str) -> None:
+    """Hand the last shape's memory (weights, cache, graph pool) back before the next one loads."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def steps_section(device: str, dry: bool, deadline: float, shapes: list[str]) -> dict[str, Any]:
+    gbps = float(REPORT.data.get("device", {}).get("copy_gbps") or 0) if REPORT else 0.0
+    results: dict[str, Any] = {}
+    chosen = {"tiny": TINY} if dry else {name: SHAPES[name] for name in shapes}
+    for i, (name, config) in enumerate(chosen.items()):
+        left = deadline - time.monotonic()
+        if left <= 5:
+            results[name] = {"skipped": "no time left"}
+            continue
+        # Each shape gets its share of what is left; the last the rest.
+        share = time.monotonic() + left / (len(chosen) - i)
+        try:
+            shape = time_shape(name, config, device, [1, 2] if dry else [1, 8, 32], 512, share, 2 if dry else 20)
+        except Exception as exc:
+            shape = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        if gbps and "weight_bytes" in shape:
+            shape["floor_ms"] = round(shape["weight_bytes"] / (gbps * 1e9) * 1e3, 4)
+        results[name] = shape
+        if REPORT:
+            REPORT.data["step_ms"] = results
+            REPORT.write()
+    return results
+
+
+def verify_summary(steps: dict[str, Any]) -> dict[str, Any]:
+    """Per shape, each verify of n positions (batch 1) as a multiple of the one-token step."""
+    out: dict[str, Any] = {}
+    for name, shape in steps.items():
+        verify = shape.get("verify_ms") if isinstance(shape, dict) else None
+        if not verify:
+            continue
+        per: dict[str, Any] = {}
+        for label in ("eager", "graphed"):
+            one = verify.get("1", {}).get(label)
+            if one:
+                per[label] = {n: round(v[label] / one, 3) for n, v in verify.items() if label in v}
+        out[name] = {"ms": verify, "x_step": per}
+    return out
+
+
+# -- tests -----------------------------------------------------------------
+
+_OUTCOME = re.compile(r"^(\S+::\S+?)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+_OUTCOME_AFTER = re.compile(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+(\S+::\S+)")
+
+
+def parse_pytest(text: str) -> dict[str, Any]:
+    """Counts and failing tests from `pytest -v -rA` output, complete or cut short."""
+    outcomes: dict[str, str] = {}
+    for line in text.splitlines():
+        m = _OUTCOME.match(line)
+        if m:
+            outcomes[m.group(1)] = m.group(2)
+            continue
+        m = _OUTCOME_AFTER.match(line)
+        if m:
+            outcomes.setdefault(m.group(2), m.group(1))
+    counts = {kind.lower(): 0 for kind in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS")}
+    for outcome in outcomes.values():
+        counts[outcome.lower()] += 1
+    counts["failing"] = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
+    counts["collection_errors"] = sorted(set(re.findall(r"^ERROR collecting (\S+)", text, re.M)))
+    return counts
+
+
+def run_pytest(args: list[str], env: dict[str, str], timeout_s: float, log: Path) -> dict[str, Any]:
+    """pytest in its own process group, killed whole at `timeout_s`; its outcomes so far."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", *args]
+    start = time.monotonic()
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=max(1.0, timeout_s))
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            timed_out = True
+    text = log.read_text(errors="replace")
+    result = parse_pytest(text)
+    result.update(command=" ".join(cmd[1:]), wall_s=round(time.monotonic() - start, 1), timed_out=timed_out)
+    result["exit_code"] = proc.returncode
+    if result["failing"] or result["collection_errors"]:
+        result["tail"] = text[-6000:]
+    return result
+
+
+# The unit tests that exercise what only a GPU shows, first.
+GPU_FIRST = [
+    "tests/unit/test_grammar.py",
+    "tests/unit/test_cuda_graphs.py",
+    "tests/unit/test_gpu_sync.py",
+    "tests/unit/test_engines.py",
+    "tests/unit/test_kvcache.py",
+    "tests/unit/test_fused_llama.py",
+]
+
+
+def tests_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
+    env = dict(os.environ, SPECD_TEST_DEVICE=device, SPECD_TEST_TOKENIZER=str(TOKENIZER))
+    first = [f for f in GPU_FIRST if (ROOT / f).is_file()]
+    out: dict[str, Any] = {}
+    if dry:
+        out["unit_first"] = run_pytest(
+            ["tests/unit/test_cuda_graphs.py", "-k", "buckets"], env, deadline - time.monotonic(), logs / "unit.log"
+        )
+        return out
+    timeout = ["--timeout", "120", "-m", "not slow"]
+    # Half of the budget at most for the GPU-specific files, most of the rest for the other units.
+    left = deadline - time.monotonic()
+    out["unit_first"] = run_pytest([*timeout, *first], env, left * 0.5, logs / "unit-first.log")
+    if REPORT:
+        REPORT.data["cuda_tests"] = out
+        REPORT.write()
+    ignore = [arg for f in first for arg in ("--ignore", f)]
+    left = deadline - time.monotonic()
+    out["unit_rest"] = run_pytest([*timeout, "tests/unit", *ignore], env, left * 0.75, logs / "unit-rest.log")
+    if REPORT:
+        REPORT.data["cuda_tests"] = out
+        REPORT.write()
+    env_int = dict(env, SPECD_VERIFIER_DEVICE=device, SPECD_DRAFTER_DEVICE=device)
+    left = deadline - time.monotonic()
+    if left > 20:
+        out["integration"] = run_pytest(
+            [*timeout, "tests/integration", "-x"], env_int, left - 5, logs / "integration.log"
+        )
+    totals = {k: 0 for k in ("passed", "failed", "skipped", "error")}
+    failing: list[str] = []
+    for part in out.values():
+        for k in totals:
+            totals[k] += part.get(k, 0)
+        failing += part.get("failing", [])
+    out["total"] = {**totals, "failing": failing}
+    return out
+
+
+# -- services --------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
+    """`specd up` on the device with dummy weights, benched at 1 and 8 clients: sequential rounds
+    for the overhead, draft-ahead for the shared GPU, without MPS and (where it can be had) with."""
+    from specd import mps
+
+    model_dir = logs / "model-135m"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(TINY if dry else SHAPES["smollm2-135m"]))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (TOKENIZER / f).is_file():
+            shutil.copy(TOKENIZER / f, model_dir / f)
+    out: dict[str, Any] = {}
+    variants = [("no_mps", False)] + ([] if dry or device == "cpu" else [("mps", True)])
+    for label, with_mps in variants:
+        left = deadline - time.monotonic()
+        if left < 30:
+            out[label] = {"skipped": "no time left"}
+            continue
+        share = time.monotonic() + left / (len(variants) - len(out))
+        daemon = None
+        try:
+            if with_mps:
+                daemon = mps.start_daemon()
+                if daemon is None:
+                    out[label] = {"skipped": "no nvidia-cuda-mps-control here"}
+                    continue
+            elif device != "cpu" and mps.running():
+                out[label] = {"skipped": "an MPS daemon already runs on this host"}
+                continue
+            out[label] = bench_stack(device, model_dir, dry, share, logs / label)
+        except Exception as exc:
+            out[label] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        finally:
+            if daemon is not None:
+                mps.stop_daemon(daemon)
+        if REPORT:
+            REPORT.data["services"] = out
+            REPORT.write()
+    return out
+
+
+def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
+    logs.mkdir(parents=True, exist_ok=True)
+    http, grpc_port, dport, vport, dm, vm = (free_port() for _ in range(6))
+    up = [
+        sys.executable, "-m", "specd.cli", "up",
+        "--target-model", str(model_dir), "--drafter", "model", "--draft-model", str(model_dir),
+        "--drafter-device", device, "--verifier-device", device,
+        "--verifier-dtype", "bfloat16", "--drafter-dtype", "bfloat16", "--quantize", "none",
+        "--load-format", "dummy", "--pipeline", "auto", "--shared-gpu", "off",
+        "--http-port", str(http), "--grpc-port", str(grpc_port),
+        "--drafter-port", str(dport), "--verifier-port", str(vport),
+        "--drafter-metrics-port", str(dm), "--verifier-metrics-port", str(vm),
+        "--max-context", "1024", "--startup-timeout", str(max(30, int(deadline - time.monotonic() - 30))),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    start = time.monotonic()
+    with (logs / "up.log").open("w") as f:
+        proc = subprocess.Popen(up, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{http}"
+        wait_healthy(base, proc, deadline)
+        out: dict[str, Any] = {"startup_s": round(time.monotonic() - start, 1)}
+        bench = [
+            sys.executable, "-m", "specd.cli", "bench", "--base-url", base, "-k", "4",
+            "--max-tokens", "16" if dry else "48", "--num-prompts", "2" if dry else "8",
+            "--concurrency", "1" if dry else "1,8", "--modes", "sequential,ahead", "--workload", "chat",
+            "--output-dir", str(logs), "--name", "bench",
+            "--service-metrics", f"drafter=http://127.0.0.1:{dm}/metrics,verifier=http://127.0.0.1:{vm}/metrics",
+        ]  # fmt: skip
+        left = deadline - time.monotonic()
+        done = subprocess.run(
+            bench, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(10.0, left), check=False
+        )
+        (logs / "bench.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            return {
+                **out,
+                "error": f"specd bench exited {done.returncode}",
+                "tail": (done.stdout + done.stderr)[-3000:],
+            }
+        report = json.loads((logs / "bench.json").read_text()) if (logs / "bench.json").is_file() else {}
+        out.update(round_figures(report))
+        return out
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"specd up exited {proc.returncode} before it was healthy")
+        with contextlib.suppress(OSError), urllib.request.urlopen(base + "/health", timeout=2) as r:
+            if r.status == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError("specd up was not healthy in its time budget")
+
+
+def round_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """From a `specd bench` report: per mode and clients, a round's time outside the two forwards,
+    and the verify exchange beside the verifier's forward."""
+    out: dict[str, Any] = {}
+    for r in report.get("results", []):
+        key = f"{r.get('mode')}@{r.get('concurrency')}"
+        parts = {k: r.get(k) for k in ("round_draft_ms", "round_verify_ms", "round_overhead_ms")}
+        forwards = {k: r.get(k) for k in ("round_drafter_forward_ms", "round_verifier_forward_ms")}
+        entry: dict[str, Any] = {"tok_s": r.get("output_tokens_per_s"), **parts, **forwards}
+        if all(isinstance(v, (int, float)) for v in (*parts.values(), *forwards.values())):
+            total = sum(parts.values())
+            entry["round_ms"] = round(total, 3)
+            entry["outside_forwards_ms"] = round(total - sum(forwards.values()), 3)
+        if isinstance(r.get("round_verify_ms"), (int, float)) and r.get("round_verifier_forward_ms"):
+            entry["verify_exchange_x_forward"] = round(r["round_verify_ms"] / r["round_verifier_forward_ms"], 3)
+        out[key] = entry
+    return out
+
+
+# -- main ------------------------------------------------------------------
+
+REPORT: Report | None = None
+SECTIONS = ("device", "step_ms", "verify_ms", "cuda_tests", "services")
+
+
+def gpu_slug(name: str) -> str:
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper())
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu").lower()
+
+
+def main(argv: list[str] | None = None) -> int:
+    global REPORT
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for the dry run on tiny shapes")
+    p.add_argument("--out", default=os.environ.get("OUT", ""), help="also copy the JSON here (default $OUT)")
+    p.add_argument("--bench-dir", default=str(ROOT / "docs" / "bench"), help="where the JSON goes")
+    p.add_argument("--budget-s", type=float, default=420.0, help="the whole check's time")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="which sections, comma-separated")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="model shapes for step_ms")
+    args = p.parse_args(argv)
+    start = time.monotonic()
+    dry = args.device == "cpu"
+    try:
+        # The dry run uses the environment it runs in; the wheels are CPython 3.12 ones for a GPU host.
+        wheels = "the dry run: the running environment" if dry else install_wheels()
+    except Exception as exc:  # the image's own packages may do
+        wheels = f"not installed: {type(exc).__name__}: {exc}"
+    if dry:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    import torch
+
+    if not dry and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device; run with --device cpu for the dry run", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name(0) if not dry else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d")
+    path = Path(args.bench_dir) / f"gpu-{gpu_slug(name)}-{date}.json"
+    data: dict[str, Any] = {
+        "what": "scripts/gpu_check.py: dummy-weight bfloat16 steps eager and graphed, unit/integration tests on "
+        "the device, a specd up stack on it",
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "wheels": wheels,
+        "dry_run": dry,
+    }
+    REPORT = Report(path, [Path(args.out)] if args.out else [], data)
+    chosen = set(args.sections.split(","))
+    logs = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    # Shares of the whole budget, most valuable first; what a section leaves goes to the next.
+    plan: list[tuple[str, float, Callable[[float], Any]]] = [
+        ("device", 0.03, lambda d: device_info(args.device)),
+        ("step_ms", 0.30, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
+        ("verify_ms", 0.0, lambda d: verify_summary(REPORT.data.get("step_ms", {}) if REPORT else {})),
+        ("cuda_tests", 0.40, lambda d: tests_section(args.device, dry, d, logs)),
+        ("services", 0.27, lambda d: services_section(args.device, dry, d, logs)),
+    ]
+    plan = [step for step in plan if step[0] in chosen]
+    for i, (section, share, fn) in enumerate(plan):
+        # Its share of the time left, against the shares of the sections still to run: what an
+        # earlier section did not use goes to the later ones.
+        left = start + args.budget_s - time.monotonic()
+        rest = sum(s for _, s, _ in plan[i:]) or 1.0
+        REPORT.section(section, max(left * share / rest, 1.0), fn)
+    REPORT.data["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    REPORT.data["logs"] = str(logs)
+    if args.out:
+        with contextlib.suppress(OSError):
+            shutil.copytree(logs, Path(args.out) / "logs", dirs_exist_ok=True, ignore=shutil.ignore_patterns("model-*"))
+    REPORT.write()
+    print(f"gpu_check: wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""README's GPU tables from scripts/gpu_check.py's JSON files (markdown on stdout).
+
+python3 scripts/gpu_table.py docs/bench/gpu-*.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "–"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0
+    return f"{a / b:.2f}x" if ok else "–"
+
+
+def step_rows(report: dict[str, Any]) -> list[str]:
+    gpu = report.get("device", {}).get("name", "?")
+    rows = []
+    for name, shape in report.get("step_ms", {}).items():
+        if not isinstance(shape, dict) or "step_ms" not in shape:
+            why = shape.get("error") or shape.get("skipped") if isinstance(shape, dict) else None
+            rows.append(f"| {gpu} | {name} | – | – | – | – | – | {why or 'not measured'} |")
+            continue
+        floor = shape.get("floor_ms")
+        gb = shape["weight_bytes"] / 1e9
+        for batch, t in shape["step_ms"].items():
+            eager, graphed = t.get("eager"), t.get("graphed")
+            rows.append(
+                f"| {gpu} | {name} | {gb:.2f} | {batch} | {_ms(eager)} | {_ms(graphed)} | {_ms(floor)} "
+                f"| {_ratio(graphed, floor)} |"
+            )
+    return rows
+
+
+def verify_rows(report: dict[str, Any]) -> list[str]:
+    gpu = report.get("device", {}).get("name", "?")
+    rows = []
+    for name, entry in report.get("verify_ms", {}).items():
+        if not isinstance(entry, dict) or "x_step" not in entry:
+            continue
+        for label, per in entry["x_step"].items():
+            one = entry["ms"].get("1", {}).get(label)
+            cells = " | ".join(f"{per[n]:.2f}x" if n in per else "–" for n in map(str, range(2, 10)))
+            rows.append(f"| {gpu} | {name} | {label} | {_ms(one)} | {cells} |")
+    return rows
+
+
+def service_rows(report: dict[str, Any]) -> list[str]:
+    gpu = report.get("device", {}).get("name", "?")
+    rows = []
+    for variant, runs in report.get("services", {}).items():
+        if not isinstance(runs, dict):
+            continue
+        for key, r in runs.items():
+            if not isinstance(r, dict) or "@" not in key:
+                continue
+            mode, clients = key.split("@")
+            exchange, forward = r.get("round_verify_ms"), r.get("round_verifier_forward_ms")
+            rows.append(
+                f"| {gpu} | {variant.replace('_', ' ')} | {mode} | {clients} | {_ms(r.get('round_ms'))} "
+                f"| {_ms(r.get('outside_forwards_ms'))} | {_ms(r.get('round_verify_ms'))} "
+                f"| {_ms(r.get('round_verifier_forward_ms'))} | {_ratio(exchange, forward)} |"
+            )
+    return rows
+
+
+def tests_line(report: dict[str, Any]) -> str:
+    tests = report.get("cuda_tests", {})
+    parts = []
+    for part, r in tests.items():
+        if isinstance(r, dict) and "passed" in r and part != "total":
+            cut = ", cut short" if r.get("timed_out") else ""
+            parts.append(
+                f"{part}: {r['passed']} passed, {r['failed'] + r.get('error', 0)} failed, {r['skipped']} skipped{cut}"
+            )
+    return "; ".join(parts)
+
+
+def render(reports: list[dict[str, Any]]) -> str:
+    out = [
+        "| GPU | shape | weights GB | batch | eager ms | graphed ms | bandwidth floor ms | graphed / floor |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        out += step_rows(r)
+    out += [
+        "",
+        "| GPU | shape | forward | 1-token step ms | " + " | ".join(f"{n} pos." for n in range(2, 10)) + " |",
+        "|---|---|---|---|" + "---|" * 8,
+    ]
+    for r in reports:
+        out += verify_rows(r)
+    services = [row for r in reports for row in service_rows(r)]
+    if services:
+        out += [
+            "",
+            "| GPU | shared GPU | pipeline | clients | round ms | outside the forwards ms | verify exchange ms "
+            "| verifier forward ms | exchange / forward |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *services,
+        ]
+    for r in reports:
+        line = tests_line(r)
+        if line:
+            out += ["", f"Tests on {r.get('device', {}).get('name', '?')}: {line}."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = argv if argv is not None else sys.argv[1:]
+    if not paths:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print(render([json.loads(Path(p).read_text()) for p in paths]), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

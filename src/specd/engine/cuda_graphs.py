@@ -1,0 +1,270 @@
+"""Decode and verify forwards over static buffers, captured as CUDA graphs on a GPU.
+
+On a GPU a small model's step is bound by launching its kernels one by one from Python, not by
+the hardware (docs/measurements.md, "Measured on a GPU"). A CUDA graph replays a whole forward's
+kernels in one launch, but only over fixed shapes and fixed memory. So a forward whose rows fit
+a bucket runs through buffers made once for it:
+
+- `Bucket`: the batch padded up to one of `BATCH_BUCKETS`, every row padded to the block length
+  (1 .. the longest block the service feeds), and the keys attended padded up to a power of two
+  (`key_buckets`): a mask hides the keys past each query's position, as the eager forward's does.
+- One packed int64 buffer holds every input of a forward (token ids, positions, the KV cache
+  rows read and the slot/position each new key is written at), filled by one host-to-device
+  copy that does not wait for the device.
+- A padded row reads and writes only the cache's scratch slot (`SlotKVCache.scratch_slot`), and a
+  real row's padded positions write there too: nothing of a real sequence is overwritten, and
+  a real row's queries never see the scratch slot (their keys are their own slot's). Padded
+  rows' outputs are never read.
+
+Prefill and shapes outside the buckets run eagerly, as do models other than the fused Llama
+forward (`specd.engine.fused_llama`: transformers' own forward builds masks and reads cache lengths on
+the host) and feature drafters. On the CPU the same static path runs without capture (tests
+check it against the eager forward); the services only take it on CUDA (`--cuda-graphs`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specd.engine import CUDA_GRAPH_CHOICES
+
+if TYPE_CHECKING:
+    from specd.engine.kvcache import BatchedCausalLM, Row
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The fewest keys a bucket attends: below it, more captures would save little.
+MIN_KEYS = 512
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    batch: int
+    length: int
+    keys: int
+
+
+def key_buckets(max_positions: int) -> list[int]:
+    """Key counts attended: powers of two from MIN_KEYS, the last one the cache's bound."""
+    out: list[int] = []
+    n = MIN_KEYS
+    while n < max_positions:
+        out.append(n)
+        n *= 2
+    out.append(max_positions)
+    return out
+
+
+def wants_graphs(choice: str, device: torch.device) -> bool:
+    """`--cuda-graphs`: auto is on for a CUDA device; on refuses any other device; off is off."""
+    if choice not in CUDA_GRAPH_CHOICES:
+        raise ValueError(f"--cuda-graphs takes {', '.join(CUDA_GRAPH_CHOICES)}, not {choice!r}")
+    if choice == "on" and device.type != "cuda":
+        raise ValueError(f"--cuda-graphs on needs a CUDA device, not {device}")
+    return choice != "off" and device.type == "cuda"
+
+
+def supported(lm: BatchedCausalLM) -> str | None:
+    """Why `lm` cannot take the static path, or None if it can."""
+    from specd.engine.fused_llama import FusedLlamaBody
+
+    if not isinstance(lm._base, FusedLlamaBody):
+        return "only the fused Llama forward runs over static buffers"
+    if lm.feature_size:
+        return "a feature drafter's forward reads per-token features"
+    return None
+
+
+class StaticForward:
+    """The decoder of a BatchedCausalLM over bucketed static buffers; captured when `capture`."""
+
+    def __init__(
+        self, lm: BatchedCausalLM, max_batch: int, max_length: int, capture: bool, batches: Iterable[int] = ()
+    ) -> None:
+        reason = supported(lm)
+        if reason is not None:
+            raise ValueError(reason)
+        self.lm = lm
+        self.capture = capture
+        cache = lm.cache
+        cache.add_scratch()
+        self.max_length = max(1, max_length)
+        limit = min(max_batch, cache.max_slots)
+        self.batches = sorted({b for b in (batches or BATCH_BUCKETS) if b <= max(limit, 1)} or {1})
+        self.keys = key_buckets(cache.max_positions)
+        top = self.batches[-1]
+        size = 4 * top * self.max_length + top
+        self._inputs = torch.zeros(size, dtype=torch.long, device=lm.device)
+        self._graphs: dict[Bucket, tuple[Any, torch.Tensor]] = {}
+        self._pool: Any = None
+        self.capture_s = 0.0
+        self.capture_bytes = 0
+
+    # -- shapes ------------------------------------------------------------
+    def bucket(self, rows: int, length: int, keys: int) -> Bucket | None:
+        """The smallest bucket that holds `rows` rows of `length` tokens attending `keys` keys."""
+        if length > self.max_length or rows > self.batches[-1] or keys > self.keys[-1]:
+            return None
+        batch = next(b for b in self.batches if b >= rows)
+        return Bucket(batch, length, next(k for k in self.keys if k >= keys))
+
+    def buckets(self) -> list[Bucket]:
+        return [Bucket(b, n, k) for b in self.batches for n in range(1, self.max_length + 1) for k in self.keys]
+
+    # -- running -----------------------------------------------------------
+    def run(self, rows: Sequence[Row], device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The last hidden states [len(rows), bucket length, hidden] of `rows` (sorted by slot, checked
+        against the cache's bound), or None where no bucket holds them (the caller runs eagerly).
+        `device_ids`: one token per row on the device, fed instead of the rows' placeholders. The
+        result lives in the bucket's output buffer until the next run."""
+        length = max(len(r.tokens) for r in rows)
+        bucket = self.bucket(len(rows), length, max(r.start + len(r.tokens) for r in rows))
+        if bucket is None:
+            return None
+        self._fill(bucket, rows, device_ids)
+        if not self.capture:
+            with torch.inference_mode():
+                return self._body(bucket)[: len(rows)]
+        if bucket not in self._graphs:
+            self._capture([bucket])
+        graph, out = self._graphs[bucket]
+        graph.replay()
+        return out[: len(rows)]
+
+    def _views(self, bucket: Bucket) -> tuple[torch.Tensor, ...]:
+        n = bucket.batch * bucket.length
+        flat = self._inputs
+        ids, positions, slots, pos = (flat[i * n : (i + 1) * n] for i in range(4))
+        rows = flat[4 * n : 4 * n + bucket.batch]
+        shape = (bucket.batch, bucket.length)
+        return ids.view(shape), positions.view(shape), slots, pos, rows
+
+    def _fill(self, bucket: Bucket, rows: Sequence[Row], device_ids: torch.Tensor | None) -> None:
+        """Every input of the bucket from one host tensor, copied without waiting for the device."""
+        cache = self.lm.cache
+        scratch = cache.scratch_slot
+        last = self.lm.max_positions - 1
+        top = cache.max_positions - 1
+        length = bucket.length
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        written: list[int] = []
+        for r in rows:
+            n = len(r.tokens)
+            ids.extend(r.tokens)
+            ids.extend([0] * (length - n))
+            positions.extend(min(r.start + j, last) for j in range(length))
+            slots.extend([r.slot] * n + [scratch] * (length - n))
+            written.extend(r.start + j if j < n else min(r.start + j, top) for j in range(length))
+        pad = (bucket.batch - len(rows)) * length
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        slots.extend([scratch] * pad)
+        written.extend([0] * pad)
+        read = [r.slot for r in rows] + [scratch] * (bucket.batch - len(rows))
+        host = torch.tensor(ids + positions + slots + written + read, dtype=torch.long)
+        self._inputs[: host.numel()].copy_(host, non_blocking=True)
+        if device_ids is not None:
+            self._views(bucket)[0][: len(rows), 0].copy_(device_ids)
+        cache.note_written([r.slot for r in rows], [r.start + len(r.tokens) for r in rows])
+
+    def _body(self, bucket: Bucket) -> torch.Tensor:
+        """The decoder over the bucket's buffers: what a graph captures and replays."""
+        lm = self.lm
+        ids, positions, slots, pos, rows = self._views(bucket)
+        key_pos = torch.arange(bucket.keys, device=lm.device)
+        hidden_mask = key_pos[None, None, :] > positions[:, :, None]
+        mask = torch.zeros(hidden_mask.shape, dtype=lm.dtype, device=lm.device).masked_fill_(hidden_mask, lm._mask_min)
+        lm.cache.set_static(slots, pos, rows, bucket.keys)
+        try:
+            return lm._base(
+                input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=True, cache=lm.cache
+            ).last_hidden_state
+        finally:
+            lm.cache.set_static(None)
+
+    # -- capture -----------------------------------------------------------
+    def _capture(self, buckets: Sequence[Bucket]) -> None:
+        device = self.lm.device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        with torch.inference_mode():
+            for bucket in buckets:
+                # Inputs all padding: capturing writes and reads only the scratch slot.
+                self._fill(bucket, [], None)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    self._body(bucket)  # kernels chosen and workspaces made outside the capture
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    out = self._body(bucket)
+                self._graphs[bucket] = (graph, out)
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+    def capture_all(self, buckets: Sequence[Bucket] | None = None) -> None:
+        """Capture `buckets` (default every one), largest first so the smaller ones reuse the pool's
+        memory; the time and the device memory it took are kept for the start-up log."""
+        if not self.capture:
+            return
+        chosen = sorted(buckets if buckets is not None else self.buckets(), reverse=True)
+        device = self.lm.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        start = time.perf_counter()
+        self._capture(chosen)
+        torch.cuda.synchronize(device)
+        self.capture_s += time.perf_counter() - start
+        self.capture_bytes += torch.cuda.memory_reserved(device) - before
+
+
+def enable(
+    lm: BatchedCausalLM, choice: str, max_length: int, service: str, max_batch: int = BATCH_BUCKETS[-1]
+) -> StaticForward | None:
+    """Turn on `lm`'s captured forward where `--cuda-graphs` (`choice`) asks for it and `lm` takes
+    it; captures every bucket now and logs what that took. None where it stays eager."""
+    if not wants_graphs(choice, lm.device):
+        return None
+    reason = supported(lm)
+    if reason is not None:
+        if choice == "on":
+            raise ValueError(f"--cuda-graphs on: {reason}")
+        log.info("the %s runs eagerly: %s", service, reason)
+        return None
+    static = StaticForward(lm, max_batch, max_length, capture=True)
+    static.capture_all()
+    lm.static = static
+    log.info(
+        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device memory",
+        service,
+        len(static.buckets()),
+        ",".join(map(str, static.batches)),
+        static.max_length,
+        ",".join(map(str, static.keys)),
+        static.capture_s,
+        static.capture_bytes / 2**20,
+    )
+    return static
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Fastest wall seconds of `repeats` calls of `fn`, each waited for on a GPU."""
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,159 @@
+"""The bucketed static forward (specd.engine.cuda_graphs) computes what the eager forward computes.
+
+On the CPU it runs without capture over the same static buffers a CUDA graph replays, so the
+buffers' discipline is checked here: padded rows and padded positions change no real row's
+logits, never write a real slot, and the scratch slot they use is never read by a real row.
+The captured path itself is checked where CUDA is (tests marked below skip without it).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tinymodels import device_under_test
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specd.engine import cuda_graphs, fused_llama
+from specd.engine.kvcache import BatchedCausalLM, Row
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def llama(positions: int = 512, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def pair(
+    device: torch.device, dtype: torch.dtype = torch.float32, positions: int = 300
+) -> tuple[BatchedCausalLM, BatchedCausalLM]:
+    """Two copies of one fused model over their own caches: the eager one and the static one."""
+    fused = fused_llama.fuse(llama(positions)).to(device=device, dtype=dtype)
+    eager = BatchedCausalLM(fused, device, dtype, max_slots=6, max_positions=positions)
+    static = BatchedCausalLM(copy.deepcopy(fused), device, dtype, max_slots=6, max_positions=positions)
+    static.static = cuda_graphs.StaticForward(static, 64, 5, capture=device.type == "cuda")
+    return eager, static
+
+
+def prefill(lms: tuple[BatchedCausalLM, ...], slots: list[int], lengths: list[int]) -> None:
+    gen = torch.Generator().manual_seed(1)
+    for slot, n in zip(slots, lengths, strict=True):
+        tokens = torch.randint(0, 96, (n,), generator=gen).tolist()
+        for lm in lms:
+            lm.forward([Row(slot, 0, tokens, n - 1)])
+
+
+def test_buckets_pad_the_batch_and_the_keys_but_never_past_the_bound() -> None:
+    _, static = pair(torch.device("cpu"), positions=700)
+    runner = static.static
+    assert runner.batches == [1, 2, 4]  # six slots: no bucket of 8
+    assert runner.keys == [512, 700]
+    assert runner.bucket(3, 2, 40) == cuda_graphs.Bucket(4, 2, 512)
+    assert runner.bucket(1, 5, 513) == cuda_graphs.Bucket(1, 5, 700)
+    assert runner.bucket(5, 1, 10) is None  # more rows than the largest bucket
+    assert runner.bucket(1, 6, 10) is None  # a longer block than any captured: eager
+    assert cuda_graphs.key_buckets(2048) == [512, 1024, 2048]
+    assert cuda_graphs.key_buckets(100) == [100]
+
+
+def test_bucketed_rounds_give_the_eager_logits_and_tokens() -> None:
+    device = device_under_test()
+    eager, static = pair(device)
+    slots, lengths = [4, 0, 2], [7, 3, 12]
+    prefill((eager, static), slots, lengths)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(4):
+        # Rows of different block lengths (a verify's), fed in an order that is not the slots'.
+        counts = [1 + (step + i) % 3 for i in range(3)]
+        rows = []
+        for slot, start, n in zip(slots, lengths, counts, strict=True):
+            rows.append(Row(slot, start, torch.randint(0, 96, (n,), generator=gen).tolist(), 0))
+        want = eager.forward(rows)
+        got = static.forward(rows)
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
+        lengths = [s + n for s, n in zip(lengths, counts, strict=True)]
+    # The one-token steps of a draft, fed from the device, pick the same tokens.
+    rows = [Row(slot, start, [0], 0) for slot, start in zip(slots, lengths, strict=True)]
+    ids = torch.tensor([5, 6, 7], device=device)
+    assert torch.equal(static.forward_argmax(rows, ids), eager.forward_argmax(rows, ids))
+
+
+def test_padding_never_reads_or_writes_a_real_sequence() -> None:
+    eager, static = pair(torch.device("cpu"))
+    prefill((eager, static), [1, 3, 5], [4, 9, 2])
+    # Garbage in the scratch slot: a real row that read it would turn NaN.
+    scratch = static.cache.scratch_slot
+    with torch.inference_mode():  # the cache was made in it
+        for store in (static.cache.keys, static.cache.values):
+            for t in store:
+                t[scratch] = float("nan")
+    before = [t.clone() for t in static.cache.keys]
+    rows = [Row(1, 4, [3], 0), Row(3, 9, [4, 5, 6], 0)]  # a bucket of 2 rows of 3: row 1 has 2 padded positions
+    want = eager.forward(rows)
+    got = static.forward(rows)
+    for w, g in zip(want, got, strict=True):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for old, new in zip(before, static.cache.keys, strict=True):
+        # Slot 1 changed at position 4 only, slot 3 at 9..11 only; no other slot at all.
+        changed = (old != new) & ~(old.isnan() & new.isnan())
+        where = {(int(s), int(p)) for s, _, p, _ in changed.nonzero().tolist()}
+        assert {s for s, _ in where} <= {1, 3, scratch}
+        assert {p for s, p in where if s == 1} <= {4}
+        assert {p for s, p in where if s == 3} <= {9, 10, 11}
+    # The cache counts what the real rows wrote, as the eager forward's does.
+    assert static.cache._high[:6] == eager.cache._high[:6]
+
+
+def test_shapes_outside_the_buckets_run_eagerly() -> None:
+    eager, static = pair(torch.device("cpu"))
+    calls = []
+    body = static.static._body
+    static.static._body = lambda bucket: calls.append(bucket) or body(bucket)
+    prefill((eager, static), [0], [20])  # a prefill of 20 tokens: longer than any bucket's block
+    assert calls == []
+    rows = [Row(0, 20, [1, 2], 1)]
+    torch.testing.assert_close(static.forward(rows)[0], eager.forward(rows)[0], rtol=1e-5, atol=1e-5)
+    assert calls == [cuda_graphs.Bucket(1, 2, 300)]
+
+
+def test_the_choice_of_cuda_graphs() -> None:
+    cpu = torch.device("cpu")
+    assert not cuda_graphs.wants_graphs("auto", cpu)
+    assert not cuda_graphs.wants_graphs("off", cpu)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        cuda_graphs.wants_graphs("on", cpu)
+    with pytest.raises(ValueError, match="takes auto, on, off"):
+        cuda_graphs.wants_graphs("yes", cpu)
+    lm = BatchedCausalLM(llama(), cpu, torch.float32)  # transformers' forward
+    assert cuda_graphs.supported(lm) is not None
+    assert cuda_graphs.enable(lm, "auto", 5, "verifier") is None and lm.static is None
+
+
+@cuda
+def test_captured_rounds_give_the_eager_tokens_on_cuda() -> None:
+    device = torch.device("cuda")
+    eager, static = pair(device, torch.float32)
+    static.static.capture_all([cuda_graphs.Bucket(4, n, 300) for n in (1, 2, 3)])
+    slots, lengths = [4, 0, 2], [7, 3, 12]
+    prefill((eager, static), slots, lengths)
+    for step in range(3):
+        rows = [Row(s, n, [step + 1] * (1 + step), 0) for s, n in zip(slots, lengths, strict=True)]
+        for w, g in zip(eager.forward(rows), static.forward(rows), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
+        lengths = [n + 1 + step for n in lengths]

@@ -1,0 +1,117 @@
+"""scripts/gpu_check.py's dry run on the CPU, its parts, and scripts/gpu_table.py's tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None:
+    bench, out = tmp_path / "bench", tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "120"]
+    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", "device,step_ms,verify_ms"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = bench.glob("gpu-cpu-*.json")
+    assert (out / path.name).read_text() == path.read_text()
+    report = json.loads(path.read_text())
+    assert report["dry_run"] and report["device"]["copy_gbps"] > 0
+    tiny = report["step_ms"]["tiny"]
+    assert set(tiny["step_ms"]) == {"1", "2"}
+    assert all(set(t) == {"eager", "graphed"} for t in tiny["step_ms"].values())
+    assert tiny["floor_ms"] > 0 and tiny["weight_bytes"] > 0
+    # The uncaptured static path computes what the eager one does.
+    assert tiny["graphed_vs_eager"]["same_argmax"]
+    assert report["verify_ms"]["tiny"]["x_step"]["eager"]["1"] == 1.0
+    assert set(report["wall_s"]) == {"device", "step_ms", "verify_ms"}
+
+
+def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
+    check = script("gpu_check")
+    report = check.Report(tmp_path / "r.json", [tmp_path / "copy"], {})
+
+    def broken(deadline: float) -> None:
+        raise RuntimeError("no GPU in this section")
+
+    report.section("first", 1.0, broken)
+    assert "RuntimeError: no GPU" in json.loads((tmp_path / "r.json").read_text())["first"]["error"]
+    report.section("second", 1.0, lambda deadline: {"ok": True})
+    written = json.loads((tmp_path / "copy" / "r.json").read_text())
+    assert written["second"] == {"ok": True} and "error" in written["first"]
+
+
+def test_pytest_outcomes_are_counted_from_a_run_cut_short() -> None:
+    check = script("gpu_check")
+    text = "\n".join(
+        [
+            "tests/unit/test_a.py::test_one PASSED                [ 10%]",
+            "tests/unit/test_a.py::test_two[0] FAILED             [ 20%]",
+            "tests/unit/test_b.py::test_three SKIPPED (needs CUDA) [ 30%]",
+            "ERROR collecting tests/unit/test_c.py",
+            "tests/unit/test_d.py::test_four ",  # killed while it ran
+        ]
+    )
+    counts = check.parse_pytest(text)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 1)
+    assert counts["failing"] == ["tests/unit/test_a.py::test_two[0]"]
+    assert counts["collection_errors"] == ["tests/unit/test_c.py"]
+
+
+def test_round_figures_take_the_forwards_out_of_a_round() -> None:
+    check = script("gpu_check")
+    bench = {
+        "results": [
+            {
+                "mode": "ahead",
+                "concurrency": 1,
+                "output_tokens_per_s": 40.0,
+                "round_draft_ms": 10.0,
+                "round_verify_ms": 30.0,
+                "round_overhead_ms": 5.0,
+                "round_drafter_forward_ms": 8.0,
+                "round_verifier_forward_ms": 20.0,
+            }
+        ]
+    }
+    figures = check.round_figures(bench)["ahead@1"]
+    assert figures["round_ms"] == 45.0
+    assert figures["outside_forwards_ms"] == 17.0
+    assert figures["verify_exchange_x_forward"] == 1.5
+    assert check.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert check.gpu_slug("NVIDIA H200") == "h200"
+
+
+def test_the_table_shows_each_shape_beside_its_floor() -> None:
+    table = script("gpu_table")
+    report = {
+        "device": {"name": "NVIDIA H100 80GB HBM3"},
+        "step_ms": {
+            "llama-3.1-8b": {"weight_bytes": 15e9, "floor_ms": 5.0, "step_ms": {"1": {"eager": 30.0, "graphed": 6.0}}},
+            "llama-3.2-1b": {"error": "RuntimeError: out of memory"},
+        },
+        "verify_ms": {"smollm2-135m": {"ms": {"1": {"graphed": 1.5}}, "x_step": {"graphed": {"1": 1.0, "5": 1.2}}}},
+        "services": {"mps": {"ahead@1": {"round_ms": 9.0, "round_verify_ms": 3.0, "round_verifier_forward_ms": 2.5}}},
+        "cuda_tests": {"unit_first": {"passed": 40, "failed": 1, "error": 0, "skipped": 2, "timed_out": True}},
+    }
+    text = table.render([report])
+    assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.00 | 1.20x |" in text
+    assert "| llama-3.2-1b | – | – | – | – | – | RuntimeError: out of memory |" in text
+    assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
+    assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
+    assert "unit_first: 40 passed, 1 failed, 2 skipped, cut short" in text
