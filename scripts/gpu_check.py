@@ -413,7 +413,8 @@ def run_pytest(args: list[str], env: dict[str, str], timeout_s: float, log: Path
             proc.wait(timeout=max(1.0, timeout_s))
             timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             timed_out = True
     text = log.read_text(errors="replace")
@@ -568,12 +569,19 @@ def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: 
         out.update(round_figures(report))
         return out
     finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to `specd up`'s process group (it stops its children), SIGKILL after 20 s."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
 
 
 def wait_healthy(base: str, proc: subprocess.Popen[bytes], deadline: float) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specd.engine import hidden_states, ngram
+from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import EngineError, invalid, precondition
 from specd.engine.featurehead import FeatureTrack
 from specd.engine.fingerprint import TokenizerFingerprint
@@ -225,7 +226,7 @@ class ModelDrafter(_DrafterBase):
             greedy = [r for r, (_, s, _) in enumerate(active) if s.params.greedy]
             chosen: dict[int, int] = {}
             if greedy:
-                tokens = torch.cat([logits[r].argmax(dim=-1) for r in greedy]).tolist()
+                tokens = read_back(torch.cat([logits[r].argmax(dim=-1) for r in greedy]))
                 chosen = dict(zip(greedy, tokens, strict=True))
             sampled = [r for r, (_, s, _) in enumerate(active) if not s.params.greedy]
             dists: dict[int, torch.Tensor] = {}
@@ -309,7 +310,7 @@ class ModelDrafter(_DrafterBase):
             if drafting:
                 ids = tokens.index_select(0, to_device(still, tokens.device))
             else:
-                values = torch.cat(chosen).tolist()  # the round's one read back
+                values = read_back(torch.cat(chosen))  # the round's one read back
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))

@@ -230,6 +230,8 @@ def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
         return CpuPlacement(False, reason="as given" if explicit else "")
     if not on_cpu or drafter in ("none", "ngram") or len(cpus) < 2:
         return CpuPlacement(False, reason="no CPU model drafter to overlap with, or one CPU")
+    if args.load_format == "dummy":
+        return CpuPlacement(False, reason="dummy weights: the split is not timed for them")
     step_all, step_half, cached = measured_steps(args.target_model, args.verifier_dtype, cpus, cache_dir())
     placement = choose_cpu_placement(step_all, step_half, cpus)
     return replace(placement, reason=placement.reason + (" (measured earlier on this machine)" if cached else ""))

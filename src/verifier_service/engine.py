@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler, apply_mask
@@ -255,7 +256,7 @@ class VerifierEngine:
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
         if not verdicts:
             return {}
-        read = torch.stack(list(verdicts.values())).tolist()
+        read = read_back(torch.stack(list(verdicts.values())))
         return {n: Verdict(num, token) for n, (num, token) in zip(verdicts, read, strict=True)}
 
     @staticmethod
@@ -268,7 +269,7 @@ class VerifierEngine:
         if not greedy:
             return {}
         # Argmax per block, not of their concatenation: no copy of every row's logits.
-        tokens = torch.cat([adjusted[n].argmax(dim=-1) for n in greedy]).tolist()
+        tokens = read_back(torch.cat([adjusted[n].argmax(dim=-1) for n in greedy]))
         return _by_block(tokens, {n: adjusted[n].shape[0] for n in greedy})
 
     @staticmethod
@@ -291,7 +292,7 @@ class VerifierEngine:
             assert state.params.seed is not None
             spans.append((state.params.seed, len(state.committed), dists[n].shape[0]))
         keys = spans_keys(spans, dists[seeded[0]].device)
-        tokens = gumbel_argmax(torch.cat([dists[n] for n in seeded]), keys).tolist()
+        tokens = read_back(gumbel_argmax(torch.cat([dists[n] for n in seeded]), keys))
         return _by_block(tokens, {n: dists[n].shape[0] for n in seeded})
 
     def kv_bytes(self) -> int:

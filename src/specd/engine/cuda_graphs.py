@@ -64,6 +64,7 @@ def key_buckets(max_positions: int) -> list[int]:
 
 def wants_graphs(choice: str, device: torch.device) -> bool:
     """`--cuda-graphs`: auto is on for a CUDA device; on refuses any other device; off is off."""
+
     if choice not in CUDA_GRAPH_CHOICES:
         raise ValueError(f"--cuda-graphs takes {', '.join(CUDA_GRAPH_CHOICES)}, not {choice!r}")
     if choice == "on" and device.type != "cuda":
@@ -254,6 +255,22 @@ def enable(
         static.capture_bytes / 2**20,
     )
     return static
+
+
+def read_back(t: torch.Tensor) -> list[Any]:
+    """`t.tolist()`: the one wait for the device a round makes where it reads back its verdicts or
+    its draft blocks. Nothing else in a round waits for the GPU; a test checks that under
+    torch.cuda.set_sync_debug_mode("error"), which this one sanctioned wait sets aside."""
+    if t.device.type != "cuda":
+        return t.tolist()
+    mode = torch.cuda.get_sync_debug_mode()
+    if not mode:
+        return t.tolist()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return t.tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
