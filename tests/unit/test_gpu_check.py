@@ -50,10 +50,22 @@ def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path: Path) -
         raise RuntimeError("no GPU in this section")
 
     report.section("first", 1.0, broken)
-    assert "RuntimeError: no GPU" in json.loads((tmp_path / "r.json").read_text())["first"]["error"]
+    assert "RuntimeError: no GPU" in json.loads((tmp_path / "copy" / "r.json").read_text())["first"]["error"]
+    # docs/bench gets the report only once the check ends: the tests it runs render that folder.
+    assert not (tmp_path / "r.json").exists()
     report.section("second", 1.0, lambda deadline: {"ok": True})
     written = json.loads((tmp_path / "copy" / "r.json").read_text())
     assert written["second"] == {"ok": True} and "error" in written["first"]
+    report.write(final=True)
+    assert json.loads((tmp_path / "r.json").read_text()) == written
+
+
+def test_xdist_progress_lines_are_counted() -> None:
+    check = script("gpu_check")
+    text = "[gw3] [ 12%] PASSED tests/unit/test_a.py::test_one\n[gw0] [100%] FAILED tests/unit/test_b.py::test_two[1]"
+    counts = check.parse_pytest(text)
+    assert (counts["passed"], counts["failed"]) == (1, 1)
+    assert counts["failing"] == ["tests/unit/test_b.py::test_two[1]"]
 
 
 def test_pytest_outcomes_are_counted_from_a_run_cut_short() -> None:

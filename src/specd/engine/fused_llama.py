@@ -81,7 +81,8 @@ def _grouped_attention(
     if heads > groups:
         q = q.reshape(batch, groups, heads // groups * length, dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.view(batch, heads, length, dim)
+    # reshape, not view: CUDA's attention kernels may return the grouped rows in another memory layout.
+    return out.reshape(batch, heads, length, dim)
 
 
 def _group_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
