@@ -486,9 +486,7 @@ def tests_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[s
     env_int = dict(env, SPECD_VERIFIER_DEVICE=device, SPECD_DRAFTER_DEVICE=device)
     left = deadline - time.monotonic()
     if left > 20:
-        out["integration"] = run_pytest(
-            [*timeout, "tests/integration"], env_int, left - 5, logs / "integration.log"
-        )
+        out["integration"] = run_pytest([*timeout, "tests/integration"], env_int, left - 5, logs / "integration.log")
     totals = {k: 0 for k in ("passed", "failed", "skipped", "error")}
     failing: list[str] = []
     for name, part in out.items():
@@ -591,7 +589,8 @@ def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: 
                 "error": f"specd bench exited {done.returncode}",
                 "tail": (done.stdout + done.stderr)[-3000:],
             }
-        report = json.loads((logs / "bench.json").read_text()) if (logs / "bench.json").is_file() else {}
+        found = logs / "bench-bench.json"  # specd bench names its report bench-<name>.json
+        report = json.loads(found.read_text()) if found.is_file() else {}
         out.update(round_figures(report))
         return out
     finally:

@@ -36,7 +36,9 @@ COLUMNS = ("file", "date", "commit", "machine", "run", "clients", "target-only t
 
 
 def _load(bench: Path) -> list[tuple[str, dict[str, Any]]]:
-    return [(p.name, json.loads(p.read_text())) for p in sorted(bench.glob("*.json")) if p.name != PROVENANCE.name]
+    """`specd bench` reports (scripts/gpu_check.py's reports, which hold no results, have their own table)."""
+    reports = [(p.name, json.loads(p.read_text())) for p in sorted(bench.glob("*.json")) if p.name != PROVENANCE.name]
+    return [(name, report) for name, report in reports if "results" in report]
 
 
 def _provenance(bench: Path) -> dict[str, dict[str, str]]:

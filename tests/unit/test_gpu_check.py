@@ -127,3 +127,14 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
     assert "unit_first: 40 passed, 1 failed, 2 skipped, cut short" in text
+
+
+def test_readme_shows_the_committed_gpu_reports_as_rendered() -> None:
+    table = script("gpu_table")
+    root = Path(__file__).resolve().parents[2]
+    reports = sorted((root / "docs" / "bench").glob("gpu-*.json"))
+    assert reports, "no GPU report in docs/bench"
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- gpu-table: begin -->\n", "<!-- gpu-table: end -->"
+    shown = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    assert shown == table.render([json.loads(p.read_text()) for p in reports])
