@@ -80,6 +80,15 @@ class RoundPlan:
     join: list[RoundSequence] = field(default_factory=list)
     # Prompt tokens the drafter may prefill beside the verify, joins' and chunks' together.
     drafter_prefill: int = 0
+    # What `auto` resolves to this round, and the round's pipelines as observed ("a+b" for a mix).
+    auto_pipeline: str = "sequential"
+    pipeline: str = "sequential"
+    # For the policy's follow-through: the sequences that could draft, and whether they did;
+    # those that join (or prefill on) the drafter because auto mode wants their drafts.
+    counted: list[tuple[RoundSequence, bool]] = field(default_factory=list)
+    joined_for_auto: list[RoundSequence] = field(default_factory=list)
+    # A sequence's first round, target-only, keeps the round from running the ks chosen.
+    not_as_chosen: bool = False
 
 
 def plan_prefill(pending: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:

@@ -7,6 +7,7 @@ stand.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,48 @@ class RoundObserver:
             for s in seqs
             if s.span is not None
         }
+
+    def observe_commits(self, emitted: Sequence[Any], finished: Sequence[tuple[Any, str]]) -> None:
+        """The latencies of what a round emitted (`Emission`s), and the sequences it finished."""
+        try:
+            for e in emitted:
+                if e.ttft_s is not None:
+                    self.metrics.ttft.observe(e.ttft_s)
+                else:
+                    self.metrics.itl.observe(e.itl_s)
+                self.metrics.observe_generated(e.tokens)
+            for seq, reason in finished:
+                self.finished(seq, reason)
+        except Exception:
+            log.exception("observing a round's commits failed; its tokens stand")
+
+    def finished(self, seq: Any, reason: str) -> None:
+        """A sequence's end: its latencies, what the policy learns of it, and its span."""
+        now = time.perf_counter_ns()
+        ttft_s = (seq.first_token_ns - seq.submitted_ns) / 1e9
+        tpot_s = (now - seq.first_token_ns) / 1e9 / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
+        self.metrics.requests.labels(finished_reason=reason).inc()
+        self.policy.observe_finished(len(seq.output))
+        if seq.joined_for_auto:
+            self.policy.observe_follow_through(seq.rounds_on_drafter, seq.rounds_drafting)
+        self.metrics.e2e.observe((now - seq.submitted_ns) / 1e9)
+        if len(seq.output) > 1:
+            self.metrics.tpot.observe(tpot_s)
+        if seq.span is not None:
+            seq.span.set_attributes(
+                {
+                    "specd.prompt_tokens": len(seq.prompt),
+                    "specd.completion_tokens": len(seq.output),
+                    "specd.ttft_ms": ttft_s * 1e3,
+                    "specd.tpot_ms": tpot_s * 1e3,
+                    "specd.acceptance_rate": seq.accepted / seq.drafted if seq.drafted else 0.0,
+                    "specd.draft_tokens": seq.drafted,
+                    "specd.accepted_tokens": seq.accepted,
+                    "specd.finish_reason": reason,
+                }
+            )
+            seq.span.end()
+            seq.span = None
 
     def observe(self, outcome: RoundOutcome) -> None:
         try:
