@@ -163,7 +163,16 @@ class RoundObserver:
                 times.overlap_forward_ns,
                 learn_costs=not outcome.drafter_prefill_tokens,
             )
-        attributes = times.attributes(len(outcome.verdicts))
+        self._annotate(outcome, choice, observed_gain)
+        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
+        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
+        self.metrics.observe_ks(outcome.drafted)
+        if outcome.wasted_drafts:
+            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
+
+    def _annotate(self, outcome: RoundOutcome, choice: Any, observed_gain: float | None) -> None:
+        """The round's spans: what each sequence drafted and had accepted, and what the policy believed."""
+        attributes = outcome.times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)
         # Once per round, not per span: a round of a large batch has one span per sequence.
         predictions = offered_text(choice.offered) if choice is not None and len(choice.offered) > 1 else ""
@@ -196,11 +205,6 @@ class RoundObserver:
                     span.set_attribute("specd.pipeline_predictions", predictions)
             if observed_gain is not None:
                 span.set_attribute("specd.observed_gain", observed_gain)
-        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
-        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
-        self.metrics.observe_ks(outcome.drafted)
-        if outcome.wasted_drafts:
-            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
 
 
 def offered_text(offered: Sequence[tuple[str, float, float]]) -> str:

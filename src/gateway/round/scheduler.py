@@ -87,6 +87,43 @@ class Scheduler:
         self.k = num_speculative_tokens
         self.max_batch = max_batch
         self.eos = frozenset(eos_token_ids)
+        self._fit_to_services(verifier, drafter)
+        self.waiting: deque[_Sequence] = deque()
+        self.active: list[_Sequence] = []
+        self._wakeup = asyncio.Event()
+        self._round_ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self.metrics = metrics or GatewayMetrics(self.k_limit)
+        self.tracing = tracing or Tracing("specd-gateway")
+        self.speculative_mode = speculative_mode
+        self.policy = SpeculationPolicy(PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size))
+        self.metrics.bind_policy(self.policy)
+        self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
+        self.pipeline = pipeline
+        self.max_waiting = max_waiting
+        self.request_timeout_s = request_timeout_s
+        self.draining = False
+        # Prompt tokens the verifier prefills per round (0: whole prompts at their open, which stalls
+        # every running sequence for as long as the prefill takes); what this round's verifier opens spent of it.
+        # The drafter always prefills in chunks, what fits behind a verify (within this cap if set): it
+        # prefills beside the verify, and a sequence drafts only once its drafter prefill is done.
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._verifier_prefill_spent = 0
+        self.drafter_prefill = DrafterPrefillBudget(prefill_chunk_tokens)
+        self.drafter_link = (
+            DrafterLink(drafter, self.metrics.registry, self._wakeup.set) if drafter is not None else None
+        )
+        # Whether the drafter's exchanges of a round (draft-ahead, the other cohort's drafts, its
+        # prefill of joining sequences) run while the verifier works, or after it: two services
+        # that share cores slow each other far more than the overlap wins (their threads fight
+        # over the same cores), so there every exchange runs alone.
+        self.exchange = Exchange(
+            verifier, drafter, self.drafter_link, self.drafter_prefill, drafter_overlap, lambda: self.active
+        )
+
+    def _fit_to_services(self, verifier: VerifierClient, drafter: DrafterClient | None) -> None:
+        """The drafts, context and batch both services can take."""
         assert verifier.info is not None
         self.max_context = verifier.info.max_context
         self.k_limit = min(self.k, verifier.info.max_draft_tokens)
@@ -104,40 +141,6 @@ class Scheduler:
         self.max_batch = min(self.max_batch, verifier.info.max_sequences)
         if drafter is not None and drafter.info is not None:
             self.max_batch = min(self.max_batch, drafter.info.max_sequences)
-        self.waiting: deque[_Sequence] = deque()
-        self.active: list[_Sequence] = []
-        self._wakeup = asyncio.Event()
-        self._round_ids = itertools.count(1)
-        self._task: asyncio.Task[None] | None = None
-        self._stats_task: asyncio.Task[None] | None = None
-        self.metrics = metrics or GatewayMetrics(self.k_limit)
-        self.tracing = tracing or Tracing("specd-gateway")
-        self.speculative_mode = speculative_mode
-        self.policy = SpeculationPolicy(PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size))
-        self.metrics.bind_policy(self.policy)
-        self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
-        self.pipeline = pipeline
-        # Whether the drafter's exchanges of a round (draft-ahead, the other cohort's drafts, its
-        # prefill of joining sequences) run while the verifier works, or after it: two services
-        # that share cores slow each other far more than the overlap wins (their threads fight
-        # over the same cores), so there every exchange runs alone.
-        self._auto_pipeline = "sequential"  # what `auto` resolves to this round
-        self.max_waiting = max_waiting
-        self.request_timeout_s = request_timeout_s
-        self.draining = False
-        # Prompt tokens the verifier prefills per round (0: whole prompts at their open, which stalls
-        # every running sequence for as long as the prefill takes); what this round's verifier opens spent of it.
-        # The drafter always prefills in chunks, what fits behind a verify (within this cap if set): it
-        # prefills beside the verify, and a sequence drafts only once its drafter prefill is done.
-        self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._verifier_prefill_spent = 0
-        self.drafter_prefill = DrafterPrefillBudget(prefill_chunk_tokens)
-        self.drafter_link = (
-            DrafterLink(drafter, self.metrics.registry, self._wakeup.set) if drafter is not None else None
-        )
-        self.exchange = Exchange(
-            verifier, drafter, self.drafter_link, self.drafter_prefill, drafter_overlap, lambda: self.active
-        )
 
     # -- lifecycle ------------------------------------------------------
     def start(self, stats_interval_s: float = 0.0) -> None:
