@@ -1,6 +1,7 @@
 """The round's steps one at a time, in-process: decide as a pure function (given the sequences,
-the plan), apply as one (given the services' answers, the commits), and the three steps
-chained over fake services with no Scheduler."""
+the plan), apply as one (given the services' answers, the commits), observe (given the commits,
+the metrics and what the policy learns), and the steps chained over fake services with no
+Scheduler."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from fake_backends import EOS, FakeDrafter, FakeVerifier, reference
 
-from gateway.metrics import RoundTimes
+from gateway.metrics import GatewayMetrics, RoundTimes
 from gateway.round import apply as round_apply
 from gateway.round.apply import apply
 from gateway.round.decide import Limits, decide
@@ -18,11 +19,13 @@ from gateway.round.detokenize import TextStream
 from gateway.round.drafter_link import DrafterLink
 from gateway.round.exchange import DraftExchange, Exchange, RoundResult, spec
 from gateway.round.messages import Block, DraftItem, DraftVerdicts, ProtocolError, RoundPlan, Verdict, verify_request
+from gateway.round.observer import RoundObserver
 from gateway.round.prefill_budget import DrafterPrefillBudget
 from gateway.round.speculation import PolicyConfig, SpeculationPolicy
 from gateway.round.state import Delta, Finished, GenerationParams, Life, _Sequence, opened
 from specd.engine.params import SamplingParams
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
+from specd.rpc.tracing import Tracing
 
 GREEDY = SamplingParams(temperature=0.0)
 K = 4
@@ -316,3 +319,25 @@ def test_decide_exchange_apply_over_fake_services_match_target_only(pipeline: st
         assert s.output == reference(prompt, 16) and s.life.state is Life.DONE
     assert verifier.stale_blocks == 0
     assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+
+
+# -- observe --------------------------------------------------------------------------------
+
+
+def test_observe_records_what_apply_committed() -> None:
+    metrics, p = GatewayMetrics(K), policy()
+    observer = RoundObserver(metrics, p, Tracing("test"))
+    a, b = running("a"), running("b", max_tokens=3)
+    b.joined_for_auto, b.rounds_on_drafter, b.rounds_drafting = True, 4, 1
+    result = verified([a, b], {"a": [11, 12], "b": [21, 22]}, {"a": (1, 40), "b": (2, 41)})
+    applied = apply(RoundPlan(verify=[a, b], ks={"a": 2, "b": 2}), result, {EOS})
+    observer.observe_commits(applied.emitted, applied.finished)
+
+    def sample(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, labels) or 0.0
+
+    assert sample("specd_generation_tokens_total") == 2 + 2  # b stops at its length
+    assert sample("specd_time_to_first_token_seconds_count") == 2  # the first tokens these sequences emitted
+    assert sample("specd_request_success_total", finished_reason="length") == 1
+    assert p.output_tokens.value == 3.0  # the finished sequence's length, for pricing joins
+    assert p.join_follow_through.value == pytest.approx(0.25)  # it drafted in 1 of its 4 rounds there
