@@ -9,19 +9,19 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from gateway.round.scheduler import Scheduler
+from gateway.round import apply as round_apply
 from specd.cli import main
 
 VICTIM_MAX_TOKENS = 23
-_commit = Scheduler._commit
+_commit = round_apply.commit
 
 
-def _failing_commit(self: Scheduler, seq: Any, new_tokens: list[int], logprobs: Any = ()) -> None:
+def _failing_commit(seq: Any, new_tokens: list[int], *args: Any) -> None:
     if seq.max_tokens == VICTIM_MAX_TOKENS and len(seq.output) >= 3:
         raise RuntimeError("injected by the fault-isolation test")
-    _commit(self, seq, new_tokens, logprobs)
+    _commit(seq, new_tokens, *args)
 
 
 if __name__ == "__main__":
-    Scheduler._commit = _failing_commit  # type: ignore[method-assign]
+    round_apply.commit = _failing_commit
     main(["gateway", *sys.argv[1:]])

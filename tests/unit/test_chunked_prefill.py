@@ -98,7 +98,7 @@ def test_plan_leaves_prefilling_sequences_out_of_the_verify() -> None:
     sched.waiting.clear()
     ready, filling, queued = seqs
     filling.prefill_pending, queued.prefill_pending = 6, 29
-    plan = sched._plan(list(seqs), 1)
+    plan = sched._decide(list(seqs), 1)
     assert [s.id for s in plan.verify] == [ready.id]
     assert [(s.id, n) for s, n in plan.prefill] == [(filling.id, 6), (queued.id, 4)]
     assert isinstance(ready, _Sequence)
@@ -191,7 +191,7 @@ def test_the_drafter_prefills_only_sequences_the_policy_wants_drafts_from(drafts
     filling.drafter_prefill_pending = 80
     choose = sched.policy.choose
     sched.policy.choose = lambda cands, *a: [c.cap if drafts_pay else 0 for c in cands]  # type: ignore[method-assign]
-    plan = sched._plan(list(seqs), 1)
+    plan = sched._decide(list(seqs), 1)
     sched.policy.choose = choose  # type: ignore[method-assign]
     prefilled = [item.seq.id for item in plan.ahead if item.prefill]
     joined = [s.id for s in plan.join]
@@ -225,7 +225,7 @@ def test_drafts_beside_the_verify_leave_the_drafter_s_prefill_what_is_left_of_th
     filling.drafter_prefill_pending = 80
     choose = sched.policy.choose
     sched.policy.choose = lambda cands, *a: [c.cap for c in cands]  # type: ignore[method-assign]
-    plan = sched._plan(list(seqs), 1)
+    plan = sched._decide(list(seqs), 1)
     sched.policy.choose = choose  # type: ignore[method-assign]
     ahead = {item.seq.id: item for item in plan.ahead}
     assert ahead[drafting.id].num_draft_tokens == 5  # the guess, then 4 drafts: 150 ms of the verify's 200

@@ -11,6 +11,8 @@ from synthetic_costs import costs
 
 from gateway.backends import BackendError
 from gateway.failures import GenerationError
+from gateway.round import apply as round_apply
+from gateway.round.decide import drafting_beside, fits_in_verify
 from gateway.round.messages import DraftItem
 from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
 from specd.engine.params import SamplingParams
@@ -191,16 +193,16 @@ def test_a_first_rounds_ahead_block_fits_in_its_verify() -> None:
     takes, so its first token waits for no drafts: a guess and one draft in a 65 ms verify at
     25 ms a step."""
     sched = scheduler(FakeVerifier(), FakeDrafter(), "ahead")
-    assert sched._fits_in_verify(1) == 0  # nothing timed yet
+    assert fits_in_verify(sched.policy, sched.k_limit, 1) == 0  # nothing timed yet
     costs = sched.policy.costs
     costs.verify.observe(1, 65e6)
     costs.step.observe(1, 40e6)
     costs.step_beside.observe(1, 25e6)  # the drafter's step beside a verify is what counts
     costs.draft_fixed.observe(1e6)
-    assert sched._fits_in_verify(1) == 1
+    assert fits_in_verify(sched.policy, sched.k_limit, 1) == 1
     costs.step_beside.observe(1, 5e6)
     costs.step_beside.observe(1, 5e6)
-    assert sched._fits_in_verify(1) >= 4
+    assert fits_in_verify(sched.policy, sched.k_limit, 1) >= 4
 
 
 def test_a_failed_verifier_open_closes_what_the_drafter_opened_beside_it() -> None:
@@ -330,15 +332,15 @@ def test_a_drafter_that_fails_mid_stream_is_survived() -> None:
 
 def test_an_exception_for_one_sequence_fails_that_one_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     sched = scheduler(FakeVerifier(), FakeDrafter())
-    original = sched._commit
+    original = round_apply.commit
     victim: list[str] = []
 
-    def commit(seq: Any, tokens: list[int], logprobs: Any = ()) -> None:
+    def commit(seq: Any, tokens: list[int], *args: Any) -> None:
         if seq.id in victim and len(seq.output) > 3:
             raise RuntimeError("injected")
-        original(seq, tokens, logprobs)
+        original(seq, tokens, *args)
 
-    monkeypatch.setattr(sched, "_commit", commit)
+    monkeypatch.setattr(round_apply, "commit", commit)
 
     async def main() -> list[Any]:
         sched.start()
@@ -442,11 +444,11 @@ def test_drafts_beside_the_verify_are_priced_at_the_drafter_s_step_there() -> No
     sched = scheduler(FakeVerifier(), FakeDrafter(), "cohort")
     a, b, c = (sched.submit(p, GenerationParams(8, GREEDY)) for p in PROMPTS[:3])
     items = [DraftItem(a, 4), DraftItem(b, 2), DraftItem(c, 0, prefill=16)]
-    assert sched._drafting_beside(items) == 0  # nothing timed yet
+    assert drafting_beside(sched.policy, items) == 0  # nothing timed yet
     costs = sched.policy.costs
     costs.verify.observe(1, 65e6)
     costs.step.observe(2, 40e6)
     costs.step_beside.observe(2, 25e6)
     costs.draft_fixed.observe(1e6)
-    assert sched._drafting_beside(items) == pytest.approx(1e6 + 4 * 25e6)  # the longest block, two sequences
-    assert sched._drafting_beside(items[2:]) == 0  # prefill only
+    assert drafting_beside(sched.policy, items) == pytest.approx(1e6 + 4 * 25e6)  # the longest block, two sequences
+    assert drafting_beside(sched.policy, items[2:]) == 0  # prefill only

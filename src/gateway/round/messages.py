@@ -1,14 +1,14 @@
 """One round's messages and verdicts, as pure functions over the sequences taking part.
 
-A round reads like a scheduler step:
+A round is four steps (docs/architecture.md, "The round"):
 
-1. *plan*: which sequences draft before the verify (on the critical path), which
-   are verified, and which draft ahead while the verifier works (`RoundPlan`);
-2. the RPCs run (the scheduler does that);
-3. *read*: the drafter's and the verifier's replies become per-sequence verdicts
-   (`read_drafts`, `read_verdicts`), checked against the protocol before anything
-   is committed;
-4. the scheduler applies the verdicts, and the observer records them.
+1. *decide* (decide.py): which sequences draft before the verify (on the critical
+   path), which are verified, and which draft ahead while the verifier works (`RoundPlan`);
+2. *exchange* (exchange.py): the RPCs, built here (`draft_request`, `verify_request`);
+3. *apply* (apply.py): the drafter's and the verifier's replies become per-sequence
+   verdicts (`read_drafts`, `read_verdicts`), checked against the protocol before
+   anything is committed, and are committed;
+4. *observe* (observer.py): spans, metrics and what the policy learns.
 
 Nothing here does I/O or changes a sequence, so every path is testable with fakes.
 """
@@ -80,6 +80,15 @@ class RoundPlan:
     join: list[RoundSequence] = field(default_factory=list)
     # Prompt tokens the drafter may prefill beside the verify, joins' and chunks' together.
     drafter_prefill: int = 0
+    # What `auto` resolves to this round, and the round's pipelines as observed ("a+b" for a mix).
+    auto_pipeline: str = "sequential"
+    pipeline: str = "sequential"
+    # For the policy's follow-through: the sequences that could draft, and whether they did;
+    # those that join (or prefill on) the drafter because auto mode wants their drafts.
+    counted: list[tuple[RoundSequence, bool]] = field(default_factory=list)
+    joined_for_auto: list[RoundSequence] = field(default_factory=list)
+    # A sequence's first round, target-only, keeps the round from running the ks chosen.
+    not_as_chosen: bool = False
 
 
 def plan_prefill(pending: Sequence[tuple[str, int]], budget: int) -> dict[str, int]:

@@ -7,6 +7,7 @@ stand.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,48 @@ class RoundObserver:
             if s.span is not None
         }
 
+    def observe_commits(self, emitted: Sequence[Any], finished: Sequence[tuple[Any, str]]) -> None:
+        """The latencies of what a round emitted (`Emission`s), and the sequences it finished."""
+        try:
+            for e in emitted:
+                if e.ttft_s is not None:
+                    self.metrics.ttft.observe(e.ttft_s)
+                else:
+                    self.metrics.itl.observe(e.itl_s)
+                self.metrics.observe_generated(e.tokens)
+            for seq, reason in finished:
+                self.finished(seq, reason)
+        except Exception:
+            log.exception("observing a round's commits failed; its tokens stand")
+
+    def finished(self, seq: Any, reason: str) -> None:
+        """A sequence's end: its latencies, what the policy learns of it, and its span."""
+        now = time.perf_counter_ns()
+        ttft_s = (seq.first_token_ns - seq.submitted_ns) / 1e9
+        tpot_s = (now - seq.first_token_ns) / 1e9 / (len(seq.output) - 1) if len(seq.output) > 1 else 0.0
+        self.metrics.requests.labels(finished_reason=reason).inc()
+        self.policy.observe_finished(len(seq.output))
+        if seq.joined_for_auto:
+            self.policy.observe_follow_through(seq.rounds_on_drafter, seq.rounds_drafting)
+        self.metrics.e2e.observe((now - seq.submitted_ns) / 1e9)
+        if len(seq.output) > 1:
+            self.metrics.tpot.observe(tpot_s)
+        if seq.span is not None:
+            seq.span.set_attributes(
+                {
+                    "specd.prompt_tokens": len(seq.prompt),
+                    "specd.completion_tokens": len(seq.output),
+                    "specd.ttft_ms": ttft_s * 1e3,
+                    "specd.tpot_ms": tpot_s * 1e3,
+                    "specd.acceptance_rate": seq.accepted / seq.drafted if seq.drafted else 0.0,
+                    "specd.draft_tokens": seq.drafted,
+                    "specd.accepted_tokens": seq.accepted,
+                    "specd.finish_reason": reason,
+                }
+            )
+            seq.span.end()
+            seq.span = None
+
     def observe(self, outcome: RoundOutcome) -> None:
         try:
             self._observe(outcome)
@@ -120,7 +163,16 @@ class RoundObserver:
                 times.overlap_forward_ns,
                 learn_costs=not outcome.drafter_prefill_tokens,
             )
-        attributes = times.attributes(len(outcome.verdicts))
+        self._annotate(outcome, choice, observed_gain)
+        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
+        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
+        self.metrics.observe_ks(outcome.drafted)
+        if outcome.wasted_drafts:
+            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
+
+    def _annotate(self, outcome: RoundOutcome, choice: Any, observed_gain: float | None) -> None:
+        """The round's spans: what each sequence drafted and had accepted, and what the policy believed."""
+        attributes = outcome.times.attributes(len(outcome.verdicts))
         round_k_max = max(outcome.drafted, default=0)
         # Once per round, not per span: a round of a large batch has one span per sequence.
         predictions = offered_text(choice.offered) if choice is not None and len(choice.offered) > 1 else ""
@@ -153,11 +205,6 @@ class RoundObserver:
                     span.set_attribute("specd.pipeline_predictions", predictions)
             if observed_gain is not None:
                 span.set_attribute("specd.observed_gain", observed_gain)
-        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
-        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
-        self.metrics.observe_ks(outcome.drafted)
-        if outcome.wasted_drafts:
-            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
 
 
 def offered_text(offered: Sequence[tuple[str, float, float]]) -> str:

@@ -442,7 +442,7 @@ class SpeculationPolicy:
     def drafts_for(self, batch: int, pipelines: Sequence[str] = PIPELINES) -> bool:
         """Whether a round of `batch` sequences, each free to draft the full k at the acceptance
         seen so far, would draft: what an auto request joining the drafter at its open goes by
-        (`Scheduler._early_joins`), so a batch the policy drafts for has its drafter ready from
+        (`decide.early_joins`), so a batch the policy drafts for has its drafter ready from
         its second round, and one it does not draft for costs the drafter no prefill.
 
         The round's own choice, on the same costs and calibration, for a typical batch of that

@@ -1,0 +1,169 @@
+"""Step three of a round: commit what the services answered, without I/O.
+
+`apply(plan, result, eos)` reads the verifier's reply against the request it answered, commits
+each sequence's verdict on its own (an exception for one fails that one alone), keeps the blocks
+drafted ahead, drops those the commits made stale, and records what the plan taught each
+sequence. It returns an `Applied`: what the observer turns into metrics, spans and learning.
+The sequences' events (text deltas, their finish) are queued here, as their tokens commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.failures import GenerationError, internal
+from gateway.round.decide import ready_block
+from gateway.round.exchange import RoundResult
+from gateway.round.messages import Block, DraftItem, RoundPlan, Verdict, read_guesses, read_verdicts
+from gateway.round.state import Delta, Finished, _Sequence, fail, prefill_left
+from specd.proto.speculative.v1 import drafter_pb2
+from specd.rpc.serving import token_logprob_from_pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Emission:
+    """Tokens one sequence emitted: for the time-to-first-token and inter-token latency."""
+
+    seq: Any
+    tokens: int
+    ttft_s: float | None  # its first tokens: the time since it was submitted
+    itl_s: float | None  # later ones: the time since it last emitted
+
+
+@dataclass
+class Applied:
+    """What a round committed."""
+
+    verdicts: list[Verdict] = field(default_factory=list)  # the verify tasks' (not the prefill chunks')
+    guesses: list[tuple[Any, bool]] = field(default_factory=list)  # draft-ahead guesses, and whether right
+    wasted: int = 0  # drafts dropped because the commits made their block stale
+    emitted: list[Emission] = field(default_factory=list)
+    finished: list[tuple[Any, str]] = field(default_factory=list)  # (sequence, "stop" or "length")
+
+
+def internal_error(what: str, exc: BaseException) -> GenerationError:
+    """Log a gateway bug under an id the client is told, so the two can be matched."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s while %s", error_id, what, exc_info=exc)
+    return internal(f"internal error in the gateway (error id {error_id})")
+
+
+def apply(plan: RoundPlan, result: RoundResult, eos: Collection[int]) -> Applied:
+    """Commit a round: the plan's lessons, the blocks drafted ahead, then each verdict."""
+    applied = Applied()
+    for s in plan.verify:  # a verified sequence's block is used up by this round
+        s.block = None
+    for s, drafted in plan.counted:
+        s.rounds_on_drafter += 1
+        s.rounds_drafting += drafted
+    for s in plan.joined_for_auto:
+        s.joined_for_auto = True
+    _keep_ahead(result)
+    everything = read_verdicts(result.request, result.reply, [*plan.verify, *(s for s, _ in plan.prefill)])
+    for v in everything:
+        apply_verdict(v, eos, applied)
+    applied.verdicts = [v for v in everything if v.prefill_pending is None]
+    ahead = [(item.seq, item.seq.block) for item in result.ahead_items]
+    applied.guesses = read_guesses([(s, b) for s, b in ahead if b is not None and b.tail], applied.verdicts)
+    applied.wasted = drop_stale_blocks([item.seq for item in result.ahead_items])
+    return applied
+
+
+def _keep_ahead(result: RoundResult) -> None:
+    """What the drafter made beside the verify: each sequence's next block, or its prefill left."""
+    if result.ahead is None:
+        return
+    for item in result.ahead_items:
+        proposal = result.ahead.verdicts.proposals.get(item.seq.id)
+        if item.prefill:
+            if proposal is not None:
+                item.seq.drafter_prefill_pending = proposal.prefill_pending
+            continue
+        item.seq.block = ahead_block(item, proposal)
+
+
+def ahead_block(item: DraftItem, proposal: drafter_pb2.DraftProposal | None) -> Block | None:
+    """The block drafted during the verify, and what the verify must commit for it to stand."""
+    if proposal is None or not proposal.token_ids:
+        return None
+    tokens, dists = list(proposal.token_ids), list(proposal.distributions)
+    base = len(item.seq.tokens)
+    if item.assumed is None:
+        return Block(tokens, dists, base)
+    # The first draft guessed the verifier's own token after the assumed block.
+    tail = (*item.assumed, tokens[0])
+    return Block(tokens[1:], dists[1:], base + len(tail), tail)
+
+
+def drop_stale_blocks(seqs: list[Any]) -> int:
+    """Forget blocks the committed tokens no longer match; returns how many drafts that throws away."""
+    wasted = 0
+    for s in seqs:
+        if s.block is not None and (s.done or ready_block(s) is None):
+            wasted += len(s.block.tokens) + (1 if s.block.tail else 0)
+            s.block = None
+    return wasted
+
+
+def apply_verdict(verdict: Verdict, eos: Collection[int], applied: Applied) -> None:
+    """One sequence's verdict; an exception here fails that sequence alone."""
+    s = verdict.seq
+    try:
+        if verdict.prefill_pending is not None and verdict.error is None:
+            prefill_left(s, verdict.prefill_pending)
+        elif verdict.drafts_refused:
+            log.warning("verifier refused the drafts of %s; continuing target-only", s.id)
+            s.drafter.park()
+        elif verdict.error is not None:
+            fail(s, verdict.error)
+        else:
+            s.drafted += verdict.drafted
+            s.accepted += verdict.accepted
+            if s.hidden is not None:
+                s.hidden.add(verdict.hidden_start, verdict.hidden_states)
+            commit(s, list(verdict.tokens), verdict.logprobs, eos, applied)
+    except Exception as exc:
+        fail(s, internal_error(f"applying the verdict of {s.id}", exc))
+
+
+def commit(
+    seq: _Sequence, new_tokens: list[int], logprobs: Sequence[Any], eos: Collection[int], applied: Applied
+) -> None:
+    """Append verified tokens, emit text, and finish on EOS, a stop string or the length limit."""
+    emitted: list[int] = []
+    reason = None
+    for token in new_tokens:
+        seq.tokens.append(token)
+        seq.output.append(token)
+        emitted.append(token)
+        if token in eos and not seq.params.ignore_eos:
+            reason = "stop"
+            break
+        seq.stream.add(token)
+        if seq.stream.stopped:
+            reason = "stop"
+            break
+        if len(seq.output) >= seq.max_tokens:
+            reason = "length"
+            break
+    now = time.perf_counter_ns()
+    if seq.first_token_ns == 0:
+        seq.first_token_ns = now
+        applied.emitted.append(Emission(seq, len(emitted), (now - seq.submitted_ns) / 1e9, None))
+    else:
+        applied.emitted.append(Emission(seq, len(emitted), None, (now - seq.last_emit_ns) / 1e9))
+    seq.last_emit_ns = now
+    text = seq.stream.take(final=reason is not None)
+    if (text or emitted) and not seq.cancelled:
+        seq.events.put_nowait(Delta(text, emitted, [token_logprob_from_pb(lp) for lp in logprobs[: len(emitted)]]))
+    if reason is not None:
+        seq.life.move("finish")
+        applied.finished.append((seq, reason))
+        seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
