@@ -558,15 +558,14 @@ def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: 
         done = subprocess.run(
             bench, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(10.0, left), check=False
         )
-        (logs / "bench.log").write_text(done.stdout + done.stderr)
-        if done.returncode != 0:
-            return {
-                **out,
-                "error": f"specd bench exited {done.returncode}",
-                "tail": (done.stdout + done.stderr)[-3000:],
-            }
-        report = json.loads((logs / "bench.json").read_text()) if (logs / "bench.json").is_file() else {}
-        out.update(round_figures(report))
+        text = done.stdout + done.stderr
+        (logs / "bench.log").write_text(text)
+        # Written before its plots, which need matplotlib (not on every GPU image).
+        written = logs / "bench-bench.json"
+        if not written.is_file():
+            return {**out, "error": f"specd bench exited {done.returncode} without its JSON", "tail": text[-3000:]}
+        out["bench_exit_code"] = done.returncode
+        out.update(round_figures(json.loads(written.read_text())))
         return out
     finally:
         stop_group(proc)
