@@ -129,12 +129,13 @@ class StaticForward:
         bucket = self.bucket(len(rows), length, max(r.start + len(r.tokens) for r in rows))
         if bucket is None:
             return None
+        if self.capture and bucket not in self._graphs:
+            # Before the rows' inputs go in: capturing fills the buffers with padding.
+            self._capture([bucket])
         self._fill(bucket, rows, device_ids)
         if not self.capture:
             with torch.inference_mode():
                 return self._body(bucket)[: len(rows)]
-        if bucket not in self._graphs:
-            self._capture([bucket])
         graph, out = self._graphs[bucket]
         graph.replay()
         return out[: len(rows)]
