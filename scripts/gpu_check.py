@@ -236,16 +236,35 @@ def copy_bandwidth(device: str, nbytes: int = 2**30, repeats: int = 10) -> float
     a step that reads its weights once could at best read them at."""
     import torch
 
-    from specd.cuda_graphs import timed
-
     dev = torch.device(device)
     if dev.type == "cpu":
         nbytes = 2**26
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    seconds = timed(lambda: dst.copy_(src), dev, repeats)
+    seconds = min(wall_s(lambda: dst.copy_(src), dev, repeats))
     return round(2 * nbytes / seconds / 1e9, 1)
+
+
+def wall_s(fn: Callable[[], Any], device: Any, repeats: int) -> list[float]:
+    """Wall seconds of `repeats` calls of `fn` (after one untimed), each waited for on a GPU."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def median_ms(fn: Callable[[], Any], device: Any, repeats: int) -> float:
+    times = sorted(wall_s(fn, device, repeats))
+    return round(times[len(times) // 2] * 1e3, 3)
 
 
 # -- step and verify -------------------------------------------------------
@@ -281,6 +300,7 @@ def time_shape(
             torch.cuda.synchronize()
         load_s = time.monotonic() - start
     out: dict[str, Any] = {"shape": name, "dtype": "bfloat16", "load_s": round(load_s, 2)}
+    out["timing"] = f"median of {repeats} calls after one untimed, each waited for; context {context} tokens"
     out["weight_bytes"] = weight_bytes(model)
     out["params"] = sum(p.numel() for p in model.parameters())
     lm = BatchedCausalLM(model, dev, dtype, max_slots=max(batches), max_positions=positions)
@@ -298,14 +318,12 @@ def time_shape(
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} batch {b}")
                 continue
-            ms = cuda_graphs.timed(step(b), dev, repeats) * 1e3
-            out.setdefault("step_ms", {}).setdefault(str(b), {})[label] = round(ms, 3)
+            out.setdefault("step_ms", {}).setdefault(str(b), {})[label] = median_ms(step(b), dev, repeats)
         for n in lengths:
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} verify {n}")
                 continue
-            ms = cuda_graphs.timed(step(1, n), dev, repeats) * 1e3
-            out.setdefault("verify_ms", {}).setdefault(str(n), {})[label] = round(ms, 3)
+            out.setdefault("verify_ms", {}).setdefault(str(n), {})[label] = median_ms(step(1, n), dev, repeats)
 
     measure("eager")
     reference = [t.clone() for t in step(max(batches), 2)()]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +207,7 @@ class StaticForward:
                 with torch.cuda.stream(stream):
                     self._body(bucket)  # kernels chosen and workspaces made outside the capture
                 torch.cuda.current_stream(device).wait_stream(stream)
+                self.lm.cache.captured = True
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                     out = self._body(bucket)
@@ -272,17 +273,3 @@ def read_back(t: torch.Tensor) -> list[Any]:
         return t.tolist()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Fastest wall seconds of `repeats` calls of `fn`, each waited for on a GPU."""
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best

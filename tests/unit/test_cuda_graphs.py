@@ -119,6 +119,13 @@ def test_padding_never_reads_or_writes_a_real_sequence() -> None:
     assert static.cache._high[:6] == eager.cache._high[:6]
 
 
+def test_a_captured_cache_keeps_its_bound() -> None:
+    _, static = pair(torch.device("cpu"))
+    static.cache.captured = True  # as a capture sets it: graphs hold these tensors' addresses
+    with pytest.raises(RuntimeError, match="captured in CUDA graphs"):
+        static.reserve(4, 100)
+
+
 def test_shapes_outside_the_buckets_run_eagerly() -> None:
     eager, static = pair(torch.device("cpu"))
     calls = []
