@@ -326,6 +326,24 @@ def time_shape(
             out.setdefault("verify_ms", {}).setdefault(str(n), {})[label] = median_ms(step(1, n), dev, repeats)
 
     measure("eager")
+    try:
+        graphed(lm, static, out, keys, lengths, batches, step)
+    except Exception as exc:  # the eager figures stand without the graphed ones
+        out["graphed_error"] = f"{type(exc).__name__}: {exc}"
+        out["graphed_traceback"] = traceback.format_exc()[-3000:]
+        return out
+    measure("graphed")
+    return out
+
+
+def graphed(
+    lm: Any, static: Any, out: dict[str, Any], keys: int, lengths: list[int], batches: list[int], step: Any
+) -> None:
+    """Capture the buckets the timings use, and check a graphed verify against the eager one."""
+    import torch
+
+    from specd import cuda_graphs
+
     reference = [t.clone() for t in step(max(batches), 2)()]
     lm.static = static
     start = time.monotonic()
@@ -341,8 +359,6 @@ def time_shape(
         "max_abs_logit_diff": max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True)),
         "same_argmax": all(bool(torch.equal(g.argmax(-1), r.argmax(-1))) for g, r in zip(got, reference, strict=True)),
     }
-    measure("graphed")
-    return out
 
 
 def free_device_memory(device: str) -> None:

@@ -244,7 +244,15 @@ def enable(
         log.info("the %s runs eagerly: %s", service, reason)
         return None
     static = StaticForward(lm, max_batch, max_length, capture=True)
-    static.capture_all()
+    try:
+        static.capture_all()
+    except Exception as exc:
+        if choice == "on":
+            raise
+        # auto: a forward that cannot be captured (an op that waits for the host, say) runs eagerly.
+        log.warning("the %s runs eagerly: capturing its CUDA graphs failed (%s: %s)", service, type(exc).__name__, exc)
+        lm.cache.captured = False
+        return None
     lm.static = static
     log.info(
         "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device memory",

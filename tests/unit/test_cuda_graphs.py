@@ -151,6 +151,21 @@ def test_the_choice_of_cuda_graphs() -> None:
     assert cuda_graphs.enable(lm, "auto", 5, "verifier") is None and lm.static is None
 
 
+def test_a_capture_that_fails_leaves_auto_eager_and_on_refusing(monkeypatch) -> None:
+    lm = BatchedCausalLM(fused_llama.fuse(llama()), torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(cuda_graphs, "wants_graphs", lambda choice, device: True)
+
+    def refuse(self, buckets=None) -> None:
+        self.lm.cache.captured = True
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs.StaticForward, "capture_all", refuse)
+    assert cuda_graphs.enable(lm, "auto", 5, "verifier") is None and lm.static is None
+    lm.reserve(4, 100)  # not left captured: the bound can still change
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        cuda_graphs.enable(lm, "on", 5, "verifier")
+
+
 @cuda
 def test_captured_rounds_give_the_eager_tokens_on_cuda() -> None:
     device = torch.device("cuda")
