@@ -223,12 +223,24 @@ def device_info(device: str) -> dict[str, Any]:
             memory_gib=round(props.total_memory / 2**30, 1),
             cuda=torch.version.cuda,
             capability=f"{props.major}.{props.minor}",
-            mps_pipe=os.path.exists("/tmp/nvidia-mps/control"),
+            mps_control=shutil.which("nvidia-cuda-mps-control"),
+            nvidia_smi=_nvidia_smi(),
         )
     else:
         info["name"] = "cpu"
     info["copy_gbps"] = copy_bandwidth(device)
     return info
+
+
+def _nvidia_smi() -> str:
+    query = "name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,compute_mode"
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"not run: {exc}"
+    return (done.stdout or done.stderr).strip()
 
 
 def copy_bandwidth(device: str, nbytes: int = 2**30, repeats: int = 10) -> float:
