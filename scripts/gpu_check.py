@@ -637,9 +637,18 @@ def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: 
             return {**out, "error": f"specd bench exited {done.returncode} without its JSON", "tail": text[-3000:]}
         out["bench_exit_code"] = done.returncode
         out.update(round_figures(json.loads(written.read_text())))
+        out["service_log"] = notable_lines((logs / "up.log").read_text(errors="replace"))
         return out
     finally:
         stop_group(proc)
+
+
+NOTABLE = ("CUDA graphs", "runs eagerly", "one-token step", "MPS", "specd up:", "Error", "WARNING")
+
+
+def notable_lines(text: str, limit: int = 40) -> list[str]:
+    """The lines of a stack's log worth keeping: graph captures, step timings, MPS, warnings, errors."""
+    return [line[-400:] for line in text.splitlines() if any(k in line for k in NOTABLE)][:limit]
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
