@@ -579,7 +579,9 @@ def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dic
             if with_mps:
                 daemon = mps.start_daemon()
                 if daemon is None:
-                    out[label] = {"skipped": "no nvidia-cuda-mps-control here"}
+                    found = shutil.which(mps.CONTROL)
+                    why = f"{mps.CONTROL} -d did not start a daemon" if found else f"no {mps.CONTROL} on PATH"
+                    out[label] = {"skipped": why}
                     continue
             elif device != "cpu" and mps.running():
                 out[label] = {"skipped": "an MPS daemon already runs on this host"}
