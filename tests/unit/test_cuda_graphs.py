@@ -83,7 +83,9 @@ def test_bucketed_rounds_give_the_eager_logits_and_tokens() -> None:
         want = eager.forward(rows)
         got = static.forward(rows)
         for w, g in zip(want, got, strict=True):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+            # A GPU's attention kernels sum a padded batch and more (masked) keys in another order.
+            tol = 1e-5 if device.type == "cpu" else 1e-4
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol)
             assert torch.equal(g.argmax(-1), w.argmax(-1))
         lengths = [s + n for s, n in zip(lengths, counts, strict=True)]
     # The one-token steps of a draft, fed from the device, pick the same tokens.
