@@ -119,6 +119,14 @@ def test_padding_never_reads_or_writes_a_real_sequence() -> None:
         assert {p for s, p in where if s == 3} <= {9, 10, 11}
     # The cache counts what the real rows wrote, as the eager forward's does.
     assert static.cache._high[:6] == eager.cache._high[:6]
+    # Three rows in a bucket of four: the padded row attends the scratch slot alone (its NaN).
+    runner = static.static
+    three = [Row(0, 0, [1], 0), Row(1, 5, [2], 0), Row(3, 12, [3], 0)]
+    bucket = runner.bucket(3, 1, 13)
+    runner._fill(bucket, three, None)
+    with torch.inference_mode():
+        hidden = runner._body(bucket)
+    assert hidden.shape[0] == 4 and torch.isfinite(hidden[:3]).all() and hidden[3].isnan().all()
 
 
 def test_a_captured_cache_keeps_its_bound() -> None:
