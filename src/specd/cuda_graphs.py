@@ -221,6 +221,12 @@ class StaticForward:
             return
         chosen = sorted(buckets if buckets is not None else self.buckets(), reverse=True)
         device = self.lm.device
+        if self.lm.cache.keys[0] is None:
+            # The KV cache is made by the first forward: before the count, which is the graphs' alone.
+            smallest = min(chosen or self.buckets())
+            self._fill(smallest, [], None)
+            with torch.inference_mode():
+                self._body(smallest)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
