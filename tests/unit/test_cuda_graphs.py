@@ -189,3 +189,66 @@ def test_captured_rounds_give_the_eager_tokens_on_cuda() -> None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
             assert torch.equal(g.argmax(-1), w.argmax(-1))
         lengths = [n + 1 + step for n in lengths]
+
+
+def test_the_capture_path_runs_with_a_stand_in_for_cuda(monkeypatch) -> None:
+    """The GPU-only code of StaticForward (capture, the pool, the side stream, the memory count,
+    replay into the captured output) run on the CPU with torch.cuda's calls stood in for: a
+    graph's replay runs the captured body again over the same buffers and writes the captured
+    output in place, as a real replay would."""
+    import contextlib
+
+    real_body = cuda_graphs.StaticForward._body
+    capturing: list[Graph] = []
+
+    class Graph:
+        def __init__(self) -> None:
+            self.captured = None
+
+        def replay(self) -> None:
+            static, bucket, out = self.captured
+            with torch.inference_mode():
+                out.copy_(real_body(static, bucket))
+
+    def body(self, bucket):
+        out = real_body(self, bucket)
+        if capturing:
+            capturing[-1].captured = (self, bucket, out)
+        return out
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, stream=None):
+        capturing.append(g)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    monkeypatch.setattr(cuda_graphs.StaticForward, "_body", body)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    eager, static = pair(torch.device("cpu"))
+    static.static.capture = True
+    static.static.capture_all([cuda_graphs.Bucket(4, n, 300) for n in (1, 2)])
+    assert static.cache.captured and len(static.static._graphs) == 2
+    slots, lengths = [4, 0, 2], [7, 3, 12]
+    prefill((eager, static), slots, lengths)  # a prompt of 3 captures one more bucket on the way
+    assert cuda_graphs.Bucket(1, 3, 300) in static.static._graphs
+    for step in range(2):
+        rows = [Row(s, n, [step + 3] * (1 + step), 0) for s, n in zip(slots, lengths, strict=True)]
+        for w, g in zip(eager.forward(rows), static.forward(rows), strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        lengths = [n + 1 + step for n in lengths]
