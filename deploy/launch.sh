@@ -2,7 +2,10 @@
 # One host: drafter, verifier and gateway under one `specd up`, placed on the GPUs it has.
 #
 #   two or more GPUs: drafter on cuda:$SPECD_DRAFTER_GPU (0), verifier on cuda:$SPECD_VERIFIER_GPU (1)
-#   one GPU:          both on cuda:0 (they share it)
+#   one GPU:          both on cuda:0 (they share it: `specd up` runs them under CUDA MPS, starting
+#                     nvidia-cuda-mps-control -d or using a daemon already running, and says so;
+#                     where MPS cannot be had it says why and runs the sequential pipeline;
+#                     SPECD_SHARED_GPU=mps|off: MPS or refuse to start / leave MPS alone)
 #   no GPU:           both on the CPU (this is how CI runs it)
 #
 # Everything is set through the environment, with the services' own variable names, so the
@@ -71,6 +74,7 @@ cmd=(
   --quantize "${SPECD_DRAFTER_QUANTIZE:-auto}"
   --num-speculative-tokens "${SPECD_GATEWAY_NUM_SPECULATIVE_TOKENS:-4}"
   --max-batch "${SPECD_GATEWAY_MAX_BATCH:-32}"
+  --shared-gpu "${SPECD_SHARED_GPU:-auto}"
 )
 if [[ -n "${SPECD_TLS_CERT:-}" ]]; then
   cmd+=(--tls-cert "$SPECD_TLS_CERT" --tls-key "${SPECD_TLS_KEY:?SPECD_TLS_KEY must go with SPECD_TLS_CERT}")

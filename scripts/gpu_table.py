@@ -2,6 +2,7 @@
 """README's GPU tables from scripts/gpu_check.py's JSON files (markdown on stdout).
 
 python3 scripts/gpu_table.py docs/bench/gpu-*.json
+python3 scripts/gpu_table.py --readme README.md docs/bench/gpu-*.json   # rewrites README's GPU tables
 """
 
 from __future__ import annotations
@@ -114,12 +115,29 @@ def render(reports: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+BEGIN, END = "<!-- gpu-table: begin -->\n", "<!-- gpu-table: end -->"
+
+
+def into_readme(readme: Path, table: str) -> None:
+    """Replace what stands between README's gpu-table markers with `table`."""
+    text = readme.read_text(encoding="utf-8")
+    head, rest = text.split(BEGIN, 1)
+    readme.write_text(head + BEGIN + table + END + rest.split(END, 1)[1], encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
-    paths = argv if argv is not None else sys.argv[1:]
+    paths = list(argv if argv is not None else sys.argv[1:])
+    readme = None
+    if paths[:1] == ["--readme"] and len(paths) > 1:
+        readme, paths = Path(paths[1]), paths[2:]
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
-    print(render([json.loads(Path(p).read_text()) for p in paths]), end="")
+    table = render([json.loads(Path(p).read_text()) for p in sorted(paths)])
+    if readme is not None:
+        into_readme(readme, table)
+    else:
+        print(table, end="")
     return 0
 
 

@@ -20,6 +20,7 @@ packages=(
   opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-semantic-conventions==0.66b2
   # specd bench and the tests' clients.
   httpx==0.28.1 httpcore==1.0.9 certifi==2026.10.19.post1 tqdm==4.70.1
+  requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.2
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
   # The tests.
   pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0 pytest-timeout==2.4.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -46,8 +47,14 @@ def start_daemon() -> bool | None:
         done = subprocess.run([CONTROL, "-d"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0 or not running():
+    if done.returncode != 0:
         return None
+    # The daemon forks away from `-d` before its pipe answers.
+    deadline = time.monotonic() + 5.0
+    while not running():
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
     return True
 
 

@@ -12,7 +12,7 @@ import torch
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
-from specd.engine.grammar import GrammarCompiler, apply_mask
+from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.logprobs import token_logprobs
 from specd.engine.params import TokenLogprob
@@ -209,6 +209,11 @@ class VerifierEngine:
                     # The grammar follows the committed tokens exactly: the accepted drafts
                     # stay consumed, the rejected ones are rolled back, the next token goes on.
                     state.grammar.commit(consumed[task.sequence_id], verdict.num_accepted, verdict.next_token)
+            except GrammarError as exc:
+                # A token its own mask refused (seen once, on CUDA only): what its row held, to tell how.
+                why = _refused(adjusted[n], raw, dists.get(n), verdict)
+                results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc} ({why})")
+                continue
             except Exception as exc:  # one sequence's failure must not corrupt the others
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
                 continue
@@ -313,6 +318,23 @@ def check_sparse(dist: SparseDist, vocab_size: int) -> None:
     # The rule is exact only if q is the distribution the draft was sampled from.
     if abs(sum(dist.probs) - 1.0) > PROB_SUM_TOLERANCE:
         raise invalid(f"sparse distribution sums to {sum(dist.probs):.6f}, not 1")
+
+
+def _refused(masked: torch.Tensor, raw: torch.Tensor, p: torch.Tensor | None, verdict: Verdict) -> str:
+    """What the row that chose a token its grammar refused held: the token's masked and raw logit
+    (and p where sampled), how many tokens the mask left, and how many raw logits were not finite."""
+    row, token = verdict.num_accepted, verdict.next_token
+    parts = [
+        f"row {row} of {masked.shape[0]}",
+        f"masked logit {float(masked[row, token]):.6g}",
+        f"raw logit {float(raw[row, token]):.6g}",
+        f"{int(torch.isfinite(masked[row]).sum())} tokens allowed",
+        f"{int((~torch.isfinite(raw[row])).sum())} raw logits not finite",
+        f"masked argmax {int(masked[row].argmax())}",
+    ]
+    if p is not None:
+        parts.append(f"p {float(p[row, token]):.6g}")
+    return ", ".join(parts)
 
 
 def _by_block(rows: T, sizes: dict[int, int]) -> dict[int, T]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -129,12 +129,13 @@ class StaticForward:
         bucket = self.bucket(len(rows), length, max(r.start + len(r.tokens) for r in rows))
         if bucket is None:
             return None
+        if self.capture and bucket not in self._graphs:
+            # Before the rows' inputs go in: capturing fills the buffers with padding.
+            self._capture([bucket])
         self._fill(bucket, rows, device_ids)
         if not self.capture:
             with torch.inference_mode():
                 return self._body(bucket)[: len(rows)]
-        if bucket not in self._graphs:
-            self._capture([bucket])
         graph, out = self._graphs[bucket]
         graph.replay()
         return out[: len(rows)]
@@ -206,6 +207,7 @@ class StaticForward:
                 with torch.cuda.stream(stream):
                     self._body(bucket)  # kernels chosen and workspaces made outside the capture
                 torch.cuda.current_stream(device).wait_stream(stream)
+                self.lm.cache.captured = True
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                     out = self._body(bucket)
@@ -219,6 +221,12 @@ class StaticForward:
             return
         chosen = sorted(buckets if buckets is not None else self.buckets(), reverse=True)
         device = self.lm.device
+        if self.lm.cache.keys[0] is None:
+            # The KV cache is made by the first forward: before the count, which is the graphs' alone.
+            smallest = min(chosen or self.buckets())
+            self._fill(smallest, [], None)
+            with torch.inference_mode():
+                self._body(smallest)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
@@ -242,7 +250,15 @@ def enable(
         log.info("the %s runs eagerly: %s", service, reason)
         return None
     static = StaticForward(lm, max_batch, max_length, capture=True)
-    static.capture_all()
+    try:
+        static.capture_all()
+    except Exception as exc:
+        if choice == "on":
+            raise
+        # auto: a forward that cannot be captured (an op that waits for the host, say) runs eagerly.
+        log.warning("the %s runs eagerly: capturing its CUDA graphs failed (%s: %s)", service, type(exc).__name__, exc)
+        lm.cache.captured = False
+        return None
     lm.static = static
     log.info(
         "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device memory",
@@ -271,17 +287,3 @@ def read_back(t: torch.Tensor) -> list[Any]:
         return t.tolist()
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-
-
-def timed(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Fastest wall seconds of `repeats` calls of `fn`, each waited for on a GPU."""
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best

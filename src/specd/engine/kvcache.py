@@ -77,8 +77,10 @@ class SlotKVCache(Cache):
         # The CPU mappings behind keys/values, per layer (None: plain tensors).
         self._key_regions: list[mmap.mmap | None] = []
         self._value_regions: list[mmap.mmap | None] = []
-        # Whether the tensors hold a scratch row past the bound (`scratch_slot`).
+        # Whether the tensors hold a scratch row past the bound (`scratch_slot`), and whether CUDA
+        # graphs captured them (specd.cuda_graphs): their bound is then fixed.
         self.scratch = False
+        self.captured = False
         self.reserve(max_slots, max_positions)
         # Per-forward addressing, set by `prepare`.
         self._rows: torch.Tensor | None = None
@@ -96,6 +98,9 @@ class SlotKVCache(Cache):
         """Set the bound: what any slot or position may ever use. Drops what is cached."""
         if max_slots < 1 or max_positions < 1:
             raise ValueError(f"a KV cache needs at least 1 slot and 1 position, got {max_slots} x {max_positions}")
+        if getattr(self, "captured", False):
+            # Graphs replay reads and writes of these very tensors: new ones would leave them stale.
+            raise RuntimeError("this KV cache is captured in CUDA graphs: its bound cannot change")
         self.max_slots = max_slots
         self.max_positions = max_positions
         self.keys = [None] * self.num_layers
