@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.json_schemas import has_local_ref, relocated
 from gateway.validation import InvalidParameter
 from specd.grammar import canonical, schema_problem
 
@@ -62,10 +63,16 @@ class ToolChoice:
         """The JSON Schema the output must match."""
         if self.mode == "named":
             return dict(next(t.parameters for t in self.tools if t.name == self.name))
+        # A tool whose parameters refer to their own parts ($defs, as Pydantic writes an Enum
+        # or a nested model) is placed whole under the root's $defs, its refs rewritten there.
+        defs = {t.name: relocated(t.parameters, t.name) for t in self.tools if has_local_ref(t.parameters)}
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "parameters": dict(t.parameters)},
+                "properties": {
+                    "name": {"const": t.name},
+                    "parameters": {"$ref": f"#/$defs/{t.name}"} if t.name in defs else dict(t.parameters),
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -74,6 +81,8 @@ class ToolChoice:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return array
 
     def response_format(self) -> dict[str, Any]:
