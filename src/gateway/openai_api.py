@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -23,7 +24,7 @@ from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from gateway.tool_calls import ToolChoice
-from gateway.validation import InvalidParameter, choices, encode_prompt
+from gateway.validation import InvalidParameter, choices, encode_prompt, generation_params
 from specd.params import TokenLogprob
 
 
@@ -46,8 +47,11 @@ class OpenAIApi:
         limiter: RateLimiter | None = None,
         max_n: int = 8,
         tool_parser: str = "",
+        undeclared_keys: bool = False,
     ) -> None:
         self.scheduler = scheduler
+        # --json-undeclared-keys (gateway.validation.RequestedParams.undeclared_keys).
+        self.undeclared_keys = undeclared_keys
         # Reads the calls of tool_choice "auto" out of the model's text; "" refuses "auto".
         self.tool_parser = tool_parser
         # The most choices (n, best_of) one request may ask for: each is a sequence of its own.
@@ -143,8 +147,8 @@ class OpenAIApi:
         refused = body.refused()
         if refused is not None:
             raise refused
-        params = body.generation_params(len(self.tokenizer))
-        return params, choices(body.requested(), self.max_n, bool(body.stream))
+        raw = dataclasses.replace(body.requested(), undeclared_keys=self.undeclared_keys)
+        return generation_params(raw, len(self.tokenizer)), choices(raw, self.max_n, bool(body.stream))
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         if (problem := body.prompt_problem()) is not None:

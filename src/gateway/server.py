@@ -125,6 +125,7 @@ async def run(config: GatewayConfig) -> None:
         RateLimiter(config.rate_limit),
         config.max_n,
         config.tool_call_parser,
+        config.json_undeclared_keys,
     )
     grpc_server = None
     if config.grpc_port:
@@ -133,7 +134,7 @@ async def run(config: GatewayConfig) -> None:
         interceptors.append(DecodeErrorInterceptor())
         grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(scheduler, tokenizer, model_name, config.max_n), grpc_server
+            GatewayServicer(scheduler, tokenizer, model_name, config.max_n, config.json_undeclared_keys), grpc_server
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

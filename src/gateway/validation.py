@@ -14,6 +14,7 @@ from typing import Any
 
 from gateway.choices import Choices
 from gateway.failures import GenerationError
+from gateway.json_schemas import closed
 from gateway.scheduler import PIPELINES, GenerationParams
 from specd.grammar import (
     JSON_OBJECT_SCHEMA,
@@ -70,6 +71,9 @@ class RequestedParams:
     # the strings the output must be one of. At most one constraint per request.
     guided_regex: str | None = None
     guided_choice: Sequence[str] | None = None
+    # The gateway's --json-undeclared-keys: JSON objects may hold keys their schema does not
+    # declare unless it forbids them (JSON Schema's own default) instead of only where it allows them.
+    undeclared_keys: bool = False
 
 
 def check(name: str, value: object, range_name: str | None = None) -> None:
@@ -150,7 +154,7 @@ def structured_output(raw: RequestedParams) -> dict[str, str]:
         return {"grammar": guided_grammar("guided_regex", raw.guided_regex, raw.ignore_eos)}
     if raw.guided_choice is not None:
         return {"grammar": guided_grammar("guided_choice", raw.guided_choice, raw.ignore_eos)}
-    return {"json_schema": json_schema(raw.response_format, raw.ignore_eos)}
+    return {"json_schema": json_schema(raw.response_format, raw.ignore_eos, raw.undeclared_keys)}
 
 
 def guided_grammar(param: str, value: str | Sequence[str], ignore_eos: bool) -> str:
@@ -178,8 +182,12 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
 
-def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = False) -> str:
-    """The canonical JSON Schema text a response_format asks for; "" for none or text."""
+def json_schema(
+    response_format: Mapping[str, Any] | None, ignore_eos: bool = False, undeclared_keys: bool = False
+) -> str:
+    """The canonical JSON Schema text a response_format asks for; "" for none or text. Unless
+    `undeclared_keys`, an object that lists its properties holds no other key where its schema
+    does not allow them explicitly (gateway.json_schemas.closed), as vLLM's default backend."""
     if response_format is None:
         return ""
     if not isinstance(response_format, Mapping) or response_format.get("type") not in RESPONSE_FORMAT_TYPES:
@@ -210,7 +218,7 @@ def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = Fa
             raise InvalidParameter("response_format", "response_format.json_schema.schema must be a JSON object")
     if ignore_eos:
         raise InvalidParameter("ignore_eos", "ignore_eos cannot be combined with a JSON response_format")
-    text = canonical(schema)
+    text = canonical(schema if undeclared_keys else closed(schema))
     if problem := schema_problem(text):
         raise InvalidParameter("response_format", f"response_format: the JSON schema is not supported: {problem}")
     return text
