@@ -22,6 +22,7 @@ from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
+from gateway.responses_api import ResponsesApi
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from gateway.tool_calls import ToolChoice
 from gateway.validation import InvalidParameter, choices, encode_prompt, generation_params
@@ -72,6 +73,7 @@ class OpenAIApi:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/responses", ResponsesApi(self).create, methods=["POST"])
         app.add_api_route("/health", self.health_check, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
@@ -231,25 +233,20 @@ class OpenAIApi:
             }
         )
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        if (bad := self._check_model(body.model)) is not None:
-            return bad
-        try:
-            if (problem := body.messages_problem()) is not None:
-                raise problem
-            params, wanted = self._params(body)
-        except InvalidParameter as exc:
-            return invalid(exc)
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], GenerationParams, Choices]:
+        """A chat request's prompt tokens, parameters and choices (its tools: body.tool_choice_spec),
+        checked; raises InvalidParameter. The Responses API (gateway.responses_api) goes this way too."""
+        if (problem := body.messages_problem()) is not None:
+            raise problem
+        params, wanted = self._params(body)
         tools = body.tool_choice_spec  # checked with the other parameters above
         if tools is not None and tools.mode == "auto" and not self.tool_parser:
-            return invalid(
-                InvalidParameter(
-                    "tool_choice",
-                    'tool_choice "auto" (the default when tools are given) reads calls out of the text the '
-                    "model writes, and this gateway was started without --tool-call-parser (hermes: "
-                    '<tool_call> blocks, as Qwen2.5, Qwen3 and Hermes 2 Pro write them): send tool_choice "required" '
-                    'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
-                )
+            raise InvalidParameter(
+                "tool_choice",
+                'tool_choice "auto" (the default when tools are given) reads calls out of the text the '
+                "model writes, and this gateway was started without --tool-call-parser (hermes: "
+                '<tool_call> blocks, as Qwen2.5, Qwen3 and Hermes 2 Pro write them): send tool_choice "required" '
+                'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
             )
         messages = [m.for_template() for m in body.messages]
         try:
@@ -257,12 +254,18 @@ class OpenAIApi:
                 messages, tools=body.template_tools(), add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # a template may reject some role orders
-            return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
+            raise InvalidParameter("messages", f"cannot apply the chat template: {exc}") from None
         # The template already wrote the special tokens.
+        return encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False), params, wanted
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        if (bad := self._check_model(body.model)) is not None:
+            return bad
         try:
-            prompt = encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False)
+            prompt, params, wanted = self.chat_prompt(body)
         except InvalidParameter as exc:
             return invalid(exc)
+        tools = body.tool_choice_spec
         seqs = self._submit(prompt, choice_params(params, wanted), request)
         if isinstance(seqs, JSONResponse):
             return seqs
