@@ -75,6 +75,11 @@ class GatewayConfig:
         '(a named function and "required" are forced by grammar and need no parser)',
         ["", "hermes"],
     )
+    chat_template: str = field(
+        "",
+        "a Jinja chat template file served instead of the tokenizer's (as vLLM's --chat-template): for a model "
+        'whose own template does not render tools, which tool_choice "auto" needs',
+    )
     json_undeclared_keys: bool = field(
         False,
         "structured output (response_format json_schema, forced tool calls, gRPC json_schema): true lets a JSON "

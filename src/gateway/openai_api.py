@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import tool_calls, tool_parsers
+from gateway import chat_templates, tool_calls, tool_parsers
 from gateway.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
@@ -49,8 +49,14 @@ class OpenAIApi:
         max_n: int = 8,
         tool_parser: str = "",
         undeclared_keys: bool = False,
+        chat_template: str = "",
     ) -> None:
         self.scheduler = scheduler
+        # Why tool_choice "auto" cannot work with the served chat template ("" when it can), and
+        # the template's name for that 400 (--chat-template's file, or the tokenizer's).
+        self.template_tools_problem = chat_templates.tools_problem(tokenizer)
+        source = getattr(tokenizer, "name_or_path", "") or model_name
+        self.template_name = f"the chat template {chat_template}" if chat_template else f"{source}'s chat template"
         # --json-undeclared-keys (gateway.validation.RequestedParams.undeclared_keys).
         self.undeclared_keys = undeclared_keys
         # Reads the calls of tool_choice "auto" out of the model's text; "" refuses "auto".
@@ -240,6 +246,14 @@ class OpenAIApi:
             raise problem
         params, wanted = self._params(body)
         tools = body.tool_choice_spec  # checked with the other parameters above
+        if tools is not None and tools.mode == "auto" and self.template_tools_problem:
+            raise InvalidParameter(
+                "tool_choice",
+                f'tool_choice "auto" (the default when tools are given) leaves the call to the model, and '
+                f"{self.template_name} cannot show it its tools: {self.template_tools_problem}. Send tool_choice "
+                '"required" or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, '
+                'or "none"; or start the gateway with --chat-template, a template that renders tools',
+            )
         if tools is not None and tools.mode == "auto" and not self.tool_parser:
             raise InvalidParameter(
                 "tool_choice",

@@ -16,7 +16,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway import http_limits, tool_parsers
+from gateway import chat_templates, http_limits, tool_parsers
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 async def run(config: GatewayConfig) -> None:
     tokenizer = checkpoints.load_tokenizer(config.tokenizer)
+    if config.chat_template:
+        chat_templates.load(tokenizer, config.chat_template)
     if config.tool_call_parser:
         tool_parsers.check_tokenizer(config.tool_call_parser, tokenizer)
     model_name = config.served_model_name or checkpoints.display_name(config.tokenizer)
@@ -126,7 +128,14 @@ async def run(config: GatewayConfig) -> None:
         config.max_n,
         config.tool_call_parser,
         config.json_undeclared_keys,
+        config.chat_template,
     )
+    if api.template_tools_problem:
+        log.warning(
+            'tool_choice "auto" is refused: %s cannot show the model its tools (%s); "required" and named calls work',
+            api.template_name,
+            api.template_tools_problem,
+        )
     grpc_server = None
     if config.grpc_port:
         # Innermost last: the key is checked before anything else looks at the request.
@@ -221,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tls.TlsConfigError,
         backend_auth.BackendAuthError,
         tool_parsers.ParserUnusable,
+        chat_templates.ChatTemplateError,
     ) as exc:
         log.error("%s", exc)
         sys.exit(2)
