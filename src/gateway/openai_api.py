@@ -263,9 +263,10 @@ class OpenAIApi:
                 'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
             )
         messages = [m.for_template() for m in body.messages]
+        options = body.template_options()
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, tools=body.template_tools(), add_generation_prompt=True, tokenize=False
+                messages, tools=body.template_tools(), tokenize=False, **options
             )
         except Exception as exc:  # a template may reject some role orders
             raise InvalidParameter("messages", f"cannot apply the chat template: {exc}") from None

@@ -74,6 +74,9 @@ class GenerationParams:
     json_schema: str = ""
     # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
     grammar: str = ""
+    # vLLM's: special tokens' text stays out of the output; a stop string that ended it stays in.
+    skip_special_tokens: bool = True
+    include_stop: bool = False
 
 
 @dataclass
@@ -326,7 +329,7 @@ class Scheduler:
             prompt=list(prompt),
             params=params,
             max_tokens=max_tokens,
-            stream=TextStream(self.tokenizer, params.stop),
+            stream=TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop),
             tokens=list(prompt),
         )
         if self.hidden_row_bytes:

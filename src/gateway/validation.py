@@ -74,6 +74,10 @@ class RequestedParams:
     # The gateway's --json-undeclared-keys: JSON objects may hold keys their schema does not
     # declare unless it forbids them (JSON Schema's own default) instead of only where it allows them.
     undeclared_keys: bool = False
+    # vLLM's: the text of special tokens is left out (True) or kept; a stop string ends the
+    # output and is left out (False) or kept.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 def check(name: str, value: object, range_name: str | None = None) -> None:
@@ -131,6 +135,8 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
         ),
         logprobs=logprobs_request(raw),
         pipeline=raw.pipeline,
+        skip_special_tokens=raw.skip_special_tokens,
+        include_stop=raw.include_stop_str_in_output,
         **structured_output(raw),
     )
 

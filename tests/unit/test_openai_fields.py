@@ -95,7 +95,7 @@ def test_neutral_values_of_refused_fields_are_accepted(tok):
     ("endpoint", "fields", "param"),
     [
         (COMPLETIONS, {"temprature": 0.2}, "temprature"),
-        (CHAT, {"guided_json": {}}, "guided_json"),
+        (CHAT, {"guided_grammar": "start: x"}, "guided_grammar"),
         (CHAT, {"stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
         (
             CHAT,
