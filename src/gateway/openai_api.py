@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -69,6 +70,7 @@ class OpenAIApi:
         self.health = health
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)
+        self.routes: list[str] = []  # "METHOD /path" of every route served, for the 404 of any other
 
     def app(self) -> FastAPI:
         app = FastAPI(title="specd gateway", version="0.1.0")
@@ -77,11 +79,16 @@ class OpenAIApi:
         if self.limiter.enabled:
             app.middleware("http")(self._rate_limit)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        # A served name may hold "/" (one derived from a Hugging Face id).
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/responses", ResponsesApi(self).create, methods=["POST"])
         app.add_api_route("/health", self.health_check, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        self.routes = [
+            f"{method} {r.path}" for r in app.routes if isinstance(r, APIRoute) for method in sorted(r.methods)
+        ]
         return app
 
     # -- errors ----------------------------------------------------------
@@ -106,6 +113,14 @@ class OpenAIApi:
         return error_response(400, message, "invalid_value", ".".join(loc) or None)
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
+            # A wrong base URL or an API specd lacks: say which, rather than a bare "Not Found".
+            what = "no route" if exc.status_code == 404 else "the method is not allowed on"
+            return error_response(
+                exc.status_code,
+                f"{what} {request.method} {request.url.path}: this server serves {', '.join(self.routes)}",
+                "unknown_route",
+            )
         return error_response(exc.status_code, str(exc.detail))
 
     async def _rate_limit(self, request: Request, call_next: Any) -> Response:
@@ -118,10 +133,16 @@ class OpenAIApi:
 
     # -- routes ----------------------------------------------------------
     async def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}],
-        }
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> Response:
+        """OpenAI's models.retrieve."""
+        if (bad := self._check_model(model_id)) is not None:
+            return bad
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}
 
     async def metrics(self) -> Response:
         return Response(self.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -155,6 +176,8 @@ class OpenAIApi:
         refused = body.refused()
         if refused is not None:
             raise refused
+        if body.stream_options is not None and not body.stream:
+            raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
         raw = dataclasses.replace(body.requested(), undeclared_keys=self.undeclared_keys)
         return generation_params(raw, len(self.tokenizer)), choices(raw, self.max_n, bool(body.stream))
 

@@ -198,12 +198,6 @@ class CompletionRequest(_Request):
         return None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
@@ -222,7 +216,8 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Text, or content parts of which only text ones are implemented (problem() says so of others).
+    content: str | list[dict[str, Any]] | None = None
     # Accepted and ignored: the chat template has no place for a participant's name.
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
@@ -230,10 +225,20 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
     def problem(self, i: int) -> InvalidParameter | None:
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            kind = part.get("type")
+            if kind != "text":
+                return InvalidParameter(
+                    f"messages.{i}.content.{j}",
+                    f"content parts of type {kind!r} are not supported: the served model reads text only "
+                    '(parts of type "text")',
+                )
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                return InvalidParameter(f"messages.{i}.content.{j}", 'a text part is {"type": "text", "text": "..."}')
         if self.tool_calls is not None and self.role != "assistant":
             return InvalidParameter(f"messages.{i}.tool_calls", "only an assistant message carries tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):

@@ -301,6 +301,7 @@ class Scheduler:
             raise GenerationError(
                 400,
                 f"the prompt has {len(prompt)} tokens; this model's context window is {self.max_context} tokens",
+                "context_length_exceeded",  # OpenAI's code for it
             )
         room = self.max_context - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -311,6 +312,7 @@ class Scheduler:
                 400,
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                 f"window of {self.max_context} tokens",
+                "context_length_exceeded",
             )
         if params.pipeline is not None and params.pipeline not in PIPELINES:
             raise GenerationError(400, f"pipeline must be one of {', '.join(PIPELINES)}, got {params.pipeline!r}")

@@ -14,9 +14,8 @@ from typing import Any
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from gateway import chat_templates, http_limits, tool_parsers
+from gateway import chat_templates, http_limits, reflection_v1, tool_parsers
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.grpc_api import GatewayServicer
@@ -148,7 +147,7 @@ async def run(config: GatewayConfig) -> None:
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-        reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
+        reflection_v1.enable([name, health.SERVICE_NAME], grpc_server)
         tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}", api_tls)
         await grpc_server.start()
         for service in ("", name):

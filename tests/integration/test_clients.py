@@ -1,5 +1,6 @@
 """Client libraries as people use them, unmodified, against real processes: the openai SDK's
-Responses API (plain and streamed) and an OpenAI Agents SDK run on its default Responses model."""
+Responses API (plain and streamed), an OpenAI Agents SDK run on its default Responses model, and a
+gRPC client that knows the gateway only through reflection v1."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import json
 from typing import Any, Literal
 
 import agents
+import grpc
 import openai
 import pydantic
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from grpc_reflection.v1alpha import reflection_pb2
 from stack import base_url
 
 MODEL = "target"
@@ -116,3 +120,50 @@ def test_an_agents_sdk_run_calls_an_enum_argument_tool_under_required(gateway):
     assert len(calls) == 2 and all(isinstance(unit, Unit) for _, unit in calls)
     assert calls[0] == calls[1]  # greedy: the streamed run made the same call
     assert whole.final_output == streamed.final_output == f"12 degrees {calls[0][1].value} in {calls[0][0]}"
+
+
+def test_a_grpc_client_finds_and_calls_the_gateway_by_reflection_v1(gateway):
+    """As grpcurl does: list the services and fetch their descriptors over grpc.reflection.v1 (the
+    messages are v1alpha's fields under v1's name), then call Generate from those descriptors alone."""
+    method = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+        ask = channel.stream_stream(
+            method,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        (listed,) = ask(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        names = {s.name for s in listed.list_services_response.service}
+        assert {"speculative.v1.GatewayService", "grpc.reflection.v1.ServerReflection"} <= names
+        request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="speculative.v1.GatewayService")
+        (files,) = ask(iter([request]), timeout=10)
+        pool = descriptor_pool.DescriptorPool()
+        protos = [
+            descriptor_pb2.FileDescriptorProto.FromString(b)
+            for b in files.file_descriptor_response.file_descriptor_proto
+        ]
+        while protos:  # dependencies first
+            ready = [p for p in protos if all(_has_file(pool, d) for d in p.dependency)]
+            assert ready, "reflection left out a dependency"
+            for p in ready:
+                pool.Add(p)
+                protos.remove(p)
+        service = pool.FindServiceByName("speculative.v1.GatewayService")
+        generate = service.FindMethodByName("Generate")
+        request_class = message_factory.GetMessageClass(generate.input_type)
+        response_class = message_factory.GetMessageClass(generate.output_type)
+        call = channel.unary_unary(
+            "/speculative.v1.GatewayService/Generate",
+            request_serializer=request_class.SerializeToString,
+            response_deserializer=response_class.FromString,
+        )
+        reply = call(request_class(model=MODEL, prompt="Hello", params={"max_tokens": 4}), timeout=60)
+        assert reply.usage.completion_tokens == 4 and len(reply.token_ids) == 4
+
+
+def _has_file(pool: descriptor_pool.DescriptorPool, name: str) -> bool:
+    try:
+        pool.FindFileByName(name)
+    except KeyError:
+        return False
+    return True
