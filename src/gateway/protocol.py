@@ -120,13 +120,6 @@ class _Request(BaseModel):
         return None
 
     def requested(self) -> RequestedParams:
-        if self.min_tokens:
-            raise InvalidParameter(
-                "min_tokens",
-                "min_tokens is not supported yet: suppressing end-of-sequence must reach the verifier's and the "
-                "drafter's logits alike to stay exact under speculation, and the services do not take it yet",
-                "unsupported_parameter",
-            )
         return RequestedParams(
             max_tokens=self.max_tokens,
             temperature=self.temperature,
@@ -148,6 +141,7 @@ class _Request(BaseModel):
             response_format=self.guided_json_format(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
         )
 
     def guided_json_format(self) -> dict[str, Any] | None:

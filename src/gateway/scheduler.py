@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -326,6 +327,11 @@ class Scheduler:
     def _sequence(
         self, prompt: list[int], params: GenerationParams, max_tokens: int, trace_parent: Mapping[str, str] | None
     ) -> _Sequence:
+        if params.penalties.min_tokens:
+            # min_tokens holds back every id this scheduler stops on, on both services.
+            params = dataclasses.replace(
+                params, penalties=dataclasses.replace(params.penalties, eos=tuple(sorted(self.eos)))
+            )
         seq = _Sequence(
             id=uuid.uuid4().hex,
             prompt=list(prompt),

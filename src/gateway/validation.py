@@ -78,6 +78,9 @@ class RequestedParams:
     # output and is left out (False) or kept.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: no end-of-sequence token before this many generated tokens (the scheduler adds
+    # the ids it stops on to the penalties both services apply).
+    min_tokens: int = 0
 
 
 def check(name: str, value: object, range_name: str | None = None) -> None:
@@ -115,6 +118,8 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
     if raw.pipeline is not None and raw.pipeline not in PIPELINES:
         raise InvalidParameter("pipeline", f"pipeline must be one of {', '.join(PIPELINES)}, got {raw.pipeline!r}")
     top_k = raw.top_k if raw.top_k is not None and raw.top_k > 0 else 0  # -1 and 0 both disable it
+    constraint = structured_output(raw)
+    check_min_tokens(raw, constraint)
     return GenerationParams(
         max_tokens=raw.max_tokens,
         sampling=SamplingParams(
@@ -132,13 +137,29 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
             frequency=float(raw.frequency_penalty or 0.0),
             repetition=1.0 if raw.repetition_penalty is None else float(raw.repetition_penalty),
             bias=logit_bias(raw.logit_bias, vocab_size),
+            min_tokens=raw.min_tokens,
         ),
         logprobs=logprobs_request(raw),
         pipeline=raw.pipeline,
         skip_special_tokens=raw.skip_special_tokens,
         include_stop=raw.include_stop_str_in_output,
-        **structured_output(raw),
+        **constraint,
     )
+
+
+def check_min_tokens(raw: RequestedParams, constraint: Mapping[str, str]) -> None:
+    """min_tokens in range, and not where the output's end is not its to hold back."""
+    if isinstance(raw.min_tokens, bool) or not isinstance(raw.min_tokens, int) or raw.min_tokens < 0:
+        raise InvalidParameter("min_tokens", f"min_tokens must be an integer >= 0, got {raw.min_tokens!r}")
+    if not raw.min_tokens:
+        return
+    if raw.max_tokens is not None and raw.min_tokens > raw.max_tokens:
+        raise InvalidParameter(
+            "min_tokens", f"min_tokens ({raw.min_tokens}) must not exceed max_tokens ({raw.max_tokens})"
+        )
+    if any(constraint.values()):
+        # A grammar may be complete before min_tokens, with end-of-sequence the only token left.
+        raise InvalidParameter("min_tokens", "min_tokens cannot be combined with a structured-output constraint")
 
 
 def structured_output(raw: RequestedParams) -> dict[str, str]:

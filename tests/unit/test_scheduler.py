@@ -13,7 +13,8 @@ from gateway.backends import BackendError
 from gateway.failures import GenerationError
 from gateway.round import DraftItem
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
-from specd.params import SamplingParams
+from specd.params import Penalties, SamplingParams
+from specd.serving import penalties_from_pb
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7], [11, 12], [20, 21, 22], [5, 5]]
@@ -450,3 +451,14 @@ def test_drafts_beside_the_verify_are_priced_at_the_drafter_s_step_there() -> No
     costs.draft_fixed.observe(1e6)
     assert sched._drafting_beside(items) == pytest.approx(1e6 + 4 * 25e6)  # the longest block, two sequences
     assert sched._drafting_beside(items[2:]) == 0  # prefill only
+
+
+def test_min_tokens_reaches_both_services_with_every_eos_id_the_scheduler_stops_on() -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = Scheduler(CharTokenizer(), verifier, drafter, 4, 16, [EOS, 77], speculative_mode="fixed")
+    generate(sched, [PROMPTS[0]], 8, penalties=Penalties.of(min_tokens=5))
+    for service in (verifier, drafter):
+        (spec,) = [s for opened in service.opens for s in opened]
+        penalties = penalties_from_pb(spec.sampling)
+        assert penalties.min_tokens == 5 and penalties.eos == tuple(sorted({EOS, 77}))

@@ -54,7 +54,10 @@ def test_add_generation_prompt_and_continue_final_message(templated):
         ({"guided_json": "{not json"}, "guided_json"),
         ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
         ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex"),
-        ({"min_tokens": 4}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"min_tokens": 2, "guided_json": SCHEMA}, "min_tokens"),  # a grammar may end before it
+        ({"min_tokens": 2, "guided_choice": ["a"]}, "min_tokens"),
     ],
 )
 def test_what_cannot_be_applied_is_a_400_naming_it(tok, fields, param):
@@ -73,12 +76,13 @@ def test_guided_json_is_the_json_schema_response_format(tok, endpoint, given):
 
 
 def test_the_output_fields_reach_the_scheduler(tok):
-    fields = {"skip_special_tokens": False, "include_stop_str_in_output": True, "min_tokens": 0}
+    fields = {"skip_special_tokens": False, "include_stop_str_in_output": True, "min_tokens": 3}
     for endpoint in (CHAT, COMPLETIONS):
         r, scheduler = http_post(tok, endpoint, body_for(endpoint, fields))
         assert r.status_code == 200, r.text
         (params,) = scheduler.submitted
         assert not params.skip_special_tokens and params.include_stop
+        assert params.penalties.min_tokens == 3  # the scheduler adds the eos ids (test_scheduler)
 
 
 def stream_text(tok, text_ids: list[int], **options: Any) -> str:
