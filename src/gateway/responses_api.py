@@ -19,7 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -74,6 +74,8 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     # Not in OpenAI's Responses API (its SDK sends it in extra_body): seeded sampling as on chat.
     seed: int | None = None
+    # specd's, as on chat: draft tokens per round (0 = target-only) or "auto".
+    num_speculative_tokens: int | Literal["auto"] | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     # REFUSED unless neutral.
@@ -121,6 +123,7 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed,
+            "num_speculative_tokens": self.num_speculative_tokens,
             "response_format": response_format(self.text),
             "parallel_tool_calls": self.parallel_tool_calls if self.tools else None,
         }

@@ -167,3 +167,22 @@ def _has_file(pool: descriptor_pool.DescriptorPool, name: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+def test_vllm_extra_body_fields_through_the_services(client, tok):
+    """min_tokens holds end-of-sequence back (biased to win at once) exactly under speculation;
+    models.retrieve answers the served model."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    outputs = []
+    for k in (0, 4):
+        reply = client.completions.create(
+            model=MODEL,
+            prompt="Once upon a time",
+            max_tokens=12,
+            temperature=0,
+            logit_bias={str(tok.eos_token_id): 100},
+            extra_body={"min_tokens": 6, "num_speculative_tokens": k},
+        )
+        assert reply.choices[0].finish_reason == "stop" and reply.usage is not None
+        outputs.append((reply.choices[0].text, reply.usage.completion_tokens))
+    assert outputs[0] == outputs[1] and outputs[0][1] == 7  # six tokens, then the end-of-sequence

@@ -48,13 +48,14 @@ def events(text: str) -> list[dict[str, Any]]:
 
 
 def test_a_string_input_is_a_user_message_after_the_instructions(tok):
-    r, scheduler = post(tok, {"input": "Hi", "instructions": "Be brief", "max_output_tokens": 9, "seed": 3})
+    fields = {"input": "Hi", "instructions": "Be brief", "max_output_tokens": 9, "seed": 3, "num_speculative_tokens": 0}
+    r, scheduler = post(tok, fields)
     assert r.status_code == 200, r.text
     response = Response.model_validate(r.json())
     assert response.output_text == "Hello" and response.status == "completed"
     assert response.usage is not None and response.usage.output_tokens == 2
     (params,) = scheduler.submitted
-    assert params.max_tokens == 9 and params.sampling.seed == 3
+    assert params.max_tokens == 9 and params.sampling.seed == 3 and params.speculation == 0
     chat = {"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]}
     _, same = post(tok, chat | {"max_tokens": 9}, path=CHAT)
     assert scheduler.prompts == same.prompts
