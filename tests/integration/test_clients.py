@@ -1,6 +1,6 @@
 """Client libraries as people use them, unmodified, against real processes: the openai SDK's
 Responses API (plain and streamed), an OpenAI Agents SDK run on its default Responses model, and a
-gRPC client that knows the gateway only through reflection v1."""
+gRPC client that knows the gateway only through reflection v1, LangChain's ChatOpenAI."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pydantic
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2
+from langchain_openai import ChatOpenAI
 from stack import base_url
 
 MODEL = "target"
@@ -186,3 +187,28 @@ def test_vllm_extra_body_fields_through_the_services(client, tok):
         assert reply.choices[0].finish_reason == "stop" and reply.usage is not None
         outputs.append((reply.choices[0].text, reply.usage.completion_tokens))
     assert outputs[0] == outputs[1] and outputs[0][1] == 7  # six tokens, then the end-of-sequence
+
+
+class Forecast(pydantic.BaseModel):
+    """The forecast for a city."""
+
+    city: Literal["Oslo", "Bergen"]
+    unit: Unit
+    daily: bool
+
+
+def test_langchain_bind_tools_any_on_a_non_strict_tool_returns_valid_calls(gateway):
+    """LangChain's tool_choice="any" is "required"; its non-strict schema says nothing about other
+    keys, which the gateway's default (closed objects) keeps the model from inventing."""
+    url = base_url(gateway) + "/v1"
+    chat = ChatOpenAI(model=MODEL, base_url=url, api_key="unused", temperature=0, max_tokens=64, max_retries=0)
+    reply = chat.bind_tools([Forecast], tool_choice="any", parallel_tool_calls=False).invoke("Forecast for Oslo?")
+    assert not reply.invalid_tool_calls
+    (call,) = reply.tool_calls
+    assert call["name"] == "Forecast"
+    Forecast.model_validate(call["args"])
+    via_responses = ChatOpenAI(
+        model=MODEL, base_url=url, api_key="unused", temperature=0, max_tokens=8, max_retries=0, use_responses_api=True
+    ).invoke("Hello")
+    plain = chat.bind(max_tokens=8).invoke("Hello")
+    assert via_responses.text == plain.text  # the same path under both APIs
