@@ -55,6 +55,8 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
 # Accepted and ignored (README says why, as for chat).
 IGNORED = ("metadata", "user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention")
 TOOL_FIELDS = {"type", "name", "description", "parameters", "strict"}
+# The Responses field a chat field came from, to name it in a 400.
+CHAT_FIELDS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
 TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -136,8 +138,9 @@ class ResponsesRequest(BaseModel):
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise InvalidParameter("input", f"input: {where}: {first.get('msg')}") from None
+            loc = [str(p) for p in first.get("loc", ())]
+            param = CHAT_FIELDS.get(loc[0], loc[0]) if loc else "input"
+            raise InvalidParameter(param, f"{param}: {first.get('msg')}") from None
 
 
 def messages(given: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:

@@ -227,7 +227,7 @@ def tool_choice(tools: Sequence[Any] | None, choice: Any, parallel: bool | None)
         and set(choice["function"]) == {"name"}
     ):
         name = choice["function"]["name"]
-        if name not in {t.name for t in declared}:
+        if not isinstance(name, str) or name not in {t.name for t in declared}:
             raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
         return _compiles(ToolChoice("named", declared, name, allow_many))
     raise InvalidParameter(

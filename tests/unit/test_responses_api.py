@@ -157,6 +157,8 @@ def test_text_streams_and_max_output_tokens_makes_it_incomplete(tok):
         ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"tools": TOOLS}, "tool_choice"),  # auto without --tool-call-parser, as on chat
         ({"temprature": 0.5}, "temprature"),
+        ({"text": {"format": "json"}}, "text.format"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": ["weather"]}}, "tool_choice"),
         ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "nope"}}}}, "response_format"),
     ],
 )
