@@ -183,6 +183,9 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         response_format=response_format(params.json_schema),
         guided_regex=params.guided_regex or None,
         guided_choice=list(params.guided_choice) or None,
+        min_tokens=params.min_tokens,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 

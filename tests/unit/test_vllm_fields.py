@@ -6,8 +6,9 @@ import copy
 import json
 from typing import Any
 
+import grpc
 import pytest
-from api_harness import CHAT, COMPLETIONS, body_for, http_post
+from api_harness import CHAT, COMPLETIONS, body_for, grpc_generate, http_post
 
 from gateway.detokenize import TextStream
 
@@ -101,3 +102,16 @@ def test_include_stop_str_keeps_the_stop_string_and_skip_special_tokens_false_ke
     special = [tok.convert_tokens_to_ids("<|im_start|>"), *tok.encode("Hi", add_special_tokens=False)]
     assert stream_text(tok, special) == "Hi"
     assert stream_text(tok, special, skip_special_tokens=False) == "<|im_start|>Hi"
+
+
+def test_grpc_takes_the_same_fields_with_the_same_checks(tok):
+    fields = {"min_tokens": 3, "skip_special_tokens": False, "include_stop_str_in_output": True}
+    aborted, scheduler = grpc_generate(tok, fields)
+    assert aborted is None
+    (params,) = scheduler.submitted
+    assert params.penalties.min_tokens == 3 and not params.skip_special_tokens and params.include_stop
+    _, defaults = grpc_generate(tok, {})
+    assert defaults.submitted[0].skip_special_tokens and not defaults.submitted[0].include_stop
+    aborted, scheduler = grpc_generate(tok, {"min_tokens": 5, "max_tokens": 4})
+    assert aborted is not None and aborted.code == grpc.StatusCode.INVALID_ARGUMENT and "min_tokens" in aborted.details
+    assert not scheduler.submitted
