@@ -53,7 +53,15 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "context_management": ("server-side context compaction is not implemented", ()),
 }
 # Accepted and ignored (README says why, as for chat).
-IGNORED = ("metadata", "user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention")
+IGNORED = (
+    "metadata",
+    "user",
+    "safety_identifier",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+)
 TOOL_FIELDS = {"type", "name", "description", "parameters", "strict"}
 # The Responses field a chat field came from, to name it in a 400.
 CHAT_FIELDS = {"messages": "input", "response_format": "text.format", "max_completion_tokens": "max_output_tokens"}
@@ -99,6 +107,7 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
     def refused(self) -> InvalidParameter | None:
         for name, (reason, neutral) in REFUSED.items():

@@ -11,6 +11,8 @@ import pytest
 from api_harness import CHAT, MODEL, ScriptedScheduler, http_post
 from openai.types.responses import Response, ResponseStreamEvent
 
+from gateway.responses_api import IGNORED, REFUSED, ResponsesRequest
+
 RESPONSES = "/v1/responses"
 WEATHER = {
     "type": "object",
@@ -173,3 +175,43 @@ def test_neutral_values_of_refused_fields_are_accepted(tok):
     fields = {"store": False, "truncation": "disabled", "reasoning": {"effort": None}, "include": [], "metadata": {}}
     r, _ = post(tok, {"input": "Hi"} | fields)
     assert r.status_code == 200, r.text
+
+
+def sdk_fields() -> list[str]:
+    from openai.types.responses import response_create_params as params
+
+    keys: set[str] = set()
+    for name in ("ResponseCreateParamsNonStreaming", "ResponseCreateParamsStreaming"):
+        cls = getattr(params, name)
+        keys |= set(cls.__required_keys__) | set(cls.__optional_keys__)
+    return sorted(keys)
+
+
+# A value each field not implemented could carry from a client that relies on it.
+SAMPLES: dict[str, Any] = {
+    "store": True,
+    "previous_response_id": "resp_1",
+    "conversation": "conv_1",
+    "background": True,
+    "include": ["reasoning.encrypted_content"],
+    "truncation": "auto",
+    "reasoning": {"effort": "high"},
+    "prompt": {"id": "pmpt_1"},
+    "max_tool_calls": 3,
+    "top_logprobs": 5,
+    "context_management": [{"type": "compaction"}],
+}
+
+
+@pytest.mark.parametrize("field", sdk_fields())
+def test_every_sdk_field_is_implemented_refused_or_ignored(tok, field):
+    """Nothing silent: an SDK field specd does not implement is a 400 naming it."""
+    if field in REFUSED:
+        r, scheduler = post(tok, {"input": "Hi", field: SAMPLES[field]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    elif field in IGNORED or field in ResponsesRequest.model_fields:
+        assert field in ResponsesRequest.model_fields
+    else:
+        r, scheduler = post(tok, {"input": "Hi", field: {"x": 1}})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter", r.text
+        assert not scheduler.submitted
