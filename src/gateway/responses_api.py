@@ -276,7 +276,7 @@ class ResponsesApi:
         self.api = api
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
-        from gateway.openai_api import invalid
+        from gateway.openai_api import invalid  # openai_api imports this module to serve the route
 
         api = self.api
         if (bad := api._check_model(body.model)) is not None:
@@ -353,7 +353,7 @@ class Reply:
         }
 
     def whole(self, outcome: Outcome) -> dict[str, Any]:
-        from gateway.openai_api import message
+        from gateway.openai_api import message  # see create
 
         status = "incomplete" if outcome.finished.reason == "length" else "completed"
         chat = message(self.tools, outcome, self.parser)["message"]
