@@ -75,6 +75,18 @@ class GatewayConfig:
         '(a named function and "required" are forced by grammar and need no parser)',
         ["", "hermes"],
     )
+    chat_template: str = field(
+        "",
+        "a Jinja chat template file served instead of the tokenizer's (as vLLM's --chat-template): for a model "
+        'whose own template does not render tools, which tool_choice "auto" needs',
+    )
+    json_undeclared_keys: bool = field(
+        False,
+        "structured output (response_format json_schema, forced tool calls, gRPC json_schema): true lets a JSON "
+        "object hold keys its schema does not declare unless the schema forbids them (additionalProperties: "
+        "false), as JSON Schema reads; false (the default, as vLLM's): an object that lists its properties holds "
+        "only those unless its schema allows others explicitly (additionalProperties or unevaluatedProperties)",
+    )
     max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
     http_max_body_bytes: int = field(
         8 * 1024 * 1024, "largest HTTP request body; a larger one gets 413 before it is read (or as soon as it is)"

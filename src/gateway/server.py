@@ -14,9 +14,8 @@ from typing import Any
 import grpc
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from gateway.api import http_limits, tool_parsers
+from gateway.api import chat_templates, http_limits, reflection_v1, tool_parsers
 from gateway.api.grpc_api import GatewayServicer
 from gateway.api.limits import RateLimiter
 from gateway.api.openai_api import OpenAIApi
@@ -37,6 +36,8 @@ log = logging.getLogger(__name__)
 
 async def run(config: GatewayConfig) -> None:
     tokenizer = checkpoints.load_tokenizer(config.tokenizer)
+    if config.chat_template:
+        chat_templates.load(tokenizer, config.chat_template)
     if config.tool_call_parser:
         tool_parsers.check_tokenizer(config.tool_call_parser, tokenizer)
     model_name = config.served_model_name or checkpoints.display_name(config.tokenizer)
@@ -126,7 +127,15 @@ async def run(config: GatewayConfig) -> None:
         RateLimiter(config.rate_limit),
         config.max_n,
         config.tool_call_parser,
+        config.json_undeclared_keys,
+        config.chat_template,
     )
+    if api.template_tools_problem:
+        log.warning(
+            'tool_choice "auto" is refused: %s cannot show the model its tools (%s); "required" and named calls work',
+            api.template_name,
+            api.template_tools_problem,
+        )
     grpc_server = None
     if config.grpc_port:
         # Innermost last: the key is checked before anything else looks at the request.
@@ -134,12 +143,12 @@ async def run(config: GatewayConfig) -> None:
         interceptors.append(DecodeErrorInterceptor())
         grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(scheduler, tokenizer, model_name, config.max_n), grpc_server
+            GatewayServicer(scheduler, tokenizer, model_name, config.max_n, config.json_undeclared_keys), grpc_server
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-        reflection.enable_server_reflection([name, health.SERVICE_NAME, reflection.SERVICE_NAME], grpc_server)
+        reflection_v1.enable([name, health.SERVICE_NAME], grpc_server)
         tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}", api_tls)
         await grpc_server.start()
         for service in ("", name):
@@ -221,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tls.TlsConfigError,
         backend_auth.BackendAuthError,
         tool_parsers.ParserUnusable,
+        chat_templates.ChatTemplateError,
     ) as exc:
         log.error("%s", exc)
         sys.exit(2)

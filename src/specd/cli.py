@@ -159,6 +159,12 @@ def _up_parser() -> argparse.ArgumentParser:
         default="",
         help='see specd gateway --help; tool_choice "auto" needs one (a target that writes <tool_call> blocks: hermes)',
     )
+    p.add_argument("--chat-template", default="", help="see specd gateway --help; a Jinja file served instead")
+    p.add_argument(
+        "--json-undeclared-keys",
+        action="store_true",
+        help="see specd gateway --help; JSON objects may hold keys their schema does not declare",
+    )
     p.add_argument(
         "--prefill-chunk-tokens",
         type=int,
@@ -361,6 +367,8 @@ def up(argv: Sequence[str]) -> None:
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
         "--tool-call-parser", args.tool_call_parser,
+        "--json-undeclared-keys", "true" if args.json_undeclared_keys else "false",
+        "--chat-template", args.chat_template,
         "--drafter-overlap", "true" if overlap else "false",
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),

@@ -179,6 +179,8 @@ def test_bad_completion_requests_get_400(gateway, body, mentions):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert mentions in error["message"]
+    if mentions == "context window":
+        assert error["code"] == "context_length_exceeded"  # OpenAI's code, which clients branch on
 
 
 def test_bad_chat_and_json(gateway):

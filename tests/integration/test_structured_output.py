@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -445,6 +446,7 @@ def test_a_tool_result_goes_back_to_the_model(close_stack):
     assert replies[0] != replies[1]  # the tool's answer is in the prompt
     r = httpx.post(close_stack.base_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"  # "auto": no parser
+    assert "chat template" in r.json()["error"]["message"]  # and a template that drops the tools
 
 
 def test_auto_tool_calls_are_read_from_what_the_model_writes(close_stack, model_dirs, log_dir):
@@ -452,6 +454,8 @@ def test_auto_tool_calls_are_read_from_what_the_model_writes(close_stack, model_
     writes a call only when made to, so a regex makes its text one hermes block after a sentence;
     the gateway must read the call out of it, whole and streamed, with speculation on and off."""
     args = ["--tokenizer", str(model_dirs["target"]), "--num-speculative-tokens", "4", "--tool-call-parser", "hermes"]
+    # The target's own (SmolLM2's) template drops tools, which refuses "auto": serve one that renders them.
+    args += ["--chat-template", str(Path(__file__).resolve().parents[1] / "tools_chat_template.jinja")]
     gateway = st.start_gateway(close_stack.verifier, close_stack.drafter, args, log_dir)
     try:
         client = openai.OpenAI(base_url=st.base_url(gateway) + "/v1", api_key="unused", max_retries=0)

@@ -4,8 +4,10 @@ what reaches it: for tests of what the APIs accept and refuse."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import types
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,9 +27,11 @@ class RefusingScheduler:
 
     def __init__(self) -> None:
         self.submitted: list[GenerationParams] = []
+        self.prompts: list[list[int]] = []
 
     def submit(self, prompt: list[int], params: GenerationParams, carrier: Any = None) -> Any:
         self.submitted.append(params)
+        self.prompts.append(list(prompt))
         return types.SimpleNamespace(prompt_logprobs=[])
 
     def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
@@ -59,10 +63,22 @@ def body_for(endpoint: str, fields: dict[str, Any]) -> dict[str, Any]:
     return base | fields
 
 
+TOOLS_TEMPLATE = Path(__file__).resolve().parents[1] / "tools_chat_template.jinja"
+
+
+def with_tools_template(tok: Any) -> Any:
+    """The tokenizer serving a chat template that renders tools (as --chat-template does)."""
+    served = copy.copy(tok)
+    served.chat_template = TOOLS_TEMPLATE.read_text()
+    return served
+
+
 def http_post(
     tok, path: str, body: dict[str, Any], scheduler: RefusingScheduler | None = None, tool_parser: str = ""
 ) -> tuple[httpx.Response, RefusingScheduler]:
+    """With a tool_parser, the tokenizer serves a template that renders tools (auto needs both)."""
     scheduler = scheduler or RefusingScheduler()
+    tok = with_tools_template(tok) if tool_parser else tok
     app = OpenAIApi(scheduler, tok, MODEL, health=None, tool_parser=tool_parser).app()  # type: ignore[arg-type]
 
     async def go() -> httpx.Response:

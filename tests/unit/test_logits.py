@@ -151,3 +151,49 @@ def test_prompt_logprobs_come_from_the_prefill(make_verifier, tiny_target):
     assert verifier.take_prompt_logprobs("s") == []  # handed over once
     # A drafter never scores prompts, whatever the spec asks.
     assert verifier.table.scores_prompts
+
+
+# Two end-of-sequence ids, as a generation_config may list; biased so that without min_tokens
+# one of them would win at once.
+EOS = (3, 7)
+MIN_TOKENS = Penalties.of(bias={3: 100.0, 7: 90.0}, min_tokens=10, eos=EOS)
+
+
+def min_tokens_greedy(model, prompt: list[int], max_tokens: int, penalties: Penalties) -> list[int]:
+    """The target alone: bias, then every eos id at -inf before min_tokens."""
+    output: list[int] = []
+    for _ in range(max_tokens):
+        logits = model(torch.tensor([[*prompt, *output]])).logits[0, -1]
+        logits = adjust(logits, prompt, output, **reference_kwargs(penalties))
+        if len(output) < penalties.min_tokens:
+            logits[list(penalties.eos)] = float("-inf")
+        output.append(int(logits.argmax()))
+    return output
+
+
+def test_penalize_suppresses_eos_in_the_rows_before_min_tokens():
+    logits = torch.zeros((4, 20))
+    got = penalize(logits, Penalties.of(min_tokens=6, eos=EOS), [1], [5, 5, 5, 5], [8, 8, 8])
+    # Rows 0 and 1 are output positions 4 and 5, before min_tokens; rows 2 and 3 are not.
+    assert torch.isinf(got[:2, list(EOS)]).all() and not torch.isinf(got[2:]).any()
+    assert not torch.isinf(got[:2, 8]).any()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_min_tokens_holds_every_eos_id_back_exactly_with_speculation(
+    make_verifier, make_drafter, close_draft, tiny_target, k
+):
+    want = min_tokens_greedy(tiny_target, PROMPT, 13, MIN_TOKENS)
+    assert not set(want[:10]) & set(EOS) and want[10] in EOS  # held back, then ended at once
+    spec = SequenceSpec("s", PROMPT, GREEDY, MIN_TOKENS)
+    got, _ = speculate(make_verifier(), make_drafter(model=close_draft), spec, 13, k=k)
+    assert got == want
+
+
+def test_the_drafter_holds_eos_back_too_so_its_drafts_keep_being_accepted(make_drafter, tiny_target):
+    want = min_tokens_greedy(tiny_target, PROMPT, 8, MIN_TOKENS)
+    drafter = make_drafter(model=tiny_target)
+    spec = SequenceSpec("s", [*PROMPT, want[0]], GREEDY, MIN_TOKENS, num_generated=1)
+    assert drafter.open([spec])[0] == [None]
+    proposal = drafter.draft([DraftTask("s", [], len(spec.prompt), 7)])[0][0]
+    assert proposal.tokens == want[1:8]

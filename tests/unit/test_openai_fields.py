@@ -3,14 +3,17 @@ with a 400 naming it, or accepted and ignored for a reason docs/api.md states.""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-from api_harness import CHAT, COMPLETIONS, body_for, http_post
+from api_harness import CHAT, COMPLETIONS, RefusingScheduler, body_for, http_post
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
+from gateway.api.openai_api import OpenAIApi
 from gateway.api.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -95,7 +98,7 @@ def test_neutral_values_of_refused_fields_are_accepted(tok):
     ("endpoint", "fields", "param"),
     [
         (COMPLETIONS, {"temprature": 0.2}, "temprature"),
-        (CHAT, {"guided_json": {}}, "guided_json"),
+        (CHAT, {"guided_grammar": "start: x"}, "guided_grammar"),
         (CHAT, {"stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
         (
             CHAT,
@@ -111,3 +114,41 @@ def test_unknown_parameters_are_refused_by_name(tok, endpoint, fields, param):
     error = r.json()["error"]
     assert error["param"] == param or error["param"].startswith(param), error
     assert not scheduler.submitted
+
+
+def test_models_retrieve_answers_the_served_model_and_404s_others(tok):
+    app = OpenAIApi(RefusingScheduler(), tok, "org/served", health=None).app()  # type: ignore[arg-type]
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+            return [await client.get(path) for path in ("/v1/models/org/served", "/v1/models/other", "/v1/nope")]
+
+    served, other, nowhere = asyncio.run(go())
+    assert served.status_code == 200 and served.json()["id"] == "org/served"
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+    message = nowhere.json()["error"]["message"]
+    assert nowhere.status_code == 404 and "GET /v1/nope" in message and "POST /v1/responses" in message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0",
+            "content parts of type 'image_url' are not supported",
+        ),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+    ],
+)
+def test_unsupported_content_and_stream_options_without_stream_say_so(tok, fields, param, says):
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, fields))
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert says in r.json()["error"]["message"] and not scheduler.submitted
+
+
+def test_text_parts_are_joined(tok):
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"messages": [{"role": "user", "content": parts}]}))
+    _, same = http_post(tok, CHAT, body_for(CHAT, {"messages": [{"role": "user", "content": "Hello"}]}))
+    assert r.status_code == 200 and scheduler.prompts == same.prompts

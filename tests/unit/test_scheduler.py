@@ -15,7 +15,8 @@ from gateway.round import apply as round_apply
 from gateway.round.decide import drafting_beside, fits_in_verify
 from gateway.round.messages import DraftItem
 from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler
-from specd.engine.params import SamplingParams
+from specd.engine.params import Penalties, SamplingParams
+from specd.rpc.serving import penalties_from_pb
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7], [11, 12], [20, 21, 22], [5, 5]]
@@ -452,3 +453,14 @@ def test_drafts_beside_the_verify_are_priced_at_the_drafter_s_step_there() -> No
     costs.draft_fixed.observe(1e6)
     assert drafting_beside(sched.policy, items) == pytest.approx(1e6 + 4 * 25e6)  # the longest block, two sequences
     assert drafting_beside(sched.policy, items[2:]) == 0  # prefill only
+
+
+def test_min_tokens_reaches_both_services_with_every_eos_id_the_scheduler_stops_on() -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = Scheduler(CharTokenizer(), verifier, drafter, 4, 16, [EOS, 77], speculative_mode="fixed")
+    generate(sched, [PROMPTS[0]], 8, penalties=Penalties.of(min_tokens=5))
+    for service in (verifier, drafter):
+        (spec,) = [s for opened in service.opens for s in opened]
+        penalties = penalties_from_pb(spec.sampling)
+        assert penalties.min_tokens == 5 and penalties.eos == tuple(sorted({EOS, 77}))

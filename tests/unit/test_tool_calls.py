@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 import json
 from typing import Any
 
 import jsonschema
+import pydantic
 import pytest
 from api_harness import CHAT, ScriptedScheduler, body_for, http_post
 
 from gateway.api.tool_calls import NO_PARAMETERS, CallArrayStream, tool_choice
 from gateway.api.validation import InvalidParameter
+from specd.engine.grammar import GrammarError, canonical, schema_problem
 
 WEATHER = {
     "type": "object",
@@ -182,7 +185,7 @@ def test_forced_calls_reach_the_scheduler_as_their_json_schema(tok):
     r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"tools": TOOLS, "tool_choice": named("weather")}))
     assert r.status_code == 200, r.text
     (params,) = scheduler.submitted
-    assert json.loads(params.json_schema) == WEATHER
+    assert json.loads(params.json_schema) == {**WEATHER, "additionalProperties": False}  # closed: see json_schemas
     r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"tools": TOOLS, "tool_choice": "none"}))
     assert r.status_code == 200 and scheduler.submitted[0].json_schema == ""
 
@@ -223,3 +226,61 @@ def test_required_calls_stream_over_http_piece_by_piece(tok):
     choices = [c[0] for c in sse_deltas(r.text) if c]
     assert "".join(c["delta"].get("content") or "" for c in choices) == '[{"name": "wea'
     assert choices[-1]["finish_reason"] == "length"
+
+
+class Unit(enum.Enum):
+    C = "c"
+    F = "f"
+
+
+class Place(pydantic.BaseModel):
+    city: str
+    country: str | None = None
+
+
+class WeatherArgs(pydantic.BaseModel):
+    place: Place
+    unit: Unit
+
+
+# As Pydantic (and so the Agents SDK's function_tool) writes them: $defs and #/$defs refs.
+PYDANTIC_TOOLS = [
+    {"type": "function", "function": {"name": "weather", "parameters": WeatherArgs.model_json_schema()}},
+    {"type": "function", "function": {"name": "place", "parameters": Place.model_json_schema()}},
+    TOOLS[1],
+]
+GOOD_CALLS = '[{"name": "weather", "parameters": {"place": {"city": "Oslo", "country": null}, "unit": "c"}}]'
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_compiles_each_tools_own_defs(tok, grammars, parallel):
+    assert "$defs" in PYDANTIC_TOOLS[0]["function"]["parameters"]
+    choice = tool_choice(PYDANTIC_TOOLS, "required", parallel)
+    assert choice is not None
+    schema = choice.schema()
+    jsonschema.validate(json.loads(GOOD_CALLS), schema)
+    for bad in (GOOD_CALLS.replace('"c"', '"k"'), GOOD_CALLS.replace('"city"', '"town"')):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(json.loads(bad), schema)
+    matcher = grammars.matcher(canonical(schema))
+    matcher.push(tok.encode(GOOD_CALLS, add_special_tokens=False))
+    assert matcher.allowed()[tok.eos_token_id]
+    refused = grammars.matcher(canonical(schema))
+    with pytest.raises(GrammarError):
+        refused.push(tok.encode(GOOD_CALLS.replace('"c"', '"k"'), add_special_tokens=False))
+
+
+def test_named_and_auto_take_pydantic_schemas(tok, grammars):
+    named_choice = tool_choice(PYDANTIC_TOOLS, named("weather"), None)
+    assert named_choice is not None and named_choice.schema() == WeatherArgs.model_json_schema()
+    matcher = grammars.matcher(canonical(named_choice.schema()))
+    matcher.push(tok.encode('{"place": {"city": "Oslo"}, "unit": "f"}', add_special_tokens=False))
+    auto = tool_choice(PYDANTIC_TOOLS, "auto", None)
+    assert auto is not None and auto.mode == "auto" and not auto.forced
+
+
+def test_pydantic_tools_over_http_reach_the_scheduler_compiled(tok):
+    for choice in ("required", named("weather")):
+        r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"tools": PYDANTIC_TOOLS, "tool_choice": choice}))
+        assert r.status_code == 200, r.text
+        assert schema_problem(scheduler.submitted[0].json_schema) is None

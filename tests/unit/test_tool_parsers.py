@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import random
 from typing import Any
 
+import httpx
 import pytest
-from api_harness import CHAT, ScriptedScheduler, body_for, http_post
+from api_harness import CHAT, MODEL, RefusingScheduler, ScriptedScheduler, body_for, http_post, with_tools_template
 
+from gateway.api.chat_templates import tools_problem
+from gateway.api.openai_api import OpenAIApi
 from gateway.api.tool_calls import tool_choice
 from gateway.api.tool_parsers import CallStream, ParserUnusable, check_tokenizer, read_calls
 
@@ -119,7 +123,7 @@ AUTO_BODY = {"tools": TOOLS, "max_tokens": 64}
 
 
 def test_auto_without_a_parser_is_a_400_that_names_the_flag(tok):
-    r, scheduler = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY))
+    r, scheduler = http_post(with_tools_template(tok), CHAT, body_for(CHAT, AUTO_BODY))
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert "--tool-call-parser" in r.json()["error"]["message"] and not scheduler.submitted
 
@@ -163,3 +167,23 @@ def test_auto_streams_content_then_each_call_when_its_block_closes(tok):
     ]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     assert sse_chunks(r.text)[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_auto_is_refused_naming_a_template_that_drops_tools(tok):
+    """The embedded SmolLM2 template renders neither tools nor calls: "auto" could never call."""
+    assert "does not render `tools`" in tools_problem(tok)
+    assert tools_problem(with_tools_template(tok)) == ""
+    scheduler = RefusingScheduler()
+    app = OpenAIApi(scheduler, tok, MODEL, health=None, tool_parser="hermes").app()  # type: ignore[arg-type]
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+            return await client.post(CHAT, json=body_for(CHAT, AUTO_BODY))
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert "chat template" in r.json()["error"]["message"] and tok.name_or_path in r.json()["error"]["message"]
+    assert not scheduler.submitted
+    for forced in ("required", {"type": "function", "function": {"name": "weather"}}):
+        r, _ = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY | {"tool_choice": forced}))
+        assert r.status_code == 200, r.text

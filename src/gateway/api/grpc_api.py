@@ -7,6 +7,7 @@ seeds, validated by the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, NoReturn
@@ -25,8 +26,12 @@ FINISH = {"stop": gateway_pb2.FINISH_REASON_STOP, "length": gateway_pb2.FINISH_R
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, scheduler: Scheduler, tokenizer: Any, model_name: str, max_n: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Any, model_name: str, max_n: int, undeclared_keys: bool = False
+    ) -> None:
         self.scheduler = scheduler
+        # --json-undeclared-keys, as on the HTTP API.
+        self.undeclared_keys = undeclared_keys
         self.tokenizer = tokenizer
         self.model_name = model_name
         # The most choices one request may ask for (--max-n), the HTTP API's limit too.
@@ -44,7 +49,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """Validate the request and submit its choices, choice 0 first; raises GenerationError."""
         if model and model != self.model_name:
             raise GenerationError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
-        raw = requested(params)
+        raw = dataclasses.replace(requested(params), undeclared_keys=self.undeclared_keys)
         generation = generation_params(raw, len(self.tokenizer))
         wanted = choices(raw, self.max_n, stream)
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
@@ -178,6 +183,9 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         response_format=response_format(params.json_schema),
         guided_regex=params.guided_regex or None,
         guided_choice=list(params.guided_choice) or None,
+        min_tokens=params.min_tokens,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -12,26 +13,21 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.api import tool_calls, tool_parsers
+from gateway.api import chat_templates, tool_calls, tool_parsers
 from gateway.api.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.api.limits import RateLimiter, api_key
 from gateway.api.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Request
-from gateway.api.tool_calls import ToolChoice
-from gateway.api.validation import InvalidParameter, choices, encode_prompt
-from gateway.failures import GenerationError, failure_kind
+from gateway.api.replies import error_response, invalid, message, tool_finish
+from gateway.api.responses_api import ResponsesApi
+from gateway.api.validation import InvalidParameter, choices, encode_prompt, generation_params
+from gateway.failures import GenerationError
 from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from specd.engine.params import TokenLogprob
-
-
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    kind = failure_kind(status)
-    body = {"error": {"message": message, "type": kind.openai_type, "param": param, "code": code}}
-    headers = {"Retry-After": "1"} if kind.retry else None
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class OpenAIApi:
@@ -46,8 +42,17 @@ class OpenAIApi:
         limiter: RateLimiter | None = None,
         max_n: int = 8,
         tool_parser: str = "",
+        undeclared_keys: bool = False,
+        chat_template: str = "",
     ) -> None:
         self.scheduler = scheduler
+        # Why tool_choice "auto" cannot work with the served chat template ("" when it can), and
+        # the template's name for that 400 (--chat-template's file, or the tokenizer's).
+        self.template_tools_problem = chat_templates.tools_problem(tokenizer)
+        source = getattr(tokenizer, "name_or_path", "") or model_name
+        self.template_name = f"the chat template {chat_template}" if chat_template else f"{source}'s chat template"
+        # --json-undeclared-keys (gateway.api.validation.RequestedParams.undeclared_keys).
+        self.undeclared_keys = undeclared_keys
         # Reads the calls of tool_choice "auto" out of the model's text; "" refuses "auto".
         self.tool_parser = tool_parser
         # The most choices (n, best_of) one request may ask for: each is a sequence of its own.
@@ -58,6 +63,7 @@ class OpenAIApi:
         self.health = health
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)
+        self.routes: list[str] = []  # "METHOD /path" of every route served, for the 404 of any other
 
     def app(self) -> FastAPI:
         app = FastAPI(title="specd gateway", version="0.1.0")
@@ -66,10 +72,16 @@ class OpenAIApi:
         if self.limiter.enabled:
             app.middleware("http")(self._rate_limit)
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        # A served name may hold "/" (one derived from a Hugging Face id).
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/responses", ResponsesApi(self).create, methods=["POST"])
         app.add_api_route("/health", self.health_check, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        self.routes = [
+            f"{method} {r.path}" for r in app.routes if isinstance(r, APIRoute) for method in sorted(r.methods)
+        ]
         return app
 
     # -- errors ----------------------------------------------------------
@@ -94,6 +106,14 @@ class OpenAIApi:
         return error_response(400, message, "invalid_value", ".".join(loc) or None)
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):
+            # A wrong base URL or an API specd lacks: say which, rather than a bare "Not Found".
+            what = "no route" if exc.status_code == 404 else "the method is not allowed on"
+            return error_response(
+                exc.status_code,
+                f"{what} {request.method} {request.url.path}: this server serves {', '.join(self.routes)}",
+                "unknown_route",
+            )
         return error_response(exc.status_code, str(exc.detail))
 
     async def _rate_limit(self, request: Request, call_next: Any) -> Response:
@@ -106,10 +126,16 @@ class OpenAIApi:
 
     # -- routes ----------------------------------------------------------
     async def models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}],
-        }
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model_id: str) -> Response:
+        """OpenAI's models.retrieve."""
+        if (bad := self._check_model(model_id)) is not None:
+            return bad
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}
 
     async def metrics(self) -> Response:
         return Response(self.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -143,8 +169,10 @@ class OpenAIApi:
         refused = body.refused()
         if refused is not None:
             raise refused
-        params = body.generation_params(len(self.tokenizer))
-        return params, choices(body.requested(), self.max_n, bool(body.stream))
+        if body.stream_options is not None and not body.stream:
+            raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        raw = dataclasses.replace(body.requested(), undeclared_keys=self.undeclared_keys)
+        return generation_params(raw, len(self.tokenizer)), choices(raw, self.max_n, bool(body.stream))
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         if (problem := body.prompt_problem()) is not None:
@@ -227,38 +255,48 @@ class OpenAIApi:
             }
         )
 
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], GenerationParams, Choices]:
+        """A chat request's prompt tokens, parameters and choices (its tools: body.tool_choice_spec),
+        checked; raises InvalidParameter. The Responses API (gateway.api.responses_api) goes this way too."""
+        if (problem := body.messages_problem()) is not None:
+            raise problem
+        params, wanted = self._params(body)
+        tools = body.tool_choice_spec  # checked with the other parameters above
+        if tools is not None and tools.mode == "auto" and self.template_tools_problem:
+            raise InvalidParameter(
+                "tool_choice",
+                f'tool_choice "auto" (the default when tools are given) leaves the call to the model, and '
+                f"{self.template_name} cannot show it its tools: {self.template_tools_problem}. Send tool_choice "
+                '"required" or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, '
+                'or "none"; or start the gateway with --chat-template, a template that renders tools',
+            )
+        if tools is not None and tools.mode == "auto" and not self.tool_parser:
+            raise InvalidParameter(
+                "tool_choice",
+                'tool_choice "auto" (the default when tools are given) reads calls out of the text the '
+                "model writes, and this gateway was started without --tool-call-parser (hermes: "
+                '<tool_call> blocks, as Qwen2.5, Qwen3 and Hermes 2 Pro write them): send tool_choice "required" '
+                'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
+            )
+        messages = [m.for_template() for m in body.messages]
+        options = body.template_options()
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tools=body.template_tools(), tokenize=False, **options
+            )
+        except Exception as exc:  # a template may reject some role orders
+            raise InvalidParameter("messages", f"cannot apply the chat template: {exc}") from None
+        # The template already wrote the special tokens.
+        return encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False), params, wanted
+
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         if (bad := self._check_model(body.model)) is not None:
             return bad
         try:
-            if (problem := body.messages_problem()) is not None:
-                raise problem
-            params, wanted = self._params(body)
+            prompt, params, wanted = self.chat_prompt(body)
         except InvalidParameter as exc:
             return invalid(exc)
-        tools = body.tool_choice_spec  # checked with the other parameters above
-        if tools is not None and tools.mode == "auto" and not self.tool_parser:
-            return invalid(
-                InvalidParameter(
-                    "tool_choice",
-                    'tool_choice "auto" (the default when tools are given) reads calls out of the text the '
-                    "model writes, and this gateway was started without --tool-call-parser (hermes: "
-                    '<tool_call> blocks, as Qwen2.5, Qwen3 and Hermes 2 Pro write them): send tool_choice "required" '
-                    'or {"type": "function", "function": {"name": ...}}, whose calls are forced by grammar, or "none"',
-                )
-            )
-        messages = [m.for_template() for m in body.messages]
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tools=body.template_tools(), add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template may reject some role orders
-            return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
-        # The template already wrote the special tokens.
-        try:
-            prompt = encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False)
-        except InvalidParameter as exc:
-            return invalid(exc)
+        tools = body.tool_choice_spec
         seqs = self._submit(prompt, choice_params(params, wanted), request)
         if isinstance(seqs, JSONResponse):
             return seqs
@@ -477,33 +515,6 @@ class OpenAIApi:
                 await events.aclose()
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def tool_finish(tools: ToolChoice, reason: str) -> str:
-    """OpenAI's finish_reason for whole forced calls: "tool_calls" when the model was made to call
-    (required), "stop" for a named function, as OpenAI answers one."""
-    return "tool_calls" if tools.mode == "required" and reason == "stop" else reason
-
-
-def message(tools: ToolChoice | None, outcome: Outcome, parser: str) -> dict[str, Any]:
-    """A choice's message and finish_reason: forced calls as tool_calls, text otherwise; a named call
-    cut short keeps its partial arguments (as OpenAI's do), required calls cut short are text; with
-    "auto", the calls the parser reads in the text and the text around them."""
-    if tools is not None and tools.mode == "auto":
-        content, calls = tool_parsers.read_calls(parser, tools, outcome.text)
-        if calls:
-            reason = "tool_calls" if outcome.finished.reason == "stop" else outcome.finished.reason
-            return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": reason}
-    if tools is not None and tools.forced and (calls := tools.calls(outcome.text)) is not None:
-        return {
-            "message": {"role": "assistant", "content": None, "tool_calls": calls},
-            "finish_reason": tool_finish(tools, outcome.finished.reason),
-        }
-    return {"message": {"role": "assistant", "content": outcome.text}, "finish_reason": outcome.finished.reason}
-
-
-def invalid(exc: InvalidParameter) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.code, exc.param)
 
 
 async def _watch_disconnect(request: Request) -> None:

@@ -48,6 +48,14 @@ IGNORED: dict[str, str] = {
 }
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not override.
+TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool | None = False
@@ -86,6 +94,13 @@ class _Request(BaseModel):
     # full match of this regular expression, or exactly one of these strings.
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # vLLM's alias of response_format {"type": "json_schema"}: the schema (an object, or its JSON text).
+    guided_json: dict[str, Any] | str | None = None
+    # vLLM's: keep the text of special tokens; keep the stop string that ended the output;
+    # suppress every end-of-sequence token until this many tokens were generated.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
     # Accepted and ignored (IGNORED says why).
     user: str | None = None
     safety_identifier: str | None = None
@@ -123,7 +138,25 @@ class _Request(BaseModel):
             n=self.n,
             guided_regex=self.guided_regex,
             guided_choice=self.guided_choice,
+            response_format=self.guided_json_format(),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
         )
+
+    def guided_json_format(self) -> dict[str, Any] | None:
+        """guided_json as the response_format it stands for; raises InvalidParameter."""
+        schema = self.guided_json
+        if schema is None:
+            return None
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidParameter("guided_json", f"guided_json is not JSON text: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InvalidParameter("guided_json", "guided_json must be a JSON Schema object")
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": schema}}
 
     def generation_params(self, vocab_size: int) -> GenerationParams:
         return generation_params(self.requested(), vocab_size)
@@ -159,12 +192,6 @@ class CompletionRequest(_Request):
         return None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text"]
-    text: str
-
-
 class CalledFunction(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: str
@@ -183,7 +210,8 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    # Text, or content parts of which only text ones are implemented (problem() says so of others).
+    content: str | list[dict[str, Any]] | None = None
     # Accepted and ignored: the chat template has no place for a participant's name.
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
@@ -191,10 +219,20 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part["text"] for part in self.content)
         return self.content or ""
 
     def problem(self, i: int) -> InvalidParameter | None:
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            kind = part.get("type")
+            if kind != "text":
+                return InvalidParameter(
+                    f"messages.{i}.content.{j}",
+                    f"content parts of type {kind!r} are not supported: the served model reads text only "
+                    '(parts of type "text")',
+                )
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                return InvalidParameter(f"messages.{i}.content.{j}", 'a text part is {"type": "text", "text": "..."}')
         if self.tool_calls is not None and self.role != "assistant":
             return InvalidParameter(f"messages.{i}.tool_calls", "only an assistant message carries tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
@@ -237,6 +275,11 @@ class ChatCompletionRequest(_Request):
     function_call: Any = None
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by gateway.api.validation.
     response_format: dict[str, Any] | None = None
+    # vLLM's chat template controls: extra variables for the template (e.g. enable_thinking),
+    # whether it opens the assistant's turn, or continues the last (assistant) message instead.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -255,15 +298,21 @@ class ChatCompletionRequest(_Request):
             )
         max_tokens = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
         response_format = self.response_format
+        if (guided := self.guided_json_format()) is not None:
+            if response_format not in (None, {"type": "text"}):
+                raise InvalidParameter(
+                    "guided_json", "response_format and guided_json are mutually exclusive: guided_json is its alias"
+                )
+            response_format = guided
         tools = self.tool_choice_spec
         if tools is not None and tools.forced:
             if response_format is not None and response_format != {"type": "text"}:
                 raise InvalidParameter(
                     "response_format", "response_format cannot be combined with a tool_choice that forces calls"
                 )
-            if self.guided_regex is not None or self.guided_choice is not None:
+            if self.guided_regex is not None or self.guided_choice is not None or self.guided_json is not None:
                 raise InvalidParameter(
-                    "tool_choice", "a tool_choice that forces calls takes no guided_regex or guided_choice"
+                    "tool_choice", "a tool_choice that forces calls takes no guided_regex, guided_choice or guided_json"
                 )
             response_format = tools.response_format()
         return dataclasses.replace(
@@ -284,6 +333,26 @@ class ChatCompletionRequest(_Request):
         if not self.messages:
             return InvalidParameter("messages", "messages must hold at least one message")
         return next((p for i, m in enumerate(self.messages) if (p := m.problem(i)) is not None), None)
+
+    def template_options(self) -> dict[str, Any]:
+        """What apply_chat_template gets besides the messages and tools; raises InvalidParameter."""
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidParameter(
+                "continue_final_message",
+                "continue_final_message continues the last message, so add_generation_prompt must be false",
+            )
+        if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
+            raise InvalidParameter("continue_final_message", "continue_final_message needs a last assistant message")
+        kwargs = self.chat_template_kwargs or {}
+        if reserved := sorted(set(kwargs) & TEMPLATE_ARGUMENTS):
+            raise InvalidParameter(
+                "chat_template_kwargs", f"chat_template_kwargs cannot set {reserved}: the request's own fields do"
+            )
+        return {
+            **kwargs,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them (what the model may be shown), or None."""

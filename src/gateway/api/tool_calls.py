@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.api.json_schemas import has_local_ref, relocated
 from gateway.api.validation import InvalidParameter
 from specd.engine.grammar import canonical, schema_problem
 
@@ -62,10 +63,16 @@ class ToolChoice:
         """The JSON Schema the output must match."""
         if self.mode == "named":
             return dict(next(t.parameters for t in self.tools if t.name == self.name))
+        # A tool whose parameters refer to their own parts ($defs, as Pydantic writes an Enum
+        # or a nested model) is placed whole under the root's $defs, its refs rewritten there.
+        defs = {t.name: relocated(t.parameters, t.name) for t in self.tools if has_local_ref(t.parameters)}
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"const": t.name}, "parameters": dict(t.parameters)},
+                "properties": {
+                    "name": {"const": t.name},
+                    "parameters": {"$ref": f"#/$defs/{t.name}"} if t.name in defs else dict(t.parameters),
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
@@ -74,6 +81,8 @@ class ToolChoice:
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
         return array
 
     def response_format(self) -> dict[str, Any]:
@@ -218,7 +227,7 @@ def tool_choice(tools: Sequence[Any] | None, choice: Any, parallel: bool | None)
         and set(choice["function"]) == {"name"}
     ):
         name = choice["function"]["name"]
-        if name not in {t.name for t in declared}:
+        if not isinstance(name, str) or name not in {t.name for t in declared}:
             raise InvalidParameter("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
         return _compiles(ToolChoice("named", declared, name, allow_many))
     raise InvalidParameter(

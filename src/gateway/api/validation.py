@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.api.choices import Choices
+from gateway.api.json_schemas import closed
 from gateway.failures import GenerationError
 from gateway.round.scheduler import PIPELINES, GenerationParams
 from specd.engine.grammar import (
@@ -70,6 +71,16 @@ class RequestedParams:
     # the strings the output must be one of. At most one constraint per request.
     guided_regex: str | None = None
     guided_choice: Sequence[str] | None = None
+    # The gateway's --json-undeclared-keys: JSON objects may hold keys their schema does not
+    # declare unless it forbids them (JSON Schema's own default) instead of only where it allows them.
+    undeclared_keys: bool = False
+    # vLLM's: the text of special tokens is left out (True) or kept; a stop string ends the
+    # output and is left out (False) or kept.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # vLLM's: no end-of-sequence token before this many generated tokens (the scheduler adds
+    # the ids it stops on to the penalties both services apply).
+    min_tokens: int = 0
 
 
 def check(name: str, value: object, range_name: str | None = None) -> None:
@@ -107,6 +118,8 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
     if raw.pipeline is not None and raw.pipeline not in PIPELINES:
         raise InvalidParameter("pipeline", f"pipeline must be one of {', '.join(PIPELINES)}, got {raw.pipeline!r}")
     top_k = raw.top_k if raw.top_k is not None and raw.top_k > 0 else 0  # -1 and 0 both disable it
+    constraint = structured_output(raw)
+    check_min_tokens(raw, constraint)
     return GenerationParams(
         max_tokens=raw.max_tokens,
         sampling=SamplingParams(
@@ -124,11 +137,29 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
             frequency=float(raw.frequency_penalty or 0.0),
             repetition=1.0 if raw.repetition_penalty is None else float(raw.repetition_penalty),
             bias=logit_bias(raw.logit_bias, vocab_size),
+            min_tokens=raw.min_tokens,
         ),
         logprobs=logprobs_request(raw),
         pipeline=raw.pipeline,
-        **structured_output(raw),
+        skip_special_tokens=raw.skip_special_tokens,
+        include_stop=raw.include_stop_str_in_output,
+        **constraint,
     )
+
+
+def check_min_tokens(raw: RequestedParams, constraint: Mapping[str, str]) -> None:
+    """min_tokens in range, and not where the output's end is not its to hold back."""
+    if isinstance(raw.min_tokens, bool) or not isinstance(raw.min_tokens, int) or raw.min_tokens < 0:
+        raise InvalidParameter("min_tokens", f"min_tokens must be an integer >= 0, got {raw.min_tokens!r}")
+    if not raw.min_tokens:
+        return
+    if raw.max_tokens is not None and raw.min_tokens > raw.max_tokens:
+        raise InvalidParameter(
+            "min_tokens", f"min_tokens ({raw.min_tokens}) must not exceed max_tokens ({raw.max_tokens})"
+        )
+    if any(constraint.values()):
+        # A grammar may be complete before min_tokens, with end-of-sequence the only token left.
+        raise InvalidParameter("min_tokens", "min_tokens cannot be combined with a structured-output constraint")
 
 
 def structured_output(raw: RequestedParams) -> dict[str, str]:
@@ -150,7 +181,7 @@ def structured_output(raw: RequestedParams) -> dict[str, str]:
         return {"grammar": guided_grammar("guided_regex", raw.guided_regex, raw.ignore_eos)}
     if raw.guided_choice is not None:
         return {"grammar": guided_grammar("guided_choice", raw.guided_choice, raw.ignore_eos)}
-    return {"json_schema": json_schema(raw.response_format, raw.ignore_eos)}
+    return {"json_schema": json_schema(raw.response_format, raw.ignore_eos, raw.undeclared_keys)}
 
 
 def guided_grammar(param: str, value: str | Sequence[str], ignore_eos: bool) -> str:
@@ -178,8 +209,12 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
 
-def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = False) -> str:
-    """The canonical JSON Schema text a response_format asks for; "" for none or text."""
+def json_schema(
+    response_format: Mapping[str, Any] | None, ignore_eos: bool = False, undeclared_keys: bool = False
+) -> str:
+    """The canonical JSON Schema text a response_format asks for; "" for none or text. Unless
+    `undeclared_keys`, an object that lists its properties holds no other key where its schema
+    does not allow them explicitly (gateway.api.json_schemas.closed), as vLLM's default backend."""
     if response_format is None:
         return ""
     if not isinstance(response_format, Mapping) or response_format.get("type") not in RESPONSE_FORMAT_TYPES:
@@ -210,7 +245,7 @@ def json_schema(response_format: Mapping[str, Any] | None, ignore_eos: bool = Fa
             raise InvalidParameter("response_format", "response_format.json_schema.schema must be a JSON object")
     if ignore_eos:
         raise InvalidParameter("ignore_eos", "ignore_eos cannot be combined with a JSON response_format")
-    text = canonical(schema)
+    text = canonical(schema if undeclared_keys else closed(schema))
     if problem := schema_problem(text):
         raise InvalidParameter("response_format", f"response_format: the JSON schema is not supported: {problem}")
     return text

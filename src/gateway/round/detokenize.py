@@ -13,9 +13,14 @@ from typing import Any
 
 
 class TextStream:
-    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str], skip_special_tokens: bool = True, include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        # vLLM's skip_special_tokens and include_stop_str_in_output.
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0
@@ -26,8 +31,9 @@ class TextStream:
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` when a stop string completes."""
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self.tokenizer.decode(self.ids[self._prefix_offset :], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(self.ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for the next token
         before = len(self.text)
@@ -36,9 +42,10 @@ class TextStream:
         if self.stop:
             longest = max(len(s) for s in self.stop)
             start = max(0, before - longest + 1)
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, -len(s)) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, minus_length = min(hits)  # the first stop string, the longest of those starting there
+                self.text = self.text[: at - minus_length if self.include_stop else at]
                 self.stopped = True
 
     def take(self, final: bool = False) -> str:

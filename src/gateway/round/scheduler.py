@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -206,6 +207,7 @@ class Scheduler:
             raise GenerationError(
                 400,
                 f"the prompt has {len(prompt)} tokens; this model's context window is {self.max_context} tokens",
+                "context_length_exceeded",  # OpenAI's code for it
             )
         room = self.max_context - len(prompt)
         max_tokens = params.max_tokens if params.max_tokens is not None else room
@@ -216,6 +218,7 @@ class Scheduler:
                 400,
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds the context "
                 f"window of {self.max_context} tokens",
+                "context_length_exceeded",
             )
         if params.pipeline is not None and params.pipeline not in PIPELINES:
             raise GenerationError(400, f"pipeline must be one of {', '.join(PIPELINES)}, got {params.pipeline!r}")
@@ -229,12 +232,17 @@ class Scheduler:
     def _sequence(
         self, prompt: list[int], params: GenerationParams, max_tokens: int, trace_parent: Mapping[str, str] | None
     ) -> _Sequence:
+        if params.penalties.min_tokens:
+            # min_tokens holds back every id this scheduler stops on, on both services.
+            params = dataclasses.replace(
+                params, penalties=dataclasses.replace(params.penalties, eos=tuple(sorted(self.eos)))
+            )
         seq = _Sequence(
             id=uuid.uuid4().hex,
             prompt=list(prompt),
             params=params,
             max_tokens=max_tokens,
-            stream=TextStream(self.tokenizer, params.stop),
+            stream=TextStream(self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop),
             tokens=list(prompt),
         )
         if self.hidden_row_bytes:

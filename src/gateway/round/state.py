@@ -51,6 +51,9 @@ class GenerationParams:
     json_schema: str = ""
     # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
     grammar: str = ""
+    # vLLM's: special tokens' text stays out of the output; a stop string that ended it stays in.
+    skip_special_tokens: bool = True
+    include_stop: bool = False
 
 
 @dataclass

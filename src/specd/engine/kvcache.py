@@ -78,7 +78,7 @@ class SlotKVCache(Cache):
         self._key_regions: list[mmap.mmap | None] = []
         self._value_regions: list[mmap.mmap | None] = []
         # Whether the tensors hold a scratch row past the bound (`scratch_slot`), and whether CUDA
-        # graphs captured them (specd.cuda_graphs): their bound is then fixed.
+        # graphs captured them (specd.engine.cuda_graphs): their bound is then fixed.
         self.scratch = False
         self.captured = False
         self.reserve(max_slots, max_positions)

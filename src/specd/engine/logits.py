@@ -5,7 +5,8 @@ position) and the model drafter (on its own logits, so its drafts follow the pen
 distribution and keep being accepted). Order and formulas follow vLLM: logit bias first,
 then the repetition penalty (HF's: divide a positive logit, multiply a negative one, for
 every token of the prompt or the output), then OpenAI's frequency and presence penalties
-over the output tokens only.
+over the output tokens only, and last vLLM's min_tokens (end-of-sequence ids at -inf until
+that many tokens were generated).
 """
 
 from __future__ import annotations
@@ -56,4 +57,8 @@ def penalize(
         x -= penalties.frequency * counts
     if penalties.presence:
         x -= penalties.presence * (counts > 0).to(x.dtype)
+    # min_tokens: row j is output position len(output) + j; before min_tokens no eos may end it.
+    early = max(0, min(n, penalties.min_tokens - len(output)))
+    if early and penalties.eos:
+        x[:early, torch.tensor(penalties.eos, dtype=torch.long, device=device)] = float("-inf")
     return x

@@ -6,7 +6,7 @@ services apply them to logits with specd.engine.sampling, specd.engine.logits an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specd.engine.ranges import MAX_LOGIT_BIAS_ENTRIES, RANGES
@@ -55,16 +55,27 @@ class Penalties:
     repetition: float = 1.0
     # (token id, bias) pairs, sorted by id, so the dataclass stays hashable and comparable.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's min_tokens: `eos` (every end-of-sequence id the gateway stops on) is suppressed at
+    # output positions before `min_tokens`.
+    min_tokens: int = 0
+    eos: tuple[int, ...] = ()
 
     @property
     def active(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias)
+        suppress = self.min_tokens > 0 and bool(self.eos)
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or suppress)
 
     @staticmethod
     def of(
-        presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0, bias: Mapping[int, float] | None = None
+        presence: float = 0.0,
+        frequency: float = 0.0,
+        repetition: float = 1.0,
+        bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
+        eos: Sequence[int] = (),
     ) -> Penalties:
-        return Penalties(presence, frequency, repetition, tuple(sorted((bias or {}).items())))
+        bias_items = tuple(sorted((bias or {}).items()))
+        return Penalties(presence, frequency, repetition, bias_items, min_tokens, tuple(sorted(set(eos))))
 
 
 def validate_penalties(penalties: Penalties, vocab_size: int) -> str | None:
@@ -83,6 +94,10 @@ def validate_penalties(penalties: Penalties, vocab_size: int) -> str | None:
             return f"logit_bias: token id {token} is outside the vocabulary [0, {vocab_size})"
         if problem := RANGES["logit_bias"].problem(f"logit_bias[{token}]", bias):
             return problem
+    if penalties.min_tokens < 0:
+        return f"min_tokens must be >= 0, got {penalties.min_tokens}"
+    if any(not 0 <= t < vocab_size for t in penalties.eos):
+        return f"min_tokens' end-of-sequence ids must be in the vocabulary [0, {vocab_size})"
     return None
 
 

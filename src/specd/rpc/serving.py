@@ -108,7 +108,12 @@ def sampling_pb(params: SamplingParams) -> common_pb2.SamplingParams:
 def penalties_from_pb(msg: common_pb2.SamplingParams) -> Penalties:
     # 0 on the wire is "unset" for the repetition penalty, whose neutral value is 1.
     return Penalties.of(
-        msg.presence_penalty, msg.frequency_penalty, msg.repetition_penalty or 1.0, dict(msg.logit_bias)
+        msg.presence_penalty,
+        msg.frequency_penalty,
+        msg.repetition_penalty or 1.0,
+        dict(msg.logit_bias),
+        msg.min_tokens,
+        list(msg.min_tokens_eos_ids),
     )
 
 
@@ -117,6 +122,8 @@ def add_penalties_pb(msg: common_pb2.SamplingParams, penalties: Penalties) -> co
     msg.frequency_penalty = penalties.frequency
     msg.repetition_penalty = penalties.repetition
     msg.logit_bias.update(dict(penalties.logit_bias))
+    msg.min_tokens = penalties.min_tokens
+    msg.min_tokens_eos_ids.extend(penalties.eos)
     return msg
 
 
