@@ -27,6 +27,7 @@ from gateway.scheduler import Scheduler
 from specd import backend_auth, checkpoints, tls
 from specd.fingerprint import TokenizerFingerprint
 from specd.grpc_decode import DecodeErrorInterceptor
+from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specd.serving import channel_options, setup_logging
 from specd.tracing import Tracing
@@ -44,6 +45,8 @@ async def run(config: GatewayConfig) -> None:
     api_tls = tls.server_credentials(config.tls_cert, config.tls_key)
     api_keys = tls.ApiKeys(config.api_key)
     tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
+    # Before waiting for the backends: a port another process holds is a start-up error.
+    check_free({"HTTP": (config.host, config.http_port), "gRPC": (config.host, config.grpc_port)})
     channel = (
         config.backend_timeout_s,
         config.max_message_bytes,
@@ -131,7 +134,8 @@ async def run(config: GatewayConfig) -> None:
         # Innermost last: the key is checked before anything else looks at the request.
         interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
         interceptors.append(DecodeErrorInterceptor())
-        grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=interceptors)
+        options = channel_options(config.max_message_bytes) + SERVER_OPTIONS
+        grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayServicer(scheduler, tokenizer, model_name, config.max_n), grpc_server
         )
@@ -220,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tls.TlsConfigError,
         backend_auth.BackendAuthError,
         tool_parsers.ParserUnusable,
+        PortUnavailable,
     ) as exc:
         log.error("%s", exc)
         sys.exit(2)

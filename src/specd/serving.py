@@ -25,6 +25,7 @@ from specd.errors import EngineError, ErrorKind
 from specd.fingerprint import TokenizerFingerprint
 from specd.leases import Leases, bad_owner, engine_id, public_message
 from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
+from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
 from specd.proto.speculative.v1 import common_pb2
 from specd.tasks import RoundTiming, SequenceSpec, SparseDist
 from specd.tls import add_port, server_credentials
@@ -475,8 +476,9 @@ def run_service(
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
         log.info("clients: %s", client_authentication(config.host, bool(tokens), bool(config.tls_client_ca)))
+        check_free({name: (config.host, config.port), "metrics": (config.host, config.metrics_port)})
         engine, info = runner.call(build, config)
-    except (ModelLoadError, ValueError) as exc:
+    except (ModelLoadError, ValueError, PortUnavailable) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
     log.info("%s", kv_cache_summary(engine.table))
@@ -539,13 +541,18 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
+    options = channel_options(max_message_bytes) + SERVER_OPTIONS
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    add_port(server, address, credentials)
+    try:
+        add_port(server, address, credentials)
+    except PortUnavailable as exc:  # taken since run_service's check
+        log.error("cannot start the %s: %s", name, exc)
+        sys.exit(2)
     await server.start()
     for service in ["", *service_names]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

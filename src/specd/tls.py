@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from specd.ports import PortUnavailable
+
 
 class TlsConfigError(ValueError):
     """A TLS option that cannot work: a missing half of a pair, an unreadable file."""
@@ -73,11 +75,16 @@ def server_name_option(server_name: str) -> list[tuple[str, Any]]:
 
 
 def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> None:
-    bound = (
-        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise PortUnavailable(f"cannot listen on {address}: another process holds the port, or the address is not here")
 
 
 class ApiKeys:

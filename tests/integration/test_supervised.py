@@ -95,7 +95,7 @@ class Up:
             return d.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5, metadata=AUTH).open_sequences
 
 
-def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
+def start_up(target: Path, draft: Path, log_dir: Path, name: str, *extra: str) -> Up:
     ports = {n: st.free_port() for n in ("http", "grpc", "drafter", "verifier", "drafter_metrics", "verifier_metrics")}
     log = log_dir / f"specd-up-{name}-{ports['http']}.log"
     argv = [
@@ -122,6 +122,7 @@ def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
         "--backend-timeout-s", "10",
         "--lease-s", str(LEASE_S),
         "--startup-timeout", "150",
+        *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -321,3 +322,45 @@ def test_a_verifier_restarted_with_another_tokenizer_is_refused(model_dirs, log_
         assert httpx.post(up.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
     finally:
         assert stop(up) == 0, up.output()[-3000:]
+
+
+async def streams_with_a_stop(up: Up, prompts: list[str], max_tokens: int) -> tuple[list[str], list[int], int]:
+    """Stream every prompt; once each has its first text, SIGTERM `specd up` and send small requests
+    until one is refused. The streams' texts, the probes' statuses, and how many streams were unfinished."""
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+        started = [asyncio.Event() for _ in prompts]
+        tasks = [
+            asyncio.create_task(st.stream_text(client, p, max_tokens, e)) for p, e in zip(prompts, started, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 90)
+        up.proc.send_signal(signal.SIGTERM)
+        unfinished = sum(not t.done() for t in tasks)
+        statuses: list[int] = []
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+        while 503 not in statuses and len(statuses) < 200:
+            statuses.append((await client.post("/v1/completions", json=body)).status_code)
+            await asyncio.sleep(0.05)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120), statuses, unfinished
+
+
+@pytest.mark.slow  # 30-60 s here: one specd up and its ordered stop
+def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_requests(model_dirs, log_dir, tok, tiny_target):
+    grace_s = 30.0  # the drain time; generous, as this machine may be slow
+    # Long enough to outlast the backends' own 5 s grace: stopped together with the gateway, they would cut these.
+    longest = 200
+    references = greedy_references(tok, tiny_target, PROMPTS, longest)
+    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, "sigterm", "--shutdown-grace-s", str(grace_s))
+    try:
+        sent = time.monotonic()
+        texts, statuses, unfinished = asyncio.run(streams_with_a_stop(up, PROMPTS, longest))
+        drained_s = time.monotonic() - sent
+        code = up.proc.wait(grace_s + 30)
+    finally:
+        stop(up)
+    print(f"{unfinished} of 8 streams in flight at SIGTERM; all done {drained_s:.1f} s later; probes {statuses}")
+    assert unfinished > 0, "every stream had finished before the signal: nothing was tested"
+    assert texts == [expected_text(tok, references, p, longest) for p in PROMPTS]
+    assert drained_s < grace_s
+    assert statuses[-1] == 503, statuses
+    assert code == 0, up.output()[-3000:]
+    assert "UNAVAILABLE" not in up.output()
