@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -252,6 +252,17 @@ class SequenceRpcs:
         self.leases.renew(owner)
         return common_pb2.KeepAliveResponse(open_sequences=self.leases.count(owner), lease_seconds=self.leases.lease_s)
 
+    async def attach(self, owner: str, context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.AttachResponse]:
+        """Hold the caller's presence stream open until it goes (its cancellation ends this)."""
+        if problem := bad_owner(owner):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self.leases.attach(owner)
+        try:
+            yield common_pb2.AttachResponse(detach_seconds=self.leases.detach_s)
+            await asyncio.Event().wait()
+        finally:
+            self.leases.detach(owner)
+
     async def run_round(
         self,
         span_name: str,
@@ -326,8 +337,10 @@ def close_present(engine: Any, leases: Leases, keys: list[str], missing_ok: bool
 async def expire_leases(
     service: str, leases: Leases, engine: Any, runner: EngineRunner, metrics: ServiceMetrics
 ) -> None:
-    """Free the sequences of owners that stopped renewing their lease (a gateway that died or was cut off)."""
-    interval_s = min(1.0, leases.lease_s / 4)
+    """Free the sequences of owners that stopped renewing their lease (a gateway cut off) or whose
+    presence streams all ended (a gateway that died)."""
+    # Often enough that a detached owner's sequences go within detach_s + interval_s.
+    interval_s = min(0.5, leases.lease_s / 4) if leases.lease_s > 0 else 0.5
     while True:
         await asyncio.sleep(interval_s)
         keys = leases.expired()
@@ -336,10 +349,11 @@ async def expire_leases(
         (closed, _), _ = await runner.run(close_present, engine, leases, keys, True)
         metrics.expired.inc(closed)
         log.warning(
-            "%s: freed %d sequences of %d lease owner(s) not heard from for %.0f s",
+            "%s: freed %d sequences of %d lease owner(s) disconnected for %.0f s or not heard from for %.0f s",
             service,
             closed,
             len({k.split("/", 1)[0] for k in keys}),
+            leases.detach_s,
             leases.lease_s,
         )
 
@@ -495,7 +509,7 @@ def run_service(
             config.max_message_bytes,
             lambda server: register(server, engine, info, runner, tracing, metrics, leases),
             credentials=credentials,
-            background=(lambda: expire_leases(name, leases, engine, runner, metrics)) if config.lease_s > 0 else None,
+            background=lambda: expire_leases(name, leases, engine, runner, metrics),
             interceptors=backend_auth.server_interceptors(tokens),
         )
     )

@@ -95,7 +95,7 @@ class Up:
             return d.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5, metadata=AUTH).open_sequences
 
 
-def start_up(target: Path, draft: Path, log_dir: Path, name: str, *extra: str) -> Up:
+def start_up(target: Path, draft: Path, log_dir: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> Up:
     ports = {n: st.free_port() for n in ("http", "grpc", "drafter", "verifier", "drafter_metrics", "verifier_metrics")}
     log = log_dir / f"specd-up-{name}-{ports['http']}.log"
     argv = [
@@ -129,7 +129,7 @@ def start_up(target: Path, draft: Path, log_dir: Path, name: str, *extra: str) -
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", SPECD_BACKEND_TOKEN=BACKEND_TOKEN),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", SPECD_BACKEND_TOKEN=BACKEND_TOKEN, **(env or {})),
             start_new_session=True,  # a failing test can end the launcher and its children together
         )
     up = Up(proc, log, ports)
@@ -364,3 +364,43 @@ def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_requests(model_di
     assert statuses[-1] == 503, statuses
     assert code == 0, up.output()[-3000:]
     assert "UNAVAILABLE" not in up.output()
+
+
+@pytest.mark.slow  # 60-120 s here: three gateway restarts
+def test_a_killed_gateways_sequences_are_freed_at_once_and_a_full_burst_then_fits(model_dirs, log_dir):
+    # 40 slots on each backend and a lease of 120 s: the 24 sequences three kills strand would, if only
+    # the lease freed them, leave room for 16 of the burst's 32.
+    slots = {"SPECD_VERIFIER_MAX_SEQUENCES": "40", "SPECD_DRAFTER_MAX_SEQUENCES": "40"}
+    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, "presence", "--lease-s", "120", env=slots)
+    freed_after: list[float] = []
+    try:
+        for kill in range(3):
+            healthy_lines = up.output().count("the gateway is healthy again")
+            outcomes = asyncio.run(streams_with_a_kill(up, PROMPTS, "gateway"))
+            assert any(isinstance(o, BaseException) for o in outcomes), "the kill cut no stream: nothing to free"
+            wait_until(
+                lambda: not any(up.open_sequences(kind) for kind in ("verifier", "drafter")),
+                30,
+                "both services to hold no sequences",
+                interval_s=0.05,
+            )
+            freed_after.append(time.monotonic() - up.killed_at)
+            wait_until(
+                lambda n=healthy_lines: up.output().count("the gateway is healthy again") > n,
+                90,
+                f"the gateway to come back after kill {kill + 1}",
+            )
+            wait_until(lambda: up.health().status_code == 200, 60, "the gateway's /health")
+
+        async def burst() -> list[httpx.Response]:
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(32)))
+
+        replies = asyncio.run(burst())
+    finally:
+        code = stop(up)
+    print(f"each killed gateway's sequences freed {', '.join(f'{s:.2f}' for s in freed_after)} s after the kill")
+    assert [r.status_code for r in replies] == [200] * 32, [r.text for r in replies if r.status_code != 200][:2]
+    assert max(freed_after) < 2.0, freed_after
+    assert code == 0, up.output()[-3000:]
