@@ -16,8 +16,9 @@ import grpc
 from gateway.choices import Gathered, Outcome, choice_params, merged, request_usage
 from gateway.failures import GenerationError, internal
 from gateway.logprob_format import TokenTexts, grpc_logprobs
+from gateway.prompts import off_loop, prompts_for
 from gateway.scheduler import Delta, Failed, Finished, Scheduler, _Sequence
-from gateway.validation import InvalidParameter, RequestedParams, choices, encode_prompt, generation_params
+from gateway.validation import InvalidParameter, RequestedParams, choices, generation_params
 from specd.params import TokenLogprob
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -33,7 +34,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.max_n = max_n
         self.texts = TokenTexts(tokenizer)
 
-    def _start(
+    async def _start(
         self,
         model: str,
         prompt: str,
@@ -48,9 +49,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         generation = generation_params(raw, len(self.tokenizer))
         wanted = choices(raw, self.max_n, stream)
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
-        return self.scheduler.submit_group(
-            encode_prompt(self.tokenizer, prompt), choice_params(generation, wanted), metadata
-        )
+        ids = await off_loop(prompts_for(self.tokenizer, self.scheduler.max_context).text_ids, prompt)
+        return self.scheduler.submit_group(ids, choice_params(generation, wanted), metadata)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> NoReturn:
         await context.abort(error.kind.grpc_status, error.message)
@@ -58,7 +58,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         try:
-            seqs = self._start(request.model, request.prompt, request.params, context, stream=False)
+            seqs = await self._start(request.model, request.prompt, request.params, context, stream=False)
         except GenerationError as exc:
             await self._abort(context, exc)
         gathered = Gathered(len(seqs))
@@ -77,7 +77,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         try:
-            seqs = self._start(request.model, request.prompt, request.params, context, stream=True)
+            seqs = await self._start(request.model, request.prompt, request.params, context, stream=True)
         except GenerationError as exc:
             await self._abort(context, exc)
         # Leaving this generator early (client cancelled) closes merged(), which cancels every

@@ -20,10 +20,11 @@ from gateway.choices import Choices, Gathered, Outcome, best, choice_params, mer
 from gateway.failures import GenerationError, failure_kind
 from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
+from gateway.prompts import Prompts, off_loop, prompts_for
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from gateway.tool_calls import ToolChoice
-from gateway.validation import InvalidParameter, choices, encode_prompt
+from gateway.validation import InvalidParameter, choices
 from specd.params import TokenLogprob
 
 
@@ -58,6 +59,10 @@ class OpenAIApi:
         self.health = health
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)
+
+    @property
+    def prompts(self) -> Prompts:
+        return prompts_for(self.tokenizer, self.scheduler.max_context)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="specd gateway", version="0.1.0")
@@ -150,9 +155,9 @@ class OpenAIApi:
         if (problem := body.prompt_problem()) is not None:
             raise problem
         if isinstance(body.prompt, str):
-            return encode_prompt(self.tokenizer, body.prompt)
+            return self.prompts.text_ids(body.prompt)
         if isinstance(body.prompt[0], str):
-            return encode_prompt(self.tokenizer, body.prompt[0])
+            return self.prompts.text_ids(body.prompt[0])
         prompt = [t for t in body.prompt if isinstance(t, int)]  # token ids
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):
@@ -163,8 +168,8 @@ class OpenAIApi:
         if (bad := self._check_model(body.model)) is not None:
             return bad
         try:
-            prompt = self._completion_prompt(body)
-            params, wanted = self._params(body)
+            prompt = await off_loop(self._completion_prompt, body)
+            params, wanted = await off_loop(self._params, body)
         except InvalidParameter as exc:
             return invalid(exc)
         seqs = self._submit(prompt, choice_params(params, wanted), request)
@@ -233,7 +238,7 @@ class OpenAIApi:
         try:
             if (problem := body.messages_problem()) is not None:
                 raise problem
-            params, wanted = self._params(body)
+            params, wanted = await off_loop(self._params, body)
         except InvalidParameter as exc:
             return invalid(exc)
         tools = body.tool_choice_spec  # checked with the other parameters above
@@ -249,14 +254,7 @@ class OpenAIApi:
             )
         messages = [m.for_template() for m in body.messages]
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tools=body.template_tools(), add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # a template may reject some role orders
-            return error_response(400, f"cannot apply the chat template: {exc}", "invalid_value", "messages")
-        # The template already wrote the special tokens.
-        try:
-            prompt = encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False)
+            prompt = await off_loop(self.prompts.chat_ids, messages, body.template_tools())
         except InvalidParameter as exc:
             return invalid(exc)
         seqs = self._submit(prompt, choice_params(params, wanted), request)

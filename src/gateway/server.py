@@ -134,7 +134,13 @@ async def run(config: GatewayConfig) -> None:
         # Innermost last: the key is checked before anything else looks at the request.
         interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
         interceptors.append(DecodeErrorInterceptor())
-        options = channel_options(config.max_message_bytes) + SERVER_OPTIONS
+        # Clients' messages are capped as HTTP bodies are; the backends' channels keep the larger cap.
+        options = [
+            ("grpc.max_receive_message_length", config.http_max_body_bytes)
+            if k == "grpc.max_receive_message_length"
+            else (k, v)
+            for k, v in channel_options(config.max_message_bytes)
+        ] + SERVER_OPTIONS
         grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
             GatewayServicer(scheduler, tokenizer, model_name, config.max_n), grpc_server

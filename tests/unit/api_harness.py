@@ -23,6 +23,8 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 class RefusingScheduler:
     """Stands for the scheduler: a request that reaches it passed validation."""
 
+    max_context = 4096
+
     def __init__(self) -> None:
         self.submitted: list[GenerationParams] = []
 

@@ -27,6 +27,8 @@ class ScriptedScheduler:
     """Choice i says "c{i}:{its seed}" in two deltas, as tokens [i] then [100 + i], and stops;
     `failing` names a choice that fails after its first delta instead."""
 
+    max_context = 4096
+
     def __init__(self, failing: int | None = None) -> None:
         self.failing = failing
         self.submitted: list[GenerationParams] = []

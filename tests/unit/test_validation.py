@@ -190,3 +190,15 @@ def test_validator_is_the_one_place_ranges_live():
     with pytest.raises(InvalidParameter) as info:
         generation_params(RequestedParams(top_k=2**31), vocab_size=10)
     assert info.value.param == "top_k" and info.value.status == 400
+
+
+def test_guided_choice_is_bounded_before_it_is_compiled():
+    from gateway.validation import InvalidParameter
+    from specd.ranges import MAX_GUIDED_CHOICE_CHARS, MAX_GUIDED_CHOICES
+
+    fits = [f"c{i}" for i in range(MAX_GUIDED_CHOICES)]
+    assert generation_params(RequestedParams(guided_choice=fits), 1000).grammar
+    for refused in ([*fits, "one more"], ["x" * (MAX_GUIDED_CHOICE_CHARS // 2)] * 3):
+        with pytest.raises(InvalidParameter, match="guided_choice takes at most") as exc:
+            generation_params(RequestedParams(guided_choice=refused), 1000)
+        assert exc.value.param == "guided_choice" and exc.value.status == 400
