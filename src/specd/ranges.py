@@ -73,3 +73,5 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 # and stays inside the grammar engine's limits.
 MAX_GUIDED_CHOICES = 1024
 MAX_GUIDED_CHOICE_CHARS = 65536
+# Messages of one chat request, counted before each is validated (the context window bounds them too).
+MAX_MESSAGES = 8192
