@@ -15,6 +15,7 @@ import grpc
 
 from gateway.choices import Gathered, Outcome, choice_params, merged, request_usage
 from gateway.failures import GenerationError, internal
+from gateway.limits import api_key
 from gateway.logprob_format import TokenTexts, grpc_logprobs
 from gateway.prompts import off_loop, prompts_for
 from gateway.scheduler import Delta, Failed, Finished, Scheduler, _Sequence
@@ -26,8 +27,9 @@ FINISH = {"stop": gateway_pb2.FINISH_REASON_STOP, "length": gateway_pb2.FINISH_R
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, scheduler: Scheduler, tokenizer: Any, model_name: str, max_n: int) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer: Any, model_name: str, max_n: int, keyed: bool = False) -> None:
         self.scheduler = scheduler
+        self.keyed = keyed  # whether clients are told apart by API key (else by address): gateway.shares
         self.tokenizer = tokenizer
         self.model_name = model_name
         # The most choices one request may ask for (--max-n), the HTTP API's limit too.
@@ -48,9 +50,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         raw = requested(params)
         generation = generation_params(raw, len(self.tokenizer))
         wanted = choices(raw, self.max_n, stream)
-        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
+        sent = dict(context.invocation_metadata() or ())
+        metadata = {k: v for k, v in sent.items() if k in ("traceparent", "tracestate")}
+        # The peer is "ipv4:HOST:PORT" or "ipv6:[HOST]:PORT": the client is its host.
+        client = api_key(sent.get("authorization")) if self.keyed else context.peer().rpartition(":")[0]
         ids = await off_loop(prompts_for(self.tokenizer, self.scheduler.max_context).text_ids, prompt)
-        return self.scheduler.submit_group(ids, choice_params(generation, wanted), metadata)
+        return self.scheduler.submit_group(ids, choice_params(generation, wanted), metadata, client)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> NoReturn:
         await context.abort(error.kind.grpc_status, error.message)

@@ -59,6 +59,7 @@ class OpenAIApi:
         self.health = health
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)
+        self.keyed = False  # whether clients are told apart by API key (else by address): gateway.shares
 
     @property
     def prompts(self) -> Prompts:
@@ -138,8 +139,10 @@ class OpenAIApi:
     ) -> list[_Sequence] | JSONResponse:
         # A client's own W3C trace context makes the request span a child of its span.
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+        address = request.client.host if request.client else ""
+        client = api_key(request.headers.get("authorization")) if self.keyed else address
         try:
-            return self.scheduler.submit_group(prompt, group, carrier)
+            return self.scheduler.submit_group(prompt, group, carrier, client)
         except GenerationError as exc:
             return error_response(exc.status, exc.message, exc.code)
 

@@ -45,6 +45,7 @@ from gateway.round import (
     read_verdicts,
     verify_request,
 )
+from gateway.shares import Shares, fairest
 from gateway.speculation import Acceptance, Candidate, HitRate, PolicyConfig, SpeculationPolicy
 from specd.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
@@ -114,6 +115,7 @@ class _Sequence:
     deadline: float = 0.0  # time.monotonic() by which the request must end; 0 = none
     cancelled: bool = False
     done: bool = False
+    client: str = ""  # whose share it counts against (gateway.shares)
     drafted: int = 0
     accepted: int = 0
     # Joined the drafter because auto mode wanted its drafts; then, its rounds on the drafter and
@@ -172,6 +174,7 @@ class Scheduler:
         disable_by_batch_size: int = 0,
         max_waiting: int = 0,
         request_timeout_s: float = 0.0,
+        max_sequences_per_key: int = 0,
         pipeline: str = "sequential",
         prefill_chunk_tokens: int = 0,
         drafter_overlap: bool = True,
@@ -221,6 +224,7 @@ class Scheduler:
         self.drafter_overlap = drafter_overlap
         self._auto_pipeline = "sequential"  # what `auto` resolves to this round
         self.max_waiting = max_waiting
+        self.shares = Shares(max_sequences_per_key)
         self.request_timeout_s = request_timeout_s
         self.draining = False
         # Prompt tokens the verifier prefills per round (0: whole prompts at their open, which stalls
@@ -274,7 +278,11 @@ class Scheduler:
         return self.submit_group(prompt, [params], trace_parent)[0]
 
     def submit_group(
-        self, prompt: list[int], group: Sequence[GenerationParams], trace_parent: Mapping[str, str] | None = None
+        self,
+        prompt: list[int],
+        group: Sequence[GenerationParams],
+        trace_parent: Mapping[str, str] | None = None,
+        client: str = "",
     ) -> list[_Sequence]:
         """Enqueue one sequence per params of `group` (a request's choices), all of them or none.
 
@@ -284,7 +292,10 @@ class Scheduler:
         """
         self._check_admission(len(group))
         max_tokens = [self._max_tokens(prompt, params) for params in group]
+        self.shares.take(client, len(group))
         seqs = [self._sequence(prompt, params, n, trace_parent) for params, n in zip(group, max_tokens, strict=True)]
+        for seq in seqs:
+            seq.client = client
         self.waiting.extend(seqs)
         self.metrics.waiting.set(len(self.waiting))
         self._wakeup.set()
@@ -444,7 +455,10 @@ class Scheduler:
         self._verifier_prefill_spent = 0
         batch: list[_Sequence] = []
         while self.waiting and len(self.active) + len(batch) < self.max_batch:
-            batch.append(self.waiting.popleft())
+            # One client: first come, first served; several: the fairest (gateway.shares).
+            pick = fairest(self.waiting, [*self.active, *batch]) if len(self.shares.held) > 1 else 0
+            batch.append(self.waiting[pick])
+            del self.waiting[pick]
         if not batch:
             return
         chunks = self._open_chunks(
@@ -1082,6 +1096,7 @@ class Scheduler:
             seq.events.put_nowait(Delta(text, emitted, [token_logprob_from_pb(lp) for lp in logprobs[: len(emitted)]]))
         if reason is not None:
             seq.done = True
+            self.shares.give_back(seq.client)
             self._observe_finish(seq, reason)
             seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
 
@@ -1115,6 +1130,7 @@ class Scheduler:
     def _fail(self, seq: _Sequence, error: GenerationError) -> None:
         if not seq.done:
             seq.done = True
+            self.shares.give_back(seq.client)
             if seq.span is not None:
                 seq.span.set_status(Status(StatusCode.ERROR, error.message))
                 seq.span.set_attribute("specd.finish_reason", "error" if not seq.cancelled else "cancelled")

@@ -88,6 +88,7 @@ async def run(config: GatewayConfig) -> None:
         speculative_mode=config.speculative_mode,
         disable_by_batch_size=config.speculative_disable_by_batch_size,
         max_waiting=config.max_waiting,
+        max_sequences_per_key=config.max_sequences_per_key,
         request_timeout_s=config.request_timeout_s,
         pipeline=config.pipeline,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
@@ -129,6 +130,7 @@ async def run(config: GatewayConfig) -> None:
         config.max_n,
         config.tool_call_parser,
     )
+    api.keyed = api_keys.enabled  # clients are their keys, else their addresses
     grpc_server = None
     if config.grpc_port:
         # Innermost last: the key is checked before anything else looks at the request.
@@ -143,7 +145,7 @@ async def run(config: GatewayConfig) -> None:
         ] + SERVER_OPTIONS
         grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(scheduler, tokenizer, model_name, config.max_n), grpc_server
+            GatewayServicer(scheduler, tokenizer, model_name, config.max_n, keyed=api_keys.enabled), grpc_server
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

@@ -132,6 +132,12 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
+        "--max-sequences-per-key",
+        type=int,
+        default=0,
+        help="see specd gateway --help: most sequences one client (API key, else address) holds at once; 0: no limit",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=["", "hermes"],
         default="",
@@ -338,6 +344,7 @@ def up(argv: Sequence[str]) -> None:
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
+        "--max-sequences-per-key", str(args.max_sequences_per_key),
         "--tool-call-parser", args.tool_call_parser,
         "--drafter-overlap", "true" if overlap else "false",
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),

@@ -32,7 +32,9 @@ class RefusingScheduler:
         self.submitted.append(params)
         return types.SimpleNamespace(prompt_logprobs=[])
 
-    def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
+    def submit_group(
+        self, prompt: list[int], group: list[GenerationParams], carrier: Any = None, client: str = ""
+    ) -> list[Any]:
         return [self.submit(prompt, params, carrier) for params in group]
 
     def cancel(self, seq: Any) -> None:
@@ -85,6 +87,9 @@ class Aborted(Exception):
 class FakeContext:
     def invocation_metadata(self) -> tuple:
         return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)

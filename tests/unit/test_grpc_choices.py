@@ -34,7 +34,9 @@ class ScriptedScheduler:
         self.submitted: list[GenerationParams] = []
         self.cancelled: list[int] = []
 
-    def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
+    def submit_group(
+        self, prompt: list[int], group: list[GenerationParams], carrier: Any = None, client: str = ""
+    ) -> list[Any]:
         self.submitted.extend(group)
         return [
             types.SimpleNamespace(index=i, params=p, prompt_logprobs=PROMPT_LOGPROBS if asks_prompt(p) else [])
