@@ -15,6 +15,7 @@ import grpc
 
 from gateway.choices import Gathered, Outcome, choice_params, merged, request_usage
 from gateway.failures import GenerationError, internal
+from gateway.grammar_check import check_constraint
 from gateway.limits import api_key
 from gateway.logprob_format import TokenTexts, grpc_logprobs
 from gateway.prompts import off_loop, prompts_for
@@ -49,6 +50,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise GenerationError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
         raw = requested(params)
         generation = generation_params(raw, len(self.tokenizer))
+        await off_loop(check_constraint, self.tokenizer, generation, raw)
         wanted = choices(raw, self.max_n, stream)
         sent = dict(context.invocation_metadata() or ())
         metadata = {k: v for k, v in sent.items() if k in ("traceparent", "tracestate")}

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import tool_calls, tool_parsers
 from gateway.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.failures import GenerationError, failure_kind
+from gateway.grammar_check import check_constraint
 from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.prompts import Prompts, off_loop, prompts_for
@@ -152,6 +153,7 @@ class OpenAIApi:
         if refused is not None:
             raise refused
         params = body.generation_params(len(self.tokenizer))
+        check_constraint(self.tokenizer, params, body.requested())
         return params, choices(body.requested(), self.max_n, bool(body.stream))
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
