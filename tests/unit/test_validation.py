@@ -202,3 +202,19 @@ def test_guided_choice_is_bounded_before_it_is_compiled():
         with pytest.raises(InvalidParameter, match="guided_choice takes at most") as exc:
             generation_params(RequestedParams(guided_choice=refused), 1000)
         assert exc.value.param == "guided_choice" and exc.value.status == 400
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, 100.5, -1.0])
+def test_the_services_refuse_what_the_gateway_refuses(temperature):
+    from specd.params import SamplingParams, validate_sampling
+
+    assert generation_params_problem(temperature) == validate_sampling(SamplingParams(temperature=temperature))
+    assert validate_sampling(SamplingParams(temperature=100.0)) is None
+
+
+def generation_params_problem(temperature: float) -> str:
+    from gateway.validation import InvalidParameter
+
+    with pytest.raises(InvalidParameter) as exc:
+        generation_params(RequestedParams(temperature=temperature), 1000)
+    return exc.value.message
