@@ -230,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         BackendError,
         checkpoints.ModelLoadError,
         tls.TlsConfigError,
+        tls.ApiKeyError,
         backend_auth.BackendAuthError,
         tool_parsers.ParserUnusable,
         PortUnavailable,

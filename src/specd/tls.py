@@ -87,24 +87,37 @@ def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCred
         raise PortUnavailable(f"cannot listen on {address}: another process holds the port, or the address is not here")
 
 
+class ApiKeyError(ValueError):
+    """A configured API key that no HTTP client could send."""
+
+
 class ApiKeys:
     """The accepted API keys; empty means the API is open."""
 
     def __init__(self, keys: Iterable[str]) -> None:
         self._keys = [k.encode() for k in keys if k]
+        for i, key in enumerate(self._keys, 1):
+            # HTTP carries header values as bytes, and clients send visible ASCII: anything else
+            # could never match, so it is a start-up error rather than a key nobody can use.
+            if not all(0x21 <= b <= 0x7E for b in key):
+                raise ApiKeyError(
+                    f"API key {i} has characters an HTTP header cannot carry: use visible ASCII without spaces "
+                    "or commas (e.g. openssl rand -hex 32)"
+                )
 
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def allows(self, authorization: str | None) -> bool:
-        """Whether an `Authorization` value is `Bearer <one of the keys>`."""
+    def allows(self, authorization: str | bytes | None) -> bool:
+        """Whether an `Authorization` value (HTTP's bytes, or gRPC's text) is `Bearer <one of the keys>`."""
         if not self._keys:
             return True
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer":
+        raw = authorization if isinstance(authorization, bytes) else (authorization or "").encode("utf-8", "replace")
+        scheme, _, token = raw.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
             return False
-        presented = token.strip().encode()
+        presented = token.strip()
         # Compare against every key so timing does not reveal which one nearly matched.
         return sum(hmac.compare_digest(presented, k) for k in self._keys) > 0
 
@@ -124,8 +137,7 @@ def http_api_key_middleware(app: Any, keys: ApiKeys, open_paths: Iterable[str]) 
             await app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        if keys.allows(authorization):
+        if keys.allows(headers.get(b"authorization", b"")):
             await app(scope, receive, send)
             return
         await send(

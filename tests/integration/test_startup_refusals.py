@@ -1,5 +1,7 @@
-"""Ports are owned: a second service, or a second `specd up`, on ports a live stack holds fails at
-start with a clear message, before it loads or starts anything, and the live one keeps serving."""
+"""What cannot work is refused at start, with a clear message, before anything loads or starts.
+
+Ports are owned: a second service, or a second `specd up`, on ports a live stack holds fails, and
+the live one keeps serving. An API key that HTTP cannot carry is a start-up error."""
 
 from __future__ import annotations
 
@@ -58,3 +60,13 @@ def test_specd_up_refuses_a_live_stacks_ports_before_starting_anything(backends,
     assert f"verifier port 127.0.0.1:{verifier.port}" in output and f"drafter port 127.0.0.1:{drafter.port}" in output
     assert "placement" not in output and "healthy" not in output  # no child was started
     assert check(verifier.address, timeout_s=5) == "SERVING"
+
+
+def test_a_gateway_with_an_api_key_http_cannot_carry_fails_at_start(model_dirs):
+    dead = f"{st.HOST}:{st.free_port()}"  # nothing there: the gateway would wait for it
+    args = ["--host", st.HOST, "--http-port", str(st.free_port()), "--grpc-port", str(st.free_port())]
+    args += ["--api-key", "good-key,caf\u00e9", "--verifier", dead, "--tokenizer", str(model_dirs["target"])]
+    code, output = run(["gateway", *args])
+    assert code == 2, output
+    assert "API key 2 has characters an HTTP header cannot carry" in output
+    assert "waiting for the verifier" not in output
