@@ -21,8 +21,9 @@ class TlsConfigError(ValueError):
     """A TLS option that cannot work: a missing half of a pair, an unreadable file."""
 
 
-# Probes (kubelet's native gRPC probe, `specd health`) carry no metadata.
-OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
+# Probes (kubelet's native gRPC probe, `specd health`) carry no metadata, and use Check. Watch
+# holds a stream open per call: without a key, anyone could hold thousands.
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/Check",)
 
 
 def _read(path: str, what: str) -> bytes:

@@ -44,3 +44,32 @@ def test_a_second_grpc_server_cannot_bind_a_port_the_first_serves() -> None:
             await first.stop(0)
 
     asyncio.run(run())
+
+
+def test_health_check_stays_open_and_watch_needs_the_key() -> None:
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from specd.tls import ApiKeyInterceptor, ApiKeys
+
+    async def run() -> None:
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[ApiKeyInterceptor(ApiKeys(["k" * 16]))])
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    async for _ in stub.Watch(health_pb2.HealthCheckRequest(), timeout=5):
+                        pass
+                assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                keyed = stub.Watch(health_pb2.HealthCheckRequest(), metadata=(("authorization", "Bearer " + "k" * 16),))
+                first = await keyed.read()
+                assert first.status == health_pb2.HealthCheckResponse.SERVING
+                keyed.cancel()
+        finally:
+            await server.stop(0)
+
+    asyncio.run(run())
