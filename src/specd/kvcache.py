@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import mmap
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specd.head_product import HeadProduct
+from specd.heap import trim_heap  # noqa: F401  (its users import it from here)
 from specd.timing import best_time
 
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
@@ -270,30 +270,6 @@ def _dontneed(region: mmap.mmap, t: torch.Tensor, slot: int) -> None:
     last = end // page * page
     if last > first:
         region.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-_LIBC: Any = None
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing).
-
-    The prefill of a long prompt leaves freed activations in the heap, which
-    glibc keeps for the next allocation; this returns them once nothing is open.
-    """
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                libc = ctypes.CDLL("libc.so.6")
-                _LIBC = libc if hasattr(libc, "malloc_trim") else False
-            except OSError:
-                pass
-    if _LIBC:
-        _LIBC.malloc_trim(0)
 
 
 @dataclass
