@@ -92,5 +92,5 @@ if ((dry_run)); then
   echo
   exit 0
 fi
-# exec: SIGTERM/SIGINT reach `specd up`, which stops all three services.
+# exec: SIGTERM/SIGINT reach `specd up`, which stops the gateway first, lets it drain, then the others.
 exec "${cmd[@]}"

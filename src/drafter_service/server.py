@@ -14,8 +14,9 @@ from drafter_service.servicer import DrafterServicer
 from specd.engine import checkpoints, cuda_graphs, fused_llama, models
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
-from specd.engine.kvcache import BatchedCausalLM, Row, trim_heap
+from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
+from specd.heap import trim_heap
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
 from specd.rpc.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service

@@ -57,6 +57,10 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     async def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
         return await self.keep_alive(request.lease_owner, context)
 
+    async def Attach(self, request, context) -> AsyncIterator[common_pb2.AttachResponse]:
+        async for reply in self.attach(request.lease_owner, context):
+            yield reply
+
     async def Draft(
         self, request_iterator: AsyncIterator[drafter_pb2.DraftRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[drafter_pb2.DraftResponse]:

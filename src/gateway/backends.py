@@ -116,6 +116,7 @@ class _Backend:
             self.channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: common_pb2.ModelInfo | None = None
+        self._presence: asyncio.Task[None] | None = None
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         try:
@@ -155,11 +156,32 @@ class _Backend:
             common_pb2.KeepAliveRequest(lease_owner=self.lease_owner), timeout=min(self.timeout_s, 5.0)
         )
 
+    def hold_presence(self) -> None:
+        """Keep a presence stream open to the service while this gateway instance lives: killed, its
+        sequences there are freed about a second after its connections close, not a lease later."""
+        if self.lease_owner and (self._presence is None or self._presence.done()):
+            self._presence = asyncio.create_task(self._present(), name=f"specd-{self.name}-presence")
+
+    async def _present(self) -> None:
+        request = common_pb2.AttachRequest(lease_owner=self.lease_owner)
+        while True:
+            try:
+                async for _ in self.stub.Attach(request, wait_for_ready=True):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("the %s at %s predates presence streams: its lease alone frees", self.name, self.address)
+                    return
+            # Re-attach at once: the service frees this instance's sequences if it stays away.
+            await asyncio.sleep(0.1)
+
     def reset_rounds(self) -> None:
         """Drop the round stream (it may be dead or mid-exchange); the next round opens a fresh one."""
         self.rounds.close()
 
     async def close(self) -> None:
+        if self._presence is not None:
+            self._presence.cancel()
         await self.channel.close()
 
 
@@ -184,6 +206,7 @@ class VerifierClient(_Backend):
         with self._refused_credentials():
             reply = await self.stub.GetVerifierInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=self.timeout_s)
         self.info = reply.model
+        self.hold_presence()
         return reply.model
 
     async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:
@@ -230,6 +253,7 @@ class DrafterClient(_Backend):
         self.info = reply.model
         self.kind = reply.kind
         self.feature_size = reply.feature_size
+        self.hold_presence()
         return reply.model
 
     async def open(self, specs: list[common_pb2.SequenceSpec]) -> list[common_pb2.OpenResult]:

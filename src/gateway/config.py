@@ -97,6 +97,11 @@ class GatewayConfig:
     http_max_connections: int = field(
         1024, "most open HTTP connections and requests; beyond it new requests get 503; 0 = no limit"
     )
+    max_sequences_per_key: int = field(
+        0,
+        "most sequences one client holds at once, waiting or running (a request with n choices holds n): its API key, "
+        "or its address where the gateway has no keys; beyond it new requests get HTTP 429; 0 = no limit",
+    )
     rate_limit: float = field(0.0, "requests per second per API key (Authorization: Bearer); 0 disables")
     shutdown_grace_s: float = field(10.0, "on SIGTERM, how long in-flight requests may take to finish")
     connect_timeout_s: float = field(300.0, "how long to wait for the backends at startup")
@@ -156,6 +161,8 @@ class GatewayConfig:
             raise ValueError("http_max_body_bytes >= 1, http_read_timeout_s > 0 and http_max_connections >= 0")
         if self.max_n < 1:
             raise ValueError("max_n must be >= 1")
+        if self.max_sequences_per_key < 0:
+            raise ValueError("max_sequences_per_key must be >= 0")
         if self.max_waiting < 0 or self.request_timeout_s < 0 or self.rate_limit < 0 or self.shutdown_grace_s < 0:
             raise ValueError("max_waiting, request_timeout_s, rate_limit and shutdown_grace_s must be >= 0")
 

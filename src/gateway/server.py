@@ -25,6 +25,7 @@ from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.round.scheduler import Scheduler
 from specd.engine import checkpoints
 from specd.engine.fingerprint import TokenizerFingerprint
+from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specd.rpc import backend_auth, tls
 from specd.rpc.grpc_decode import DecodeErrorInterceptor
@@ -46,6 +47,8 @@ async def run(config: GatewayConfig) -> None:
     api_tls = tls.server_credentials(config.tls_cert, config.tls_key)
     api_keys = tls.ApiKeys(config.api_key)
     tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
+    # Before waiting for the backends: a port another process holds is a start-up error.
+    check_free({"HTTP": (config.host, config.http_port), "gRPC": (config.host, config.grpc_port)})
     channel = (
         config.backend_timeout_s,
         config.max_message_bytes,
@@ -87,6 +90,7 @@ async def run(config: GatewayConfig) -> None:
         speculative_mode=config.speculative_mode,
         disable_by_batch_size=config.speculative_disable_by_batch_size,
         max_waiting=config.max_waiting,
+        max_sequences_per_key=config.max_sequences_per_key,
         request_timeout_s=config.request_timeout_s,
         pipeline=config.pipeline,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
@@ -136,14 +140,25 @@ async def run(config: GatewayConfig) -> None:
             api.template_name,
             api.template_tools_problem,
         )
+    api.keyed = api_keys.enabled  # clients are their keys, else their addresses
     grpc_server = None
     if config.grpc_port:
         # Innermost last: the key is checked before anything else looks at the request.
         interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
         interceptors.append(DecodeErrorInterceptor())
-        grpc_server = grpc.aio.server(options=channel_options(config.max_message_bytes), interceptors=interceptors)
+        # Clients' messages are capped as HTTP bodies are; the backends' channels keep the larger cap.
+        options = [
+            ("grpc.max_receive_message_length", config.http_max_body_bytes)
+            if k == "grpc.max_receive_message_length"
+            else (k, v)
+            for k, v in channel_options(config.max_message_bytes)
+        ] + SERVER_OPTIONS
+        grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(scheduler, tokenizer, model_name, config.max_n, config.json_undeclared_keys), grpc_server
+            GatewayServicer(
+                scheduler, tokenizer, model_name, config.max_n, config.json_undeclared_keys, keyed=api_keys.enabled
+            ),
+            grpc_server,
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
@@ -228,9 +243,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         BackendError,
         checkpoints.ModelLoadError,
         tls.TlsConfigError,
+        tls.ApiKeyError,
         backend_auth.BackendAuthError,
         tool_parsers.ParserUnusable,
         chat_templates.ChatTemplateError,
+        PortUnavailable,
     ) as exc:
         log.error("%s", exc)
         sys.exit(2)

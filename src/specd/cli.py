@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from specd.placement import CpuPlacement
 
 LOOPBACK = "127.0.0.1"
+CONFIG_ERROR = 2  # what the services exit with on a flag they cannot run with
 USAGE = """specd <command> [options]
 
 commands:
@@ -154,6 +154,12 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
+        "--max-sequences-per-key",
+        type=int,
+        default=0,
+        help="see specd gateway --help: most sequences one client (API key, else address) holds at once; 0: no limit",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=["", "hermes"],
         default="",
@@ -182,6 +188,13 @@ def _up_parser() -> argparse.ArgumentParser:
         "--drafter-timeout-s", type=float, default=5.0, help="gateway's drafter deadline; past it, target-only"
     )
     p.add_argument("--backend-timeout-s", type=float, default=60.0, help="gateway's deadline for verifier calls")
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=10.0,
+        help="on Ctrl-C/SIGTERM the gateway stops first and gives in-flight requests this long to finish "
+        "(new ones get 503); the drafter and verifier stop after it",
+    )
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
     p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
     tls = p.add_argument_group(
@@ -283,10 +296,28 @@ def shared_gpu(args: argparse.Namespace, drafter: str) -> SharedGpu | None:
     return shared
 
 
+def refuse_taken_ports(args: argparse.Namespace, drafter: str) -> None:
+    """Exit before anything starts when another process holds a port the stack needs: a stack beside
+    another one would otherwise pass its health checks with the other's services."""
+    from specd.ports import taken_ports
+
+    wanted = {"verifier": (LOOPBACK, args.verifier_port), "gateway HTTP": (args.host, args.http_port)}
+    if drafter != "none":
+        wanted["drafter"] = (LOOPBACK, args.drafter_port)
+    if args.grpc_port:
+        wanted["gateway gRPC"] = (args.host, args.grpc_port)
+    for name, port in (("drafter", args.drafter_metrics_port), ("verifier", args.verifier_metrics_port)):
+        if port:
+            wanted[f"{name} metrics"] = (LOOPBACK, port)
+    if taken := taken_ports(wanted):
+        print(f"specd up: in use by another process: {'; '.join(taken)}; nothing started", file=sys.stderr, flush=True)
+        sys.exit(CONFIG_ERROR)
+
+
 def up(argv: Sequence[str]) -> None:
     import grpc  # keep `specd --help` light
 
-    from specd.launch import GiveUp, Supervisor
+    from specd.launch import GiveUp, Supervisor, spawn_child
     from specd.rpc.health import check
 
     parser = _up_parser()
@@ -298,6 +329,7 @@ def up(argv: Sequence[str]) -> None:
     server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
     backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
+    refuse_taken_ports(args, drafter)
     drafter_dtype = args.drafter_dtype or ("float32" if drafter == "distilled" else "bfloat16")
     explicit = bool(args.drafter_cpus or args.verifier_cpus)
     try:
@@ -366,6 +398,7 @@ def up(argv: Sequence[str]) -> None:
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
+        "--max-sequences-per-key", str(args.max_sequences_per_key),
         "--tool-call-parser", args.tool_call_parser,
         "--json-undeclared-keys", "true" if args.json_undeclared_keys else "false",
         "--chat-template", args.chat_template,
@@ -373,6 +406,7 @@ def up(argv: Sequence[str]) -> None:
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),
         "--backend-timeout-s", str(args.backend_timeout_s),
+        "--shutdown-grace-s", str(args.shutdown_grace_s),
         *tracing,
         *server_tls,
     ]  # fmt: skip
@@ -409,7 +443,7 @@ def up(argv: Sequence[str]) -> None:
         except grpc.RpcError:
             return False
 
-    supervisor = Supervisor(healthy, spawn=lambda argv: subprocess.Popen(argv, env=env))
+    supervisor = Supervisor(healthy, spawn=lambda argv: spawn_child(argv, env))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
     code = 0
@@ -435,7 +469,8 @@ def up(argv: Sequence[str]) -> None:
             print(f"specd up: {exc}; stopping everything", file=sys.stderr, flush=True)
             code = 1
     finally:
-        supervisor.stop_all()
+        # The gateway drains with the backends still up (its grace, then uvicorn's and gRPC's own seconds).
+        supervisor.stop_all(first=("gateway",), first_grace_s=args.shutdown_grace_s + 10)
         if shared is not None:
             from specd import mps
 

@@ -3,26 +3,29 @@
 A child that dies is restarted with backoff; the others keep running, because
 each service already copes with the others coming and going (the gateway runs
 target-only without a drafter, answers 503 without a verifier, and reconnects
-to either). `specd up` stops everything only when asked to, or when a child
-cannot start: it exits with the services' configuration-error code (2) before
-it was ever healthy, or fails to start `start_failures` times within
-`start_window_s`.
+to either). `specd up` stops everything only when asked to (the gateway first,
+whose drain needs the others), or when a child cannot start: it exits with the
+services' configuration-error code (2) before it was ever healthy, or fails to
+start `start_failures` times within `start_window_s`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 # What the services exit with when their flags, model or certificates are wrong:
 # starting them again would fail the same way.
 CONFIG_ERROR_EXIT = 2
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Process(Protocol):
@@ -182,16 +185,37 @@ class Supervisor:
             self.step()
             time.sleep(self.policy.poll_s)
 
-    def stop_all(self, grace_s: float = 15.0) -> None:
+    def stop_all(self, grace_s: float = 15.0, first: Sequence[str] = (), first_grace_s: float = 0.0) -> None:
+        """Stop the children named in `first` (the gateway) and wait up to first_grace_s for them to drain,
+        then the rest: the backends must serve the gateway's in-flight requests until they finish."""
         self._stop = True
-        procs = [c.proc for c in self.children.values() if c.proc is not None]
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        leading = [c.proc for n, c in self.children.items() if n in first and c.proc is not None]
+        rest = [c.proc for n, c in self.children.items() if n not in first and c.proc is not None]
+        _terminate(leading, first_grace_s)
+        _terminate(rest, grace_s)
+
+
+def _terminate(procs: list[Process], grace_s: float) -> None:
+    """SIGTERM each, then SIGKILL whatever has not exited within grace_s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: its own process group, so a terminal's Ctrl-C reaches only `specd up`
+    (which stops the children in order), and SIGTERM should `specd up` itself die."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def spawn_child(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)

@@ -53,6 +53,10 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
     async def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:
         return await self.keep_alive(request.lease_owner, context)
 
+    async def Attach(self, request, context) -> AsyncIterator[common_pb2.AttachResponse]:
+        async for reply in self.attach(request.lease_owner, context):
+            yield reply
+
     async def Verify(
         self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[verifier_pb2.VerifyResponse]:

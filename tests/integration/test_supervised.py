@@ -95,7 +95,7 @@ class Up:
             return d.GetDrafterInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=5, metadata=AUTH).open_sequences
 
 
-def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
+def start_up(target: Path, draft: Path, log_dir: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> Up:
     ports = {n: st.free_port() for n in ("http", "grpc", "drafter", "verifier", "drafter_metrics", "verifier_metrics")}
     log = log_dir / f"specd-up-{name}-{ports['http']}.log"
     argv = [
@@ -122,13 +122,14 @@ def start_up(target: Path, draft: Path, log_dir: Path, name: str) -> Up:
         "--backend-timeout-s", "10",
         "--lease-s", str(LEASE_S),
         "--startup-timeout", "150",
+        *extra,
     ]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", SPECD_BACKEND_TOKEN=BACKEND_TOKEN),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", SPECD_BACKEND_TOKEN=BACKEND_TOKEN, **(env or {})),
             start_new_session=True,  # a failing test can end the launcher and its children together
         )
     up = Up(proc, log, ports)
@@ -321,3 +322,85 @@ def test_a_verifier_restarted_with_another_tokenizer_is_refused(model_dirs, log_
         assert httpx.post(up.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
     finally:
         assert stop(up) == 0, up.output()[-3000:]
+
+
+async def streams_with_a_stop(up: Up, prompts: list[str], max_tokens: int) -> tuple[list[str], list[int], int]:
+    """Stream every prompt; once each has its first text, SIGTERM `specd up` and send small requests
+    until one is refused. The streams' texts, the probes' statuses, and how many streams were unfinished."""
+    async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+        started = [asyncio.Event() for _ in prompts]
+        tasks = [
+            asyncio.create_task(st.stream_text(client, p, max_tokens, e)) for p, e in zip(prompts, started, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 90)
+        up.proc.send_signal(signal.SIGTERM)
+        unfinished = sum(not t.done() for t in tasks)
+        statuses: list[int] = []
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+        while 503 not in statuses and len(statuses) < 200:
+            statuses.append((await client.post("/v1/completions", json=body)).status_code)
+            await asyncio.sleep(0.05)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120), statuses, unfinished
+
+
+@pytest.mark.slow  # 30-60 s here: one specd up and its ordered stop
+def test_sigterm_lets_in_flight_streams_finish_and_refuses_new_requests(model_dirs, log_dir, tok, tiny_target):
+    grace_s = 30.0  # the drain time; generous, as this machine may be slow
+    # Long enough to outlast the backends' own 5 s grace: stopped together with the gateway, they would cut these.
+    longest = 200
+    references = greedy_references(tok, tiny_target, PROMPTS, longest)
+    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, "sigterm", "--shutdown-grace-s", str(grace_s))
+    try:
+        sent = time.monotonic()
+        texts, statuses, unfinished = asyncio.run(streams_with_a_stop(up, PROMPTS, longest))
+        drained_s = time.monotonic() - sent
+        code = up.proc.wait(grace_s + 30)
+    finally:
+        stop(up)
+    print(f"{unfinished} of 8 streams in flight at SIGTERM; all done {drained_s:.1f} s later; probes {statuses}")
+    assert unfinished > 0, "every stream had finished before the signal: nothing was tested"
+    assert texts == [expected_text(tok, references, p, longest) for p in PROMPTS]
+    assert drained_s < grace_s
+    assert statuses[-1] == 503, statuses
+    assert code == 0, up.output()[-3000:]
+    assert "UNAVAILABLE" not in up.output()
+
+
+@pytest.mark.slow  # 60-120 s here: three gateway restarts
+def test_a_killed_gateways_sequences_are_freed_at_once_and_a_full_burst_then_fits(model_dirs, log_dir):
+    # 40 slots on each backend and a lease of 120 s: the 24 sequences three kills strand would, if only
+    # the lease freed them, leave room for 16 of the burst's 32.
+    slots = {"SPECD_VERIFIER_MAX_SEQUENCES": "40", "SPECD_DRAFTER_MAX_SEQUENCES": "40"}
+    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, "presence", "--lease-s", "120", env=slots)
+    freed_after: list[float] = []
+    try:
+        for kill in range(3):
+            healthy_lines = up.output().count("the gateway is healthy again")
+            outcomes = asyncio.run(streams_with_a_kill(up, PROMPTS, "gateway"))
+            assert any(isinstance(o, BaseException) for o in outcomes), "the kill cut no stream: nothing to free"
+            wait_until(
+                lambda: not any(up.open_sequences(kind) for kind in ("verifier", "drafter")),
+                30,
+                "both services to hold no sequences",
+                interval_s=0.05,
+            )
+            freed_after.append(time.monotonic() - up.killed_at)
+            wait_until(
+                lambda n=healthy_lines: up.output().count("the gateway is healthy again") > n,
+                90,
+                f"the gateway to come back after kill {kill + 1}",
+            )
+            wait_until(lambda: up.health().status_code == 200, 60, "the gateway's /health")
+
+        async def burst() -> list[httpx.Response]:
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=up.base_url, timeout=120) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(32)))
+
+        replies = asyncio.run(burst())
+    finally:
+        code = stop(up)
+    print(f"each killed gateway's sequences freed {', '.join(f'{s:.2f}' for s in freed_after)} s after the kill")
+    assert [r.status_code for r in replies] == [200] * 32, [r.text for r in replies if r.status_code != 200][:2]
+    assert max(freed_after) < 2.0, freed_after
+    assert code == 0, up.output()[-3000:]

@@ -25,6 +25,8 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 class RefusingScheduler:
     """Stands for the scheduler: a request that reaches it passed validation."""
 
+    max_context = 4096
+
     def __init__(self) -> None:
         self.submitted: list[GenerationParams] = []
         self.prompts: list[list[int]] = []
@@ -34,7 +36,9 @@ class RefusingScheduler:
         self.prompts.append(list(prompt))
         return types.SimpleNamespace(prompt_logprobs=[])
 
-    def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
+    def submit_group(
+        self, prompt: list[int], group: list[GenerationParams], carrier: Any = None, client: str = ""
+    ) -> list[Any]:
         return [self.submit(prompt, params, carrier) for params in group]
 
     def cancel(self, seq: Any) -> None:
@@ -99,6 +103,9 @@ class Aborted(Exception):
 class FakeContext:
     def invocation_metadata(self) -> tuple:
         return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:40000"
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)

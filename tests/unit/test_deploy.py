@@ -410,6 +410,28 @@ def test_kubernetes_topology(rendered):
         assert config["data"]["SPECD_VERIFIER_MODEL"] == "embedded"
 
 
+def test_kubernetes_backends_outlive_the_gateways_drain(rendered):
+    """Deleted together, all pods get SIGTERM at once: each backend's preStop must keep it serving
+    through the gateway's preStop and drain, and every pod's grace period must cover its stop."""
+    _, docs = rendered
+    deployments = by_kind(docs, "Deployment")
+    (config,) = by_kind(docs, "ConfigMap").values()
+    drain_s = float(config["data"].get("SPECD_GATEWAY_SHUTDOWN_GRACE_S", 10))
+
+    def pre_stop_s(name: str) -> float:
+        (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep", command
+        return float(command[1])
+
+    gateway_s = pre_stop_s("specd-gateway") + drain_s
+    for name, deployment in deployments.items():
+        own_s = pre_stop_s(name) + (drain_s if name == "specd-gateway" else 5)
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > own_s, name
+        if name != "specd-gateway":
+            assert pre_stop_s(name) > gateway_s, f"{name} stops before the gateway has drained"
+
+
 # -- each service restarts on its own ---------------------------------------------------------
 
 

@@ -27,12 +27,16 @@ class ScriptedScheduler:
     """Choice i says "c{i}:{its seed}" in two deltas, as tokens [i] then [100 + i], and stops;
     `failing` names a choice that fails after its first delta instead."""
 
+    max_context = 4096
+
     def __init__(self, failing: int | None = None) -> None:
         self.failing = failing
         self.submitted: list[GenerationParams] = []
         self.cancelled: list[int] = []
 
-    def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
+    def submit_group(
+        self, prompt: list[int], group: list[GenerationParams], carrier: Any = None, client: str = ""
+    ) -> list[Any]:
         self.submitted.extend(group)
         return [
             types.SimpleNamespace(index=i, params=p, prompt_logprobs=PROMPT_LOGPROBS if asks_prompt(p) else [])

@@ -48,6 +48,32 @@ def test_a_lease_not_renewed_in_time_gives_up_its_sequences() -> None:
     assert forever.expired() == []
 
 
+def test_an_owner_whose_presence_streams_all_ended_is_freed_after_detach_s_unless_it_returns() -> None:
+    clock = Clock()
+    leases = Leases(30.0, clock, detach_s=1.0)
+    for owner in ("gone", "back", "heard", "two"):
+        leases.attach(owner)
+        leases.opened(owner, [engine_id(owner, "a")])
+    leases.attach("two")
+    for owner in ("gone", "back", "heard", "two"):
+        leases.detach(owner)  # "two" still has a stream open
+    clock.now += 0.5
+    leases.attach("back")  # re-attached within the window
+    leases.renew("heard")  # a round or a KeepAlive: not gone, whatever its stream did
+    assert leases.expired() == []
+    clock.now += 0.6
+    assert leases.expired() == ["gone/a"]
+    assert [leases.count(o) for o in ("back", "heard", "two")] == [1, 1, 1]
+    clock.now += 20  # the lease, 30 s, still holds the rest
+    assert leases.expired() == []
+    forever = Leases(0.0, clock, detach_s=1.0)  # no lease: a detach still frees
+    forever.attach("gw")
+    forever.opened("gw", ["gw/a"])
+    forever.detach("gw")
+    clock.now += 1
+    assert forever.expired() == ["gw/a"]
+
+
 def test_public_messages_drop_the_owner_prefix() -> None:
     assert public_message("sequence 'gw1/abc' is not open", "gw1") == "sequence 'abc' is not open"
     assert public_message("sequences not open: '/x', '/y'", "") == "sequences not open: 'x', 'y'"
@@ -170,6 +196,32 @@ def test_an_open_whose_rpc_is_cancelled_still_expires_with_its_lease() -> None:
         await asyncio.sleep(0.6)
         task.cancel()
         assert not s.engine.table.seqs
+        s.runner.shutdown()
+
+    asyncio.run(go())
+
+
+def test_a_presence_stream_holds_until_cancelled_and_then_detaches_its_owner() -> None:
+    async def go() -> None:
+        s = servicer(30.0)
+        stream = s.Attach(common_pb2.AttachRequest(lease_owner="gw1"), Context())
+        first = await anext(stream)
+        assert first.detach_seconds == s.leases.detach_s
+        pending = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.05)
+        assert not pending.done()  # it holds
+        await s.OpenDraftSequences(
+            drafter_pb2.OpenDraftSequencesRequest(sequences=[spec("a")], lease_owner="gw1"), Context()
+        )
+        pending.cancel()  # the caller's connection closed
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        s.leases.detach_s = 0.0
+        assert s.leases.expired() == ["gw1/a"]
+        context = Context()
+        with pytest.raises(Aborted):
+            await anext(s.Attach(common_pb2.AttachRequest(lease_owner="x/y"), context))
+        assert context.code == grpc.StatusCode.INVALID_ARGUMENT
         s.runner.shutdown()
 
     asyncio.run(go())

@@ -141,3 +141,25 @@ def test_a_stop_request_stops_restarting() -> None:
     world.latest("drafter").code = 0  # Ctrl-C reached it too
     world.run(s, 5.0)
     assert len(world.spawned) == 3
+
+
+def test_stop_all_stops_the_gateway_first_and_the_backends_only_once_it_has_exited() -> None:
+    world = World()
+    s = up(world)
+    order: list[str] = []
+    for proc in world.spawned:
+
+        def terminate(proc: FakeProcess = proc) -> None:
+            order.append(f"terminate {proc.argv[0]}")
+            proc.terminated = True
+
+        def wait(timeout: float | None = None, proc: FakeProcess = proc) -> int:
+            order.append(f"wait {proc.argv[0]}")
+            proc.code = 0  # the drain ends
+            return 0
+
+        proc.terminate = terminate  # type: ignore[method-assign]
+        proc.wait = wait  # type: ignore[method-assign]
+    s.stop_all(grace_s=0, first=("gateway",), first_grace_s=5)
+    assert order[:2] == ["terminate gateway", "wait gateway"]
+    assert sorted(order[2:]) == sorted(["terminate verifier", "terminate drafter", "wait verifier", "wait drafter"])

@@ -6,7 +6,7 @@ import pytest
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
-from specd.rpc.tls import ApiKeys, TlsConfigError, channel_credentials, server_credentials
+from specd.rpc.tls import ApiKeyError, ApiKeys, TlsConfigError, channel_credentials, server_credentials
 
 
 def test_api_keys_accept_only_bearer_with_a_listed_key():
@@ -16,6 +16,15 @@ def test_api_keys_accept_only_bearer_with_a_listed_key():
         assert keys.allows(ok), ok
     for bad in (None, "", "alpha", "Bearer", "Bearer gamma", "Basic alpha", "Bearer alph", "Bearer alphaa"):
         assert not keys.allows(bad), bad
+
+
+def test_keys_are_compared_as_the_bytes_http_carries_and_unsendable_keys_fail_at_start():
+    keys = ApiKeys(("alpha",))
+    assert keys.allows(b"Bearer alpha") and not keys.allows(b"Bearer alpha\xe9")
+    assert not keys.allows("Bearer alph\u00e9")
+    for unsendable in ("caf\u00e9-key", "two words", "tab\there"):
+        with pytest.raises(ApiKeyError, match="API key 2 has characters an HTTP header cannot carry"):
+            ApiKeys(("alpha", unsendable))
 
 
 def test_no_keys_leaves_the_api_open():

@@ -190,3 +190,31 @@ def test_validator_is_the_one_place_ranges_live():
     with pytest.raises(InvalidParameter) as info:
         generation_params(RequestedParams(top_k=2**31), vocab_size=10)
     assert info.value.param == "top_k" and info.value.status == 400
+
+
+def test_guided_choice_is_bounded_before_it_is_compiled():
+    from gateway.api.validation import InvalidParameter
+    from specd.engine.ranges import MAX_GUIDED_CHOICE_CHARS, MAX_GUIDED_CHOICES
+
+    fits = [f"c{i}" for i in range(MAX_GUIDED_CHOICES)]
+    assert generation_params(RequestedParams(guided_choice=fits), 1000).grammar
+    for refused in ([*fits, "one more"], ["x" * (MAX_GUIDED_CHOICE_CHARS // 2)] * 3):
+        with pytest.raises(InvalidParameter, match="guided_choice takes at most") as exc:
+            generation_params(RequestedParams(guided_choice=refused), 1000)
+        assert exc.value.param == "guided_choice" and exc.value.status == 400
+
+
+@pytest.mark.parametrize("temperature", [math.inf, math.nan, 100.5, -1.0])
+def test_the_services_refuse_what_the_gateway_refuses(temperature):
+    from specd.engine.params import SamplingParams, validate_sampling
+
+    assert generation_params_problem(temperature) == validate_sampling(SamplingParams(temperature=temperature))
+    assert validate_sampling(SamplingParams(temperature=100.0)) is None
+
+
+def generation_params_problem(temperature: float) -> str:
+    from gateway.api.validation import InvalidParameter
+
+    with pytest.raises(InvalidParameter) as exc:
+        generation_params(RequestedParams(temperature=temperature), 1000)
+    return exc.value.message

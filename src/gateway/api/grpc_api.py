@@ -15,8 +15,11 @@ from typing import Any, NoReturn
 import grpc
 
 from gateway.api.choices import Gathered, Outcome, choice_params, merged, request_usage
+from gateway.api.grammar_check import check_constraint
+from gateway.api.limits import api_key
 from gateway.api.logprob_format import TokenTexts, grpc_logprobs
-from gateway.api.validation import InvalidParameter, RequestedParams, choices, encode_prompt, generation_params
+from gateway.api.prompts import off_loop, prompts_for
+from gateway.api.validation import InvalidParameter, RequestedParams, choices, generation_params
 from gateway.failures import GenerationError, internal
 from gateway.round.scheduler import Delta, Failed, Finished, Scheduler, _Sequence
 from specd.engine.params import TokenLogprob
@@ -27,18 +30,25 @@ FINISH = {"stop": gateway_pb2.FINISH_REASON_STOP, "length": gateway_pb2.FINISH_R
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Any, model_name: str, max_n: int, undeclared_keys: bool = False
+        self,
+        scheduler: Scheduler,
+        tokenizer: Any,
+        model_name: str,
+        max_n: int,
+        undeclared_keys: bool = False,
+        keyed: bool = False,
     ) -> None:
         self.scheduler = scheduler
         # --json-undeclared-keys, as on the HTTP API.
         self.undeclared_keys = undeclared_keys
+        self.keyed = keyed  # whether clients are told apart by API key (else by address): gateway.round.shares
         self.tokenizer = tokenizer
         self.model_name = model_name
         # The most choices one request may ask for (--max-n), the HTTP API's limit too.
         self.max_n = max_n
         self.texts = TokenTexts(tokenizer)
 
-    def _start(
+    async def _start(
         self,
         model: str,
         prompt: str,
@@ -51,11 +61,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise GenerationError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}")
         raw = dataclasses.replace(requested(params), undeclared_keys=self.undeclared_keys)
         generation = generation_params(raw, len(self.tokenizer))
+        await off_loop(check_constraint, self.tokenizer, generation, raw)
         wanted = choices(raw, self.max_n, stream)
-        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if k in ("traceparent", "tracestate")}
-        return self.scheduler.submit_group(
-            encode_prompt(self.tokenizer, prompt), choice_params(generation, wanted), metadata
-        )
+        sent = dict(context.invocation_metadata() or ())
+        metadata = {k: v for k, v in sent.items() if k in ("traceparent", "tracestate")}
+        # The peer is "ipv4:HOST:PORT" or "ipv6:[HOST]:PORT": the client is its host.
+        client = api_key(sent.get("authorization")) if self.keyed else context.peer().rpartition(":")[0]
+        ids = await off_loop(prompts_for(self.tokenizer, self.scheduler.max_context).text_ids, prompt)
+        return self.scheduler.submit_group(ids, choice_params(generation, wanted), metadata, client)
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> NoReturn:
         await context.abort(error.kind.grpc_status, error.message)
@@ -63,7 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Generate(self, request, context) -> gateway_pb2.GenerateResponse:
         try:
-            seqs = self._start(request.model, request.prompt, request.params, context, stream=False)
+            seqs = await self._start(request.model, request.prompt, request.params, context, stream=False)
         except GenerationError as exc:
             await self._abort(context, exc)
         gathered = Gathered(len(seqs))
@@ -82,7 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def GenerateStream(self, request, context) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         try:
-            seqs = self._start(request.model, request.prompt, request.params, context, stream=True)
+            seqs = await self._start(request.model, request.prompt, request.params, context, stream=True)
         except GenerationError as exc:
             await self._abort(context, exc)
         # Leaving this generator early (client cancelled) closes merged(), which cancels every

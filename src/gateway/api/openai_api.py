@@ -19,12 +19,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.api import chat_templates, tool_calls, tool_parsers
 from gateway.api.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
+from gateway.api.grammar_check import check_constraint
 from gateway.api.limits import RateLimiter, api_key
 from gateway.api.logprob_format import TokenTexts, chat_content, completion_logprobs
+from gateway.api.prompts import Prompts, off_loop, prompts_for
 from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.api.replies import error_response, invalid, message, tool_finish
 from gateway.api.responses_api import ResponsesApi
-from gateway.api.validation import InvalidParameter, choices, encode_prompt, generation_params
+from gateway.api.validation import InvalidParameter, choices, generation_params
 from gateway.failures import GenerationError
 from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from specd.engine.params import TokenLogprob
@@ -64,6 +66,11 @@ class OpenAIApi:
         self.created = int(time.time())
         self.texts = TokenTexts(tokenizer)
         self.routes: list[str] = []  # "METHOD /path" of every route served, for the 404 of any other
+        self.keyed = False  # whether clients are told apart by API key (else by address): gateway.round.shares
+
+    @property
+    def prompts(self) -> Prompts:
+        return prompts_for(self.tokenizer, self.scheduler.max_context)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="specd gateway", version="0.1.0")
@@ -159,8 +166,10 @@ class OpenAIApi:
     ) -> list[_Sequence] | JSONResponse:
         # A client's own W3C trace context makes the request span a child of its span.
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
+        address = request.client.host if request.client else ""
+        client = api_key(request.headers.get("authorization")) if self.keyed else address
         try:
-            return self.scheduler.submit_group(prompt, group, carrier)
+            return self.scheduler.submit_group(prompt, group, carrier, client)
         except GenerationError as exc:
             return error_response(exc.status, exc.message, exc.code)
 
@@ -172,15 +181,17 @@ class OpenAIApi:
         if body.stream_options is not None and not body.stream:
             raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
         raw = dataclasses.replace(body.requested(), undeclared_keys=self.undeclared_keys)
-        return generation_params(raw, len(self.tokenizer)), choices(raw, self.max_n, bool(body.stream))
+        params = generation_params(raw, len(self.tokenizer))
+        check_constraint(self.tokenizer, params, raw)
+        return params, choices(raw, self.max_n, bool(body.stream))
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         if (problem := body.prompt_problem()) is not None:
             raise problem
         if isinstance(body.prompt, str):
-            return encode_prompt(self.tokenizer, body.prompt)
+            return self.prompts.text_ids(body.prompt)
         if isinstance(body.prompt[0], str):
-            return encode_prompt(self.tokenizer, body.prompt[0])
+            return self.prompts.text_ids(body.prompt[0])
         prompt = [t for t in body.prompt if isinstance(t, int)]  # token ids
         vocab = len(self.tokenizer)
         if any(not 0 <= t < vocab for t in prompt):
@@ -191,8 +202,8 @@ class OpenAIApi:
         if (bad := self._check_model(body.model)) is not None:
             return bad
         try:
-            prompt = self._completion_prompt(body)
-            params, wanted = self._params(body)
+            prompt = await off_loop(self._completion_prompt, body)
+            params, wanted = await off_loop(self._params, body)
         except InvalidParameter as exc:
             return invalid(exc)
         seqs = self._submit(prompt, choice_params(params, wanted), request)
@@ -255,12 +266,13 @@ class OpenAIApi:
             }
         )
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], GenerationParams, Choices]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], GenerationParams, Choices]:
         """A chat request's prompt tokens, parameters and choices (its tools: body.tool_choice_spec),
-        checked; raises InvalidParameter. The Responses API (gateway.api.responses_api) goes this way too."""
+        checked, made off the event loop; raises InvalidParameter. The Responses API
+        (gateway.api.responses_api) goes this way too."""
         if (problem := body.messages_problem()) is not None:
             raise problem
-        params, wanted = self._params(body)
+        params, wanted = await off_loop(self._params, body)
         tools = body.tool_choice_spec  # checked with the other parameters above
         if tools is not None and tools.mode == "auto" and self.template_tools_problem:
             raise InvalidParameter(
@@ -280,20 +292,14 @@ class OpenAIApi:
             )
         messages = [m.for_template() for m in body.messages]
         options = body.template_options()
-        try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tools=body.template_tools(), tokenize=False, **options
-            )
-        except Exception as exc:  # a template may reject some role orders
-            raise InvalidParameter("messages", f"cannot apply the chat template: {exc}") from None
-        # The template already wrote the special tokens.
-        return encode_prompt(self.tokenizer, rendered, "messages", add_special_tokens=False), params, wanted
+        prompt = await off_loop(self.prompts.chat_ids, messages, body.template_tools(), options)
+        return prompt, params, wanted
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         if (bad := self._check_model(body.model)) is not None:
             return bad
         try:
-            prompt, params, wanted = self.chat_prompt(body)
+            prompt, params, wanted = await self.chat_prompt(body)
         except InvalidParameter as exc:
             return invalid(exc)
         tools = body.tool_choice_spec

@@ -14,11 +14,12 @@ import functools
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from gateway.api.tool_calls import ToolChoice, tool_choice
 from gateway.api.validation import InvalidParameter, RequestedParams, generation_params
 from gateway.round.scheduler import GenerationParams
+from specd.engine.ranges import MAX_MESSAGES
 
 # Refused unless absent, null, or the neutral value listed; the reason is in the 400.
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -263,6 +264,15 @@ def _arguments(call: ToolCall) -> Any:
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_enough(cls, value: Any) -> Any:
+        # Before each message is validated: validating hundreds of thousands takes seconds of the loop.
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"at most {MAX_MESSAGES} messages are allowed, got {len(value)}")
+        return value
+
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None

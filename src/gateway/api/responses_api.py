@@ -43,7 +43,7 @@ class ChatPath(Protocol):
 
     def _check_model(self, name: str) -> JSONResponse | None: ...
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], GenerationParams, Any]: ...
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], GenerationParams, Any]: ...
 
     def _submit(self, prompt: list[int], group: list[GenerationParams], request: Request) -> Any: ...
 
@@ -296,7 +296,7 @@ class ResponsesApi:
             return bad
         try:
             chat = body.chat()
-            prompt, params, _ = api.chat_prompt(chat)
+            prompt, params, _ = await api.chat_prompt(chat)
         except InvalidParameter as exc:
             return invalid(exc)
         seqs = api._submit(prompt, [params], request)

@@ -25,7 +25,13 @@ from specd.engine.grammar import (
     schema_problem,
 )
 from specd.engine.params import LogprobsRequest, Penalties, SamplingParams
-from specd.engine.ranges import MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_SEQUENCES, RANGES
+from specd.engine.ranges import (
+    MAX_GUIDED_CHOICE_CHARS,
+    MAX_GUIDED_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_SEQUENCES,
+    RANGES,
+)
 
 
 class InvalidParameter(GenerationError):
@@ -196,6 +202,12 @@ def guided_grammar(param: str, value: str | Sequence[str], ignore_eos: bool) -> 
     else:
         if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
             raise InvalidParameter(param, "guided_choice must be a non-empty list of strings")
+        if len(value) > MAX_GUIDED_CHOICES or sum(map(len, value)) > MAX_GUIDED_CHOICE_CHARS:
+            raise InvalidParameter(
+                param,
+                f"guided_choice takes at most {MAX_GUIDED_CHOICES} strings of {MAX_GUIDED_CHOICE_CHARS} characters "
+                f"in all; got {len(value)} of {sum(map(len, value))}",
+            )
         grammar = choice_grammar(list(value))
     if ignore_eos:
         # The output ends where the grammar is complete; past it, no token is allowed.

@@ -27,6 +27,10 @@ class TextStream:
         self.stopped = False
         self._prefix_offset = 0
         self._read_offset = 0
+        # Per stop string: its prefix function, and how much of it the text's tail matches now
+        # (Knuth-Morris-Pratt), so the hold-back costs the new characters only, not the text again.
+        self._failure = [_prefix_function(s) for s in self.stop]
+        self._matched = [0] * len(self.stop)
 
     def add(self, token_id: int) -> None:
         """Append one token; sets `stopped` when a stop string completes."""
@@ -37,7 +41,10 @@ class TextStream:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete character: wait for the next token
         before = len(self.text)
-        self.text += full[len(prefix) :]
+        piece = full[len(prefix) :]
+        self.text += piece
+        for i, (stop, failure) in enumerate(zip(self.stop, self._failure, strict=True)):
+            self._matched[i] = _advance(stop, failure, self._matched[i], piece)
         self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         if self.stop:
             longest = max(len(s) for s in self.stop)
@@ -59,10 +66,29 @@ class TextStream:
 
     def _held_back(self) -> int:
         """Length of the longest text suffix that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+        return max((m for m, s in zip(self._matched, self.stop, strict=True) if m < len(s)), default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """failure[i]: length of the longest proper prefix of s[: i + 1] that is also its suffix."""
+    failure = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = failure[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        failure[i] = k
+    return failure
+
+
+def _advance(stop: str, failure: list[int], matched: int, text: str) -> int:
+    """How much of `stop` the tail matches after `text` follows a tail that matched `matched`."""
+    for ch in text:
+        if matched == len(stop):
+            matched = failure[matched - 1]
+        while matched and stop[matched] != ch:
+            matched = failure[matched - 1]
+        if stop[matched] == ch:
+            matched += 1
+    return matched

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -44,6 +45,7 @@ from gateway.round.messages import ProtocolError, RoundPlan
 from gateway.round.observer import RoundObserver, RoundOutcome
 from gateway.round.pipeline_choice import MODES
 from gateway.round.prefill_budget import DrafterPrefillBudget
+from gateway.round.shares import Shares, fairest
 from gateway.round.speculation import PolicyConfig, SpeculationPolicy
 from gateway.round.state import Delta, Event, Failed, Finished, GenerationParams, _Sequence, fail, opened
 from specd.rpc.serving import token_logprob_from_pb
@@ -75,6 +77,7 @@ class Scheduler:
         speculative_mode: str = "auto",
         disable_by_batch_size: int = 0,
         max_waiting: int = 0,
+        max_sequences_per_key: int = 0,
         request_timeout_s: float = 0.0,
         pipeline: str = "sequential",
         prefill_chunk_tokens: int = 0,
@@ -103,6 +106,7 @@ class Scheduler:
         self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
         self.pipeline = pipeline
         self.max_waiting = max_waiting
+        self.shares = Shares(max_sequences_per_key)
         self.request_timeout_s = request_timeout_s
         self.draining = False
         # Prompt tokens the verifier prefills per round (0: whole prompts at their open, which stalls
@@ -183,7 +187,11 @@ class Scheduler:
         return self.submit_group(prompt, [params], trace_parent)[0]
 
     def submit_group(
-        self, prompt: list[int], group: Sequence[GenerationParams], trace_parent: Mapping[str, str] | None = None
+        self,
+        prompt: list[int],
+        group: Sequence[GenerationParams],
+        trace_parent: Mapping[str, str] | None = None,
+        client: str = "",
     ) -> list[_Sequence]:
         """Enqueue one sequence per params of `group` (a request's choices), all of them or none.
 
@@ -193,7 +201,11 @@ class Scheduler:
         """
         self._check_admission(len(group))
         max_tokens = [self._max_tokens(prompt, params) for params in group]
+        self.shares.take(client, len(group))
         seqs = [self._sequence(prompt, params, n, trace_parent) for params, n in zip(group, max_tokens, strict=True)]
+        for seq in seqs:
+            seq.client = client
+            seq.life.on_over = functools.partial(self.shares.give_back, client)
         self.waiting.extend(seqs)
         self.metrics.waiting.set(len(self.waiting))
         self._wakeup.set()
@@ -381,7 +393,10 @@ class Scheduler:
         self._verifier_prefill_spent = 0
         batch: list[_Sequence] = []
         while self.waiting and len(self.active) + len(batch) < self.max_batch:
-            batch.append(self.waiting.popleft())
+            # One client: first come, first served; several: the fairest (gateway.round.shares).
+            pick = fairest(self.waiting, [*self.active, *batch]) if len(self.shares.held) > 1 else 0
+            batch.append(self.waiting[pick])
+            del self.waiting[pick]
         if not batch:
             return
         chunks = open_chunks(batch, self.active, "prefill_pending", self.prefill_chunk_tokens, scores_prompts=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,12 +100,17 @@ LIFE_TRANSITIONS: dict[str, tuple[frozenset[Life], Life]] = {
 @dataclass
 class SequenceLife:
     state: Life = Life.WAITING
+    # Called once, when the sequence ends (done or failed): what it held goes back (its client's share).
+    on_over: Callable[[], None] | None = None
 
     def move(self, event: str) -> None:
         allowed, to = LIFE_TRANSITIONS[event]
         if self.state not in allowed:
             raise MembershipError(f"{event} is not allowed in state {self.state.value}")
         self.state = to
+        if self.over and self.on_over is not None:
+            on_over, self.on_over = self.on_over, None
+            on_over()
 
     @property
     def over(self) -> bool:
@@ -127,6 +133,7 @@ class _Sequence:
     cohort: int = 0  # which of the two cohorts it is verified with (cohort pipeline)
     deadline: float = 0.0  # time.monotonic() by which the request must end; 0 = none
     cancelled: bool = False
+    client: str = ""  # whose share it counts against (gateway.round.shares)
     drafted: int = 0
     accepted: int = 0
     # Joined the drafter because auto mode wanted its drafts; then, its rounds on the drafter and

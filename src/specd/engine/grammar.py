@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,22 @@ JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 log = logging.getLogger(__name__)
 
 
+_SOURCE_PATH = re.compile(r"(?:[\w.~-]*/)+[\w.-]+\.rs(?::\d+)*")
+
+
+def one_line(message: str, limit: int = 300) -> str:
+    """An engine's error as a client may see it: its first line, cut short. llguidance can put a
+    native panic's backtrace, with the paths it was built from, after it."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    first = lines[0]
+    if "panicked at" in first:  # the panic's message is on the line after its source location
+        first = "the grammar engine failed: " + (lines[1] if len(lines) > 1 else "panic")
+    first = _SOURCE_PATH.sub("<source>", first)
+    return first if len(first) <= limit else first[: limit - 3] + "..."
+
+
 class GrammarError(ValueError):
     """A schema llguidance cannot compile, or tokens the grammar does not allow."""
 
@@ -51,6 +68,21 @@ def canonical(schema: Mapping[str, Any] | bool) -> str:
     """The wire form of a schema: compact JSON text, keys in the client's order (properties
     are generated in the order the schema lists them, as OpenAI's strict mode does)."""
     return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def compile_text(schema_text: str = "", grammar: str = "") -> str:
+    """The llguidance grammar of a JSON Schema's text, or `grammar` as is."""
+    return _grammar(schema_text) if schema_text else grammar
+
+
+def dry_run_problem(matcher: llguidance.LLMatcher) -> str | None:
+    """Why a freshly compiled matcher can never produce an output (its first mask in error, or
+    empty where the empty output is not accepted either), or None."""
+    if not matcher.is_error():
+        mask = matcher.compute_bitmask()
+        if not matcher.is_error() and (any(mask) or matcher.is_accepting()):
+            return None
+    return one_line(matcher.get_error()) or "no output can ever satisfy it"
 
 
 def _grammar(schema_text: str) -> str:
@@ -75,9 +107,9 @@ def choice_grammar(choices: Sequence[str]) -> str:
 def grammar_problem(grammar: str) -> str | None:
     """Why llguidance cannot compile `grammar`, or None."""
     try:
-        return llguidance.LLMatcher.validate_grammar(grammar) or None
+        return one_line(llguidance.LLMatcher.validate_grammar(grammar)) or None
     except (ValueError, TypeError) as exc:
-        return str(exc)
+        return one_line(str(exc))
 
 
 def schema_problem(schema_text: str) -> str | None:
@@ -86,7 +118,7 @@ def schema_problem(schema_text: str) -> str | None:
         grammar = _grammar(schema_text)
     except GrammarError as exc:
         return str(exc)
-    return llguidance.LLMatcher.validate_grammar(grammar) or None
+    return one_line(llguidance.LLMatcher.validate_grammar(grammar)) or None
 
 
 class GrammarCompiler:
@@ -106,7 +138,7 @@ class GrammarCompiler:
         what = "JSON schema" if schema_text else "grammar"
         m = llguidance.LLMatcher(self._tokenizer, _grammar(schema_text) if schema_text else grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"cannot compile the {what}: {m.get_error()}")
+            raise GrammarError(f"cannot compile the {what}: {one_line(m.get_error())}")
         return GrammarMatcher(m, self.vocab_size, self.eos)
 
 
@@ -152,7 +184,7 @@ class GrammarMatcher:
         if self.ended:
             return torch.zeros(self.vocab_size, dtype=torch.bool)
         if self._m.is_error():
-            raise GrammarError(self._m.get_error())
+            raise GrammarError(one_line(self._m.get_error()))
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         out = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(np.bool_))
         out[self.eos] = self._m.is_accepting()
@@ -167,7 +199,7 @@ class GrammarMatcher:
                     raise GrammarError("end-of-sequence is not allowed before the output is complete")
                 self._ended_at = len(self.tokens)
             elif not self._m.consume_token(t):
-                raise GrammarError(f"token {t} is not allowed here: {self._m.get_error()}")
+                raise GrammarError(f"token {t} is not allowed here: {one_line(self._m.get_error())}")
             self.tokens.append(t)
 
     def pop(self, n: int) -> None:
@@ -179,7 +211,7 @@ class GrammarMatcher:
             self._ended_at = None
         undo = before - self._in_grammar()
         if undo and not self._m.rollback(undo):
-            raise GrammarError(f"cannot roll back {undo} tokens: {self._m.get_error()}")
+            raise GrammarError(f"cannot roll back {undo} tokens: {one_line(self._m.get_error())}")
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Follow `tokens` (the output so far): keep the common prefix, roll back the rest, consume what is new."""

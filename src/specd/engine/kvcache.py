@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import mmap
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -326,30 +325,6 @@ def _dontneed(region: mmap.mmap, t: torch.Tensor, slot: int) -> None:
     last = end // page * page
     if last > first:
         region.madvise(mmap.MADV_DONTNEED, first, last - first)
-
-
-_LIBC: Any = None
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's malloc_trim; elsewhere nothing).
-
-    The prefill of a long prompt leaves freed activations in the heap, which
-    glibc keeps for the next allocation; this returns them once nothing is open.
-    """
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
-
-                libc = ctypes.CDLL("libc.so.6")
-                _LIBC = libc if hasattr(libc, "malloc_trim") else False
-            except OSError:
-                pass
-    if _LIBC:
-        _LIBC.malloc_trim(0)
 
 
 @dataclass

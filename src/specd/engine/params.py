@@ -37,14 +37,12 @@ class SamplingParams:
 
 def validate_sampling(params: SamplingParams) -> str | None:
     """Return why `params` are invalid, or None."""
-    if not params.temperature >= 0.0 or params.temperature != params.temperature:
-        return f"temperature must be >= 0, got {params.temperature}"
-    if not 0.0 < params.top_p <= 1.0:
-        return f"top_p must be in (0, 1], got {params.top_p}"
-    if params.top_k < 0:
+    # The gateway's table (specd.engine.ranges): a value is refused on every side or on none.
+    for name in ("temperature", "top_p", "min_p"):
+        if problem := RANGES[name].problem(name, getattr(params, name)):
+            return problem
+    if params.top_k < 0:  # 0 here is the gateway's "off" (it maps -1 to 0)
         return f"top_k must be >= 0, got {params.top_k}"
-    if not 0.0 <= params.min_p <= 1.0:
-        return f"min_p must be in [0, 1], got {params.min_p}"
     return None
 
 

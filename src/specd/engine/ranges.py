@@ -69,3 +69,9 @@ RANGES: dict[str, Range] = {
 MAX_STOP_SEQUENCES = 4
 # OpenAI caps logit_bias at 300 entries; more is refused rather than silently cut.
 MAX_LOGIT_BIAS_ENTRIES = 300
+# A guided_choice is compiled into one grammar at admission: bounded, so that compiling it is quick
+# and stays inside the grammar engine's limits.
+MAX_GUIDED_CHOICES = 1024
+MAX_GUIDED_CHOICE_CHARS = 65536
+# Messages of one chat request, counted before each is validated (the context window bounds them too).
+MAX_MESSAGES = 8192

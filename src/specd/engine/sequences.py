@@ -12,7 +12,7 @@ import torch
 from specd.engine.errors import EngineError, exhausted, invalid, not_found
 from specd.engine.featurehead import FeatureTrack
 from specd.engine.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-from specd.engine.kvcache import BatchedCausalLM, Row, trim_heap
+from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.logits import penalize
 from specd.engine.logprobs import token_logprobs
 from specd.engine.params import (
@@ -26,6 +26,7 @@ from specd.engine.params import (
 from specd.engine.ranges import RANGES
 from specd.engine.sampling import make_generator
 from specd.engine.tasks import SequenceSpec
+from specd.heap import trim_heap
 
 
 @dataclass

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -24,6 +24,7 @@ from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist
+from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
 from specd.proto.speculative.v1 import common_pb2
 from specd.rpc import backend_auth
 from specd.rpc.leases import Leases, bad_owner, engine_id, public_message
@@ -258,6 +259,17 @@ class SequenceRpcs:
         self.leases.renew(owner)
         return common_pb2.KeepAliveResponse(open_sequences=self.leases.count(owner), lease_seconds=self.leases.lease_s)
 
+    async def attach(self, owner: str, context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.AttachResponse]:
+        """Hold the caller's presence stream open until it goes (its cancellation ends this)."""
+        if problem := bad_owner(owner):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self.leases.attach(owner)
+        try:
+            yield common_pb2.AttachResponse(detach_seconds=self.leases.detach_s)
+            await asyncio.Event().wait()
+        finally:
+            self.leases.detach(owner)
+
     async def run_round(
         self,
         span_name: str,
@@ -332,8 +344,10 @@ def close_present(engine: Any, leases: Leases, keys: list[str], missing_ok: bool
 async def expire_leases(
     service: str, leases: Leases, engine: Any, runner: EngineRunner, metrics: ServiceMetrics
 ) -> None:
-    """Free the sequences of owners that stopped renewing their lease (a gateway that died or was cut off)."""
-    interval_s = min(1.0, leases.lease_s / 4)
+    """Free the sequences of owners that stopped renewing their lease (a gateway cut off) or whose
+    presence streams all ended (a gateway that died)."""
+    # Often enough that a detached owner's sequences go within detach_s + interval_s.
+    interval_s = min(0.5, leases.lease_s / 4) if leases.lease_s > 0 else 0.5
     while True:
         await asyncio.sleep(interval_s)
         keys = leases.expired()
@@ -342,10 +356,11 @@ async def expire_leases(
         (closed, _), _ = await runner.run(close_present, engine, leases, keys, True)
         metrics.expired.inc(closed)
         log.warning(
-            "%s: freed %d sequences of %d lease owner(s) not heard from for %.0f s",
+            "%s: freed %d sequences of %d lease owner(s) disconnected for %.0f s or not heard from for %.0f s",
             service,
             closed,
             len({k.split("/", 1)[0] for k in keys}),
+            leases.detach_s,
             leases.lease_s,
         )
 
@@ -482,8 +497,9 @@ def run_service(
         credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
         tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
         log.info("clients: %s", client_authentication(config.host, bool(tokens), bool(config.tls_client_ca)))
+        check_free({name: (config.host, config.port), "metrics": (config.host, config.metrics_port)})
         engine, info = runner.call(build, config)
-    except (ModelLoadError, ValueError) as exc:
+    except (ModelLoadError, ValueError, PortUnavailable) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
     log.info("%s", kv_cache_summary(engine.table))
@@ -500,7 +516,7 @@ def run_service(
             config.max_message_bytes,
             lambda server: register(server, engine, info, runner, tracing, metrics, leases),
             credentials=credentials,
-            background=(lambda: expire_leases(name, leases, engine, runner, metrics)) if config.lease_s > 0 else None,
+            background=lambda: expire_leases(name, leases, engine, runner, metrics),
             interceptors=backend_auth.server_interceptors(tokens),
         )
     )
@@ -546,13 +562,18 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> None:
     """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
-    server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=list(interceptors))
+    options = channel_options(max_message_bytes) + SERVER_OPTIONS
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
-    add_port(server, address, credentials)
+    try:
+        add_port(server, address, credentials)
+    except PortUnavailable as exc:  # taken since run_service's check
+        log.error("cannot start the %s: %s", name, exc)
+        sys.exit(2)
     await server.start()
     for service in ["", *service_names]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -14,13 +14,16 @@ from typing import Any
 
 import grpc
 
+from specd.ports import PortUnavailable
+
 
 class TlsConfigError(ValueError):
     """A TLS option that cannot work: a missing half of a pair, an unreadable file."""
 
 
-# Probes (kubelet's native gRPC probe, `specd health`) carry no metadata.
-OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/",)
+# Probes (kubelet's native gRPC probe, `specd health`) carry no metadata, and use Check. Watch
+# holds a stream open per call: without a key, anyone could hold thousands.
+OPEN_GRPC_PREFIXES = ("/grpc.health.v1.Health/Check",)
 
 
 def _read(path: str, what: str) -> bytes:
@@ -73,11 +76,20 @@ def server_name_option(server_name: str) -> list[tuple[str, Any]]:
 
 
 def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> None:
-    bound = (
-        server.add_secure_port(address, credentials) if credentials is not None else server.add_insecure_port(address)
-    )
+    try:
+        bound = (
+            server.add_secure_port(address, credentials)
+            if credentials is not None
+            else server.add_insecure_port(address)
+        )
+    except RuntimeError:  # grpcio raises where older releases returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise PortUnavailable(f"cannot listen on {address}: another process holds the port, or the address is not here")
+
+
+class ApiKeyError(ValueError):
+    """A configured API key that no HTTP client could send."""
 
 
 class ApiKeys:
@@ -85,19 +97,28 @@ class ApiKeys:
 
     def __init__(self, keys: Iterable[str]) -> None:
         self._keys = [k.encode() for k in keys if k]
+        for i, key in enumerate(self._keys, 1):
+            # HTTP carries header values as bytes, and clients send visible ASCII: anything else
+            # could never match, so it is a start-up error rather than a key nobody can use.
+            if not all(0x21 <= b <= 0x7E for b in key):
+                raise ApiKeyError(
+                    f"API key {i} has characters an HTTP header cannot carry: use visible ASCII without spaces "
+                    "or commas (e.g. openssl rand -hex 32)"
+                )
 
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def allows(self, authorization: str | None) -> bool:
-        """Whether an `Authorization` value is `Bearer <one of the keys>`."""
+    def allows(self, authorization: str | bytes | None) -> bool:
+        """Whether an `Authorization` value (HTTP's bytes, or gRPC's text) is `Bearer <one of the keys>`."""
         if not self._keys:
             return True
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer":
+        raw = authorization if isinstance(authorization, bytes) else (authorization or "").encode("utf-8", "replace")
+        scheme, _, token = raw.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
             return False
-        presented = token.strip().encode()
+        presented = token.strip()
         # Compare against every key so timing does not reveal which one nearly matched.
         return sum(hmac.compare_digest(presented, k) for k in self._keys) > 0
 
@@ -117,8 +138,7 @@ def http_api_key_middleware(app: Any, keys: ApiKeys, open_paths: Iterable[str]) 
             await app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or ())
-        authorization = headers.get(b"authorization", b"").decode("latin-1")
-        if keys.allows(authorization):
+        if keys.allows(headers.get(b"authorization", b"")):
             await app(scope, receive, send)
             return
         await send(

@@ -201,6 +201,18 @@ class KeepAliveRequest(_message.Message):
     lease_owner: str
     def __init__(self, lease_owner: _Optional[str] = ...) -> None: ...
 
+class AttachRequest(_message.Message):
+    __slots__ = ("lease_owner",)
+    LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    lease_owner: str
+    def __init__(self, lease_owner: _Optional[str] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("detach_seconds",)
+    DETACH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    detach_seconds: float
+    def __init__(self, detach_seconds: _Optional[float] = ...) -> None: ...
+
 class KeepAliveResponse(_message.Message):
     __slots__ = ("open_sequences", "lease_seconds")
     OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]

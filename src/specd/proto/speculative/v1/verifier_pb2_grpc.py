@@ -62,6 +62,11 @@ class VerifierServiceStub:
                 request_serializer=speculative_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=speculative_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/speculative.v1.VerifierService/Attach',
+                request_serializer=speculative_dot_v1_dot_common__pb2.AttachRequest.SerializeToString,
+                response_deserializer=speculative_dot_v1_dot_common__pb2.AttachResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -106,6 +111,13 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Held open while the caller is connected; see AttachRequest.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -133,6 +145,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=speculative_dot_v1_dot_common__pb2.KeepAliveRequest.FromString,
                     response_serializer=speculative_dot_v1_dot_common__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=speculative_dot_v1_dot_common__pb2.AttachRequest.FromString,
+                    response_serializer=speculative_dot_v1_dot_common__pb2.AttachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,6 +289,33 @@ class VerifierService:
             '/speculative.v1.VerifierService/KeepAlive',
             speculative_dot_v1_dot_common__pb2.KeepAliveRequest.SerializeToString,
             speculative_dot_v1_dot_common__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/speculative.v1.VerifierService/Attach',
+            speculative_dot_v1_dot_common__pb2.AttachRequest.SerializeToString,
+            speculative_dot_v1_dot_common__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
