@@ -25,6 +25,7 @@ from gateway.openai_api import OpenAIApi
 from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.scheduler import Scheduler
 from specd import backend_auth, checkpoints, tls
+from specd.end_tokens import end_token_ids
 from specd.fingerprint import TokenizerFingerprint
 from specd.grpc_decode import DecodeErrorInterceptor
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -71,8 +72,10 @@ async def run(config: GatewayConfig) -> None:
         log.info("waiting for the %s at %s", backend.name, backend.address)
         await backend.wait_ready(config.connect_timeout_s)
         await backend.load_info()
-    check_compatible(TokenizerFingerprint.of(tokenizer), verifier, drafter)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    # Every end id of the model stops a sequence; the backends' sets must be the same (the fingerprint holds it).
+    eos = end_token_ids(config.tokenizer, tokenizer)
+    log.info("sequences end at token ids %s", list(eos))
+    check_compatible(TokenizerFingerprint.of(tokenizer, eos), verifier, drafter)
     tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
     scheduler = Scheduler(
         tokenizer,

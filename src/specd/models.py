@@ -13,6 +13,7 @@ import torch
 
 from specd import draftlm
 from specd.checkpoints import ModelLoadError, is_distilled, load_tokenizer, materialize
+from specd.end_tokens import end_token_ids
 from specd.fingerprint import TokenizerFingerprint
 from specd.placement import pin
 
@@ -79,4 +80,5 @@ def load_for_serving(spec: str, device_name: str, dtype_name: str, threads: int 
         torch.set_num_threads(threads or len(pinned))
     model = load_model(spec, device, dtype)
     tokenizer = load_tokenizer(spec)
-    return LoadedModel(model, device, dtype, TokenizerFingerprint.of(tokenizer), tokenizer)
+    fingerprint = TokenizerFingerprint.of(tokenizer, end_token_ids(spec, tokenizer))
+    return LoadedModel(model, device, dtype, fingerprint, tokenizer)
