@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from specd import draftlm
+from specd.attention_layout import UnsupportedAttention, layout
 from specd.checkpoints import ModelLoadError, is_distilled, load_tokenizer, materialize
 from specd.end_tokens import end_token_ids
 from specd.fingerprint import TokenizerFingerprint
@@ -49,13 +50,31 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> Any:
         return model
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            str(path), dtype=dtype, local_files_only=True, attn_implementation=attention_implementation(path)
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    try:
+        layout(model.config.get_text_config())
+    except UnsupportedAttention as exc:
+        raise ModelLoadError(f"cannot serve {path} exactly: {exc}") from exc
     model.to(device)
     model.eval()
     return model
+
+
+def attention_implementation(path: Any) -> str:
+    """PyTorch's fused attention where transformers offers it for the model's class, else its
+    eager attention: transformers refuses SDPA for some (Gemma-2, for its soft-capping)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:
+        return "sdpa"  # from_pretrained then names what is wrong
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 @dataclass(frozen=True)
