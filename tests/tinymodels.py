@@ -67,7 +67,7 @@ def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2,
 
 def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
     """A copy of `model` with noise on every weight: a drafter that agrees partly."""
-    clone = LlamaForCausalLM(model.config).eval()
+    clone = type(model)(model.config).eval()
     clone.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -102,6 +102,8 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "head_dim": 16,
             "query_pre_attn_scalar": 16,
             "hidden_activation": "gelu_pytorch_tanh",
+            # Tied to its scaled embedding, a tiny random Gemma-2 repeats its last token forever.
+            "tie_word_embeddings": False,
         },
     ),
 }
