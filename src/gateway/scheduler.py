@@ -1033,6 +1033,7 @@ class Scheduler:
                 s.prefill_pending = verdict.prefill_pending
             elif verdict.drafts_refused:
                 log.warning("verifier refused the drafts of %s; continuing target-only", s.id)
+                self.metrics.refused_draft_blocks.inc()
                 s.drafter.park()
             elif verdict.error is not None:
                 self._fail(s, verdict.error)
