@@ -25,9 +25,11 @@ class RefusingScheduler:
 
     def __init__(self) -> None:
         self.submitted: list[GenerationParams] = []
+        self.prompts: list[list[int]] = []  # the prompt of each submission
 
     def submit(self, prompt: list[int], params: GenerationParams, carrier: Any = None) -> Any:
         self.submitted.append(params)
+        self.prompts.append(list(prompt))
         return types.SimpleNamespace(prompt_logprobs=[])
 
     def submit_group(self, prompt: list[int], group: list[GenerationParams], carrier: Any = None) -> list[Any]:
