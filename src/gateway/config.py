@@ -75,6 +75,12 @@ class GatewayConfig:
         '(a named function and "required" are forced by grammar and need no parser)',
         ["", "hermes"],
     )
+    per_request_spec_decode_metrics: str = field(
+        "off",
+        "per-request speculation statistics in each response's metrics.speculative_decoding (vLLM's flag and "
+        "shape; the last chunk of a stream): summary, or detailed (adds every step's drafted and accepted counts)",
+        ["off", "summary", "detailed"],
+    )
     max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
     http_max_body_bytes: int = field(
         8 * 1024 * 1024, "largest HTTP request body; a larger one gets 413 before it is read (or as soon as it is)"

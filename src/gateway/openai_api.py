@@ -22,6 +22,7 @@ from gateway.limits import RateLimiter, api_key
 from gateway.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
+from gateway.spec_metrics import speculative_decoding
 from gateway.tool_calls import ToolChoice
 from gateway.validation import InvalidParameter, choices, encode_prompt
 from specd.params import TokenLogprob
@@ -46,8 +47,11 @@ class OpenAIApi:
         limiter: RateLimiter | None = None,
         max_n: int = 8,
         tool_parser: str = "",
+        spec_metrics: str = "off",
     ) -> None:
         self.scheduler = scheduler
+        # --per-request-spec-decode-metrics: "off", "summary" or "detailed" (gateway.spec_metrics).
+        self.spec_metrics = spec_metrics
         # Reads the calls of tool_choice "auto" out of the model's text; "" refuses "auto".
         self.tool_parser = tool_parser
         # The most choices (n, best_of) one request may ask for: each is a sequence of its own.
@@ -224,6 +228,7 @@ class OpenAIApi:
                 "model": self.model_name,
                 "choices": out,
                 "usage": usage(outcomes),
+                **self._metrics(outcomes),
             }
         )
 
@@ -401,8 +406,17 @@ class OpenAIApi:
                     for index, outcome in enumerate(best(outcomes, wanted))
                 ],
                 "usage": usage(outcomes),
+                **self._metrics(outcomes),
             }
         )
+
+    def _metrics(self, finished: Sequence[Finished | Outcome]) -> dict[str, Any]:
+        """The response's `metrics` member when per-request speculation statistics are on, else nothing."""
+        if self.spec_metrics == "off":
+            return {}
+        steps = [(f.finished if isinstance(f, Outcome) else f).spec_steps for f in finished]
+        k = self.scheduler.k_limit
+        return {"metrics": {"speculative_decoding": speculative_decoding(steps, k, self.spec_metrics)}}
 
     # -- plumbing --------------------------------------------------------
     async def _collect(self, seqs: list[_Sequence], request: Request) -> list[Outcome] | JSONResponse:
@@ -462,12 +476,14 @@ class OpenAIApi:
                     elif isinstance(event, Finished):
                         done[i] = event
                         yield sent(chunk(i, "", event.reason))
-                        if include_usage and len(done) == len(seqs):
+                        metrics = self._metrics(list(done.values())) if len(done) == len(seqs) else {}
+                        if len(done) == len(seqs) and (include_usage or metrics):
                             last = chunk(0, "", None)
                             assert isinstance(last, dict)  # an empty delta is never held back
                             last["choices"] = []
-                            last["usage"] = usage([done[j] for j in range(len(seqs))])
-                            yield sse(last)
+                            if include_usage:
+                                last["usage"] = usage([done[j] for j in range(len(seqs))])
+                            yield sse(last | metrics)
                     elif isinstance(event, Failed):
                         err = event.error
                         yield sse({"error": {"message": err.message, "type": err.kind.openai_type, "code": err.code}})

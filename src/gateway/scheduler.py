@@ -88,6 +88,8 @@ class Finished:
     reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    # Each verify step that carried drafts: (drafts verified, drafts accepted), in order.
+    spec_steps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -116,6 +118,7 @@ class _Sequence:
     done: bool = False
     drafted: int = 0
     accepted: int = 0
+    spec_steps: list[tuple[int, int]] = field(default_factory=list)  # see Finished.spec_steps
     # Joined the drafter because auto mode wanted its drafts; then, its rounds on the drafter and
     # those in which it drafted (what the policy learns its joins are worth from).
     joined_for_auto: bool = False
@@ -1040,6 +1043,8 @@ class Scheduler:
             else:
                 s.drafted += verdict.drafted
                 s.accepted += verdict.accepted
+                if verdict.drafted:
+                    s.spec_steps.append((verdict.drafted, verdict.accepted))
                 if s.hidden is not None:
                     s.hidden.add(verdict.hidden_start, verdict.hidden_states)
                 self._commit(s, list(verdict.tokens), verdict.logprobs)
@@ -1084,7 +1089,7 @@ class Scheduler:
         if reason is not None:
             seq.done = True
             self._observe_finish(seq, reason)
-            seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
+            seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output), tuple(seq.spec_steps)))
 
     def _observe_finish(self, seq: _Sequence, reason: str) -> None:
         now = time.perf_counter_ns()

@@ -128,6 +128,7 @@ async def run(config: GatewayConfig) -> None:
         RateLimiter(config.rate_limit),
         config.max_n,
         config.tool_call_parser,
+        config.per_request_spec_decode_metrics,
     )
     grpc_server = None
     if config.grpc_port:

@@ -132,6 +132,12 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
+        "--per-request-spec-decode-metrics",
+        choices=["off", "summary", "detailed"],
+        default="off",
+        help="see specd gateway --help: per-request speculation statistics in each response (vLLM's flag)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=["", "hermes"],
         default="",
@@ -313,6 +319,7 @@ def up(argv: Sequence[str]) -> None:
         "--pipeline", args.pipeline,
         "--max-batch", str(args.max_batch),
         "--tool-call-parser", args.tool_call_parser,
+        "--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics,
         "--drafter-overlap", "true" if overlap else "false",
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),
