@@ -76,6 +76,7 @@ def served(request, tok, tmp_path_factory, log_dir) -> Iterator[tuple[Pair, str,
         "--speculative-mode", "fixed",
         "--max-context", "256",
         "--startup-timeout", "150",
+        "--per-request-spec-decode-metrics", "summary",
         *placement,
     )  # fmt: skip
     start = time.monotonic()
@@ -115,9 +116,12 @@ def test_the_openai_api_stops_at_the_second_end_id_with_finish_reason_stop(serve
     assert choice["finish_reason"] == "stop", (pair.arch, reply)
     assert choice["text"] == tok.decode(stop[:-1], skip_special_tokens=True)
     assert reply["usage"]["completion_tokens"] == len(stop)
+    # specd up passes the flag on: the request's own speculation statistics come with it.
+    spec = reply["metrics"]["speculative_decoding"]
+    assert spec["num_spec_tokens"] == 4 and spec["num_draft_tokens"] >= spec["num_spec_steps"] > 0
 
 
-def test_the_fused_forward_serves_llama_and_transformers_the_rest(served):
+def test_the_fused_forward_serves_where_it_applies_and_transformers_elsewhere(served):
     pair, _, _, log = served
     text = log.read_text(errors="replace")
     name = type(pair.target).__name__
