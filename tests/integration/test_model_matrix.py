@@ -10,6 +10,7 @@ stopped only at the tokenizer's eos would run past it.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,14 @@ import torch
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
 
 ARCHITECTURES = sorted(tinymodels.ARCHITECTURES)
-PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,")
+# The target's weights; another value (with other prompts) is an independent check of the same
+# claims, the crafted end id included: SPECD_MATRIX_SEED=23 pytest tests/integration/test_model_matrix.py
+SEED = int(os.environ.get("SPECD_MATRIX_SEED", "11"))
+PROMPTS = (
+    ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,", "1, 2, 3,")
+    if "SPECD_MATRIX_SEED" not in os.environ
+    else ("Speculative decoding makes large models", '{"name": "specd", "version":', "Q: What is 2 + 2?\nA:", "a")
+)
 STOP_PROMPT = PROMPTS[0]
 STOP_AT = 6  # the crafted end id is the STOP_PROMPT's 7th greedy token (or a later one new there)
 MAX_TOKENS = 24
@@ -49,8 +57,8 @@ def _second_end(tokens: list[int], eos: int) -> int:
 class Pair:
     def __init__(self, arch: str, tok, root: Path) -> None:
         self.arch = arch
-        self.target = tinymodels.build_architecture(arch, 11, len(tok), tok.bos_token_id, tok.eos_token_id)
-        draft = tinymodels.perturbed(self.target, 0.3, seed=5)
+        self.target = tinymodels.build_architecture(arch, SEED, len(tok), tok.bos_token_id, tok.eos_token_id)
+        draft = tinymodels.perturbed(self.target, 0.3, seed=SEED + 1)
         self.ends = [tok.eos_token_id, _second_end(_greedy(self.target, tok, STOP_PROMPT, None), tok.eos_token_id)]
         for model in (self.target, draft):
             model.generation_config.eos_token_id = self.ends
