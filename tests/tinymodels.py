@@ -71,7 +71,7 @@ def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2,
 
 def perturbed(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:
     """A copy of `model` with noise on every weight: a drafter that agrees partly."""
-    clone = LlamaForCausalLM(model.config).eval()
+    clone = type(model)(model.config).eval()
     clone.load_state_dict(model.state_dict())
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -85,3 +85,55 @@ def save(model: LlamaForCausalLM, tok, path: Path) -> Path:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# The architectures a user's own pair is likely to have, each as tiny as the Llama above
+# (2 layers, hidden 64), with what sets it apart switched on: biases on q/k/v (Qwen2), norms on
+# q and k (Qwen3), a sliding window (Mistral, Phi-3 and Gemma-2's every other layer, narrow
+# enough that the tests' sequences outgrow it), a fused qkv and gate_up (Phi-3), soft-capping,
+# a scaled embedding and extra norms (Gemma-2).
+SLIDING_WINDOW = 8
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mistral": ("MistralConfig", {"sliding_window": SLIDING_WINDOW, "head_dim": 16}),
+    "phi3": ("Phi3Config", {"sliding_window": SLIDING_WINDOW, "pad_token_id": None}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "sliding_window": SLIDING_WINDOW,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "hidden_activation": "gelu_pytorch_tanh",
+            # Tied to its scaled embedding, a tiny random Gemma-2 repeats its last token forever.
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+
+
+def build_architecture(arch: str, seed: int, vocab_size: int, bos: int, eos: int | list[int]) -> Any:
+    """A tiny random-weight causal LM of architecture `arch` (a key of ARCHITECTURES)."""
+    import transformers
+
+    name, extra = ARCHITECTURES[arch]
+    fields: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": eos if isinstance(eos, int) else eos[0],
+        **extra,
+    }
+    config = getattr(transformers, name)(**fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return model

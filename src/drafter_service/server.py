@@ -87,7 +87,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         config.max_context,
         config.max_draft_tokens,
         config.max_support,
-        grammar_compiler(loaded.tokenizer, lm.vocab_size),
+        grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
     )
     if quantization != "none" and config.int8_wide_rows == -1:
         calibrate_wide_rows(loaded.model, lambda rows: _prefill_once(lm, rows))

@@ -87,6 +87,12 @@ class GatewayConfig:
         "false), as JSON Schema reads; false (the default, as vLLM's): an object that lists its properties holds "
         "only those unless its schema allows others explicitly (additionalProperties or unevaluatedProperties)",
     )
+    per_request_spec_decode_metrics: str = field(
+        "off",
+        "per-request speculation statistics in each response's metrics.speculative_decoding (vLLM's flag and "
+        "shape; the last chunk of a stream): summary, or detailed (adds every step's drafted and accepted counts)",
+        ["off", "summary", "detailed"],
+    )
     max_waiting: int = field(256, "requests waiting for a batch slot beyond which new ones get HTTP 429; 0 = no limit")
     http_max_body_bytes: int = field(
         8 * 1024 * 1024, "largest HTTP request body; a larger one gets 413 before it is read (or as soon as it is)"

@@ -104,6 +104,13 @@ class GatewayMetrics:
             "Draft tokens drafted ahead (or for a cohort) and discarded before verification",
             registry=r,
         )
+        # Above 0 means a gateway bug (drafts sent with a q that does not fit them): acceptance
+        # then collapses to target-only for those sequences without any request failing.
+        self.refused_draft_blocks = Counter(
+            "specd_spec_decode_num_refused_draft_blocks",
+            "Draft blocks the verifier refused (their distributions did not fit their tokens)",
+            registry=r,
+        )
         self.ahead_guesses = Counter(
             "specd_spec_decode_ahead_guesses",
             "Draft-ahead guesses at the verifier's own token after a block accepted whole, by outcome",

@@ -24,6 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.pool import PoolCollector, drafter_pool, verifier_pool
 from gateway.round.scheduler import Scheduler
 from specd.engine import checkpoints
+from specd.engine.end_tokens import end_token_ids
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -76,8 +77,10 @@ async def run(config: GatewayConfig) -> None:
         log.info("waiting for the %s at %s", backend.name, backend.address)
         await backend.wait_ready(config.connect_timeout_s)
         await backend.load_info()
-    check_compatible(TokenizerFingerprint.of(tokenizer), verifier, drafter)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    # Every end id of the model stops a sequence; the backends' sets must be the same (the fingerprint holds it).
+    eos = end_token_ids(config.tokenizer, tokenizer)
+    log.info("sequences end at token ids %s", list(eos))
+    check_compatible(TokenizerFingerprint.of(tokenizer, eos), verifier, drafter)
     tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
     scheduler = Scheduler(
         tokenizer,
@@ -133,6 +136,7 @@ async def run(config: GatewayConfig) -> None:
         config.tool_call_parser,
         config.json_undeclared_keys,
         config.chat_template,
+        config.per_request_spec_decode_metrics,
     )
     if api.template_tools_problem:
         log.warning(

@@ -160,6 +160,12 @@ def _up_parser() -> argparse.ArgumentParser:
         help="see specd gateway --help: most sequences one client (API key, else address) holds at once; 0: no limit",
     )
     p.add_argument(
+        "--per-request-spec-decode-metrics",
+        choices=["off", "summary", "detailed"],
+        default="off",
+        help="see specd gateway --help: per-request speculation statistics in each response (vLLM's flag)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=["", "hermes"],
         default="",
@@ -402,6 +408,7 @@ def up(argv: Sequence[str]) -> None:
         "--tool-call-parser", args.tool_call_parser,
         "--json-undeclared-keys", "true" if args.json_undeclared_keys else "false",
         "--chat-template", args.chat_template,
+        "--per-request-spec-decode-metrics", args.per_request_spec_decode_metrics,
         "--drafter-overlap", "true" if overlap else "false",
         "--prefill-chunk-tokens", str(args.prefill_chunk_tokens),
         "--drafter-timeout-s", str(args.drafter_timeout_s),

@@ -34,7 +34,7 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_sequences,
         config.max_context,
         config.max_draft_tokens,
-        grammar_compiler(loaded.tokenizer, lm.vocab_size),
+        grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
     )
     # Rounds of a few sequences verify a few rows each, where the head's products differ most;
     # from a couple of dozen rows on, the plain product is the matrix-matrix one.

@@ -26,10 +26,11 @@ class RefusingScheduler:
     """Stands for the scheduler: a request that reaches it passed validation."""
 
     max_context = 4096
+    k_limit = 4  # the most drafts per step, as the gateway's scheduler reports it
 
     def __init__(self) -> None:
         self.submitted: list[GenerationParams] = []
-        self.prompts: list[list[int]] = []
+        self.prompts: list[list[int]] = []  # the prompt of each submission
 
     def submit(self, prompt: list[int], params: GenerationParams, carrier: Any = None) -> Any:
         self.submitted.append(params)
@@ -51,14 +52,14 @@ class RefusingScheduler:
 class ScriptedScheduler(RefusingScheduler):
     """Also answers every sequence with the same text, in the pieces given, then `reason`."""
 
-    def __init__(self, pieces: list[str], reason: str = "stop") -> None:
+    def __init__(self, pieces: list[str], reason: str = "stop", spec_steps: tuple[tuple[int, int], ...] = ()) -> None:
         super().__init__()
-        self.pieces, self.reason = pieces, reason
+        self.pieces, self.reason, self.spec_steps = pieces, reason, spec_steps
 
     async def events(self, seq: Any):
         for piece in self.pieces:
             yield Delta(piece, [0])
-        yield Finished(self.reason, 1, len(self.pieces))
+        yield Finished(self.reason, 1, len(self.pieces), self.spec_steps)
 
 
 def body_for(endpoint: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -78,12 +79,18 @@ def with_tools_template(tok: Any) -> Any:
 
 
 def http_post(
-    tok, path: str, body: dict[str, Any], scheduler: RefusingScheduler | None = None, tool_parser: str = ""
+    tok,
+    path: str,
+    body: dict[str, Any],
+    scheduler: RefusingScheduler | None = None,
+    tool_parser: str = "",
+    spec_metrics: str = "off",
 ) -> tuple[httpx.Response, RefusingScheduler]:
     """With a tool_parser, the tokenizer serves a template that renders tools (auto needs both)."""
     scheduler = scheduler or RefusingScheduler()
     tok = with_tools_template(tok) if tool_parser else tok
-    app = OpenAIApi(scheduler, tok, MODEL, health=None, tool_parser=tool_parser).app()  # type: ignore[arg-type]
+    api = OpenAIApi(scheduler, tok, MODEL, health=None, tool_parser=tool_parser, spec_metrics=spec_metrics)  # type: ignore[arg-type]
+    app = api.app()
 
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)

@@ -132,6 +132,14 @@ def hidden_row(position: int) -> bytes:
     return position.to_bytes(2, "little")
 
 
+def q_fits(task: Any) -> bool:
+    """Each draft of a verify task comes with its own q row, in which it has probability."""
+    rows = task.draft_distributions
+    return len(rows) == len(task.draft_token_ids) and all(
+        t in row.token_ids for t, row in zip(task.draft_token_ids, rows, strict=True)
+    )
+
+
 class FakeVerifier(_FakeService):
     def __init__(self, delay_s: float = 0.0, drafter: FakeDrafter | None = None) -> None:
         super().__init__(delay_s)
@@ -140,6 +148,8 @@ class FakeVerifier(_FakeService):
         # stale drafts (still exact, since the verifier decides, but wasted).
         self.drafter = drafter
         self.stale_blocks = 0
+        # Blocks refused as the real verifier refuses them: a q row per draft, each naming its draft.
+        self.bad_q_blocks = 0
 
     async def verify(self, request: Any) -> Any:
         self.requests.append(request)
@@ -160,6 +170,11 @@ class FakeVerifier(_FakeService):
                 # The real verifier would prefill the rest in this round: the stall chunking avoids.
                 result.error.code = common_pb2.ERROR_CODE_INTERNAL
                 result.error.message = "verified before its prefill was done"
+                continue
+            if task.draft_distributions and not q_fits(task):
+                self.bad_q_blocks += 1
+                result.error.code = common_pb2.ERROR_CODE_INVALID_ARGUMENT
+                result.error.message = "draft distributions do not fit their tokens"
                 continue
             if self.drafter is not None and task.draft_token_ids:
                 expected = self.drafter.propose(tokens, len(task.draft_token_ids))
@@ -255,7 +270,10 @@ class FakeDrafter(_FakeService):
                 continue
             if not unprefilled:
                 self.cached[task.sequence_id] = len(tokens) - 1  # a draft step feeds what it was told
-            proposal.token_ids.extend(self.propose(tokens + list(task.assumed_token_ids), task.num_draft_tokens))
+            drafts = self.propose(tokens + list(task.assumed_token_ids), task.num_draft_tokens)
+            proposal.token_ids.extend(drafts)
+            # Each draft's q (a point mass on it, as a greedy drafter's): the verifier checks each row fits.
+            proposal.distributions.extend(common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in drafts)
         return reply
 
     def propose(self, context: list[int], n: int) -> list[int]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import tinymodels
@@ -39,8 +40,12 @@ from test_engine_distribution import (
 )
 from transformers import LlamaForCausalLM
 
+from gateway.round.apply import ahead_block
+from gateway.round.messages import DraftItem
 from specd.engine.sampling import truncate
 from specd.engine.tasks import DraftProposal, DraftTask, SparseDist, VerifyTask
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2
+from specd.rpc.serving import dist_from_pb
 
 Block = tuple[list[int], list[SparseDist]]
 
@@ -86,9 +91,17 @@ class AheadRun:
 
 
 def after_the_guess(proposal: DraftProposal) -> Block:
-    """The ahead block the gateway verifies (`Scheduler._ahead_block`): what follows the guess,
-    with the q each draft was sampled from."""
-    return proposal.tokens[1:], proposal.dists[1:]
+    """The ahead block the gateway verifies, made by the gateway's own `gateway.round.apply.ahead_block`
+    from the proposal as the wire carries it: what follows the guess, with each draft's q."""
+    wire = drafter_pb2.DraftProposal(
+        token_ids=proposal.tokens,
+        distributions=[common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs) for d in proposal.dists],
+    )
+    # Drafted ahead of the sequence's first verify (nothing assumed): the first draft is the guess.
+    item = DraftItem(SimpleNamespace(tokens=list(PROMPT)), len(proposal.tokens), assumed=())  # type: ignore[arg-type]
+    block = ahead_block(item, wire)
+    assert block is not None and block.tail == (proposal.tokens[0],) and block.base == len(PROMPT) + 1
+    return block.tokens, [dist_from_pb(d) for d in block.distributions]
 
 
 def ahead_first_two(
@@ -189,7 +202,7 @@ def likeliest_after_the_guess(proposal: DraftProposal) -> Block:
     """A drafter that picks every token of an ahead block as it picks the guess (its likeliest,
     not a sample) while it still sends the q it would have sampled from: the rejection rule is
     then fed drafts that q did not draw."""
-    dists = proposal.dists[1:]
+    _, dists = after_the_guess(proposal)
     return [d.token_ids[max(range(len(d.probs)), key=d.probs.__getitem__)] for d in dists], dists
 
 

@@ -44,7 +44,10 @@ def test_different_eos_is_named(tok):
     assert other.eos_token_id != tok.eos_token_id
     a, b = TokenizerFingerprint.of(tok), TokenizerFingerprint.of(other)
     assert a.vocab_size == b.vocab_size and a.vocab_sha256 == b.vocab_sha256
-    assert a.differences(b) == [f"eos token id {tok.eos_token_id} != {other.eos_token_id}"]
+    assert a.differences(b) == [
+        f"eos token id {tok.eos_token_id} != {other.eos_token_id}",
+        f"end token ids [{tok.eos_token_id}] != [{other.eos_token_id}]",
+    ]
 
 
 def test_same_vocab_with_different_ids_changes_the_hash():

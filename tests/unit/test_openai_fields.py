@@ -152,3 +152,60 @@ def test_text_parts_are_joined(tok):
     r, scheduler = http_post(tok, CHAT, body_for(CHAT, {"messages": [{"role": "user", "content": parts}]}))
     _, same = http_post(tok, CHAT, body_for(CHAT, {"messages": [{"role": "user", "content": "Hello"}]}))
     assert r.status_code == 200 and scheduler.prompts == same.prompts
+
+
+TOOLS_A = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object"}}}]
+TOOLS_B = [{"type": "function", "function": {"name": "b", "parameters": {"type": "object"}}}]
+
+
+def effect(endpoint: str, field: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """For an implemented field: a request without it (or with another value), the same request
+    with it, and where the difference must show: "scheduler" (the prompt, the parameters or the
+    number of sequences the scheduler is given) or "reply" (a field of the response's form only)."""
+    logprobs = 2 if endpoint == COMPLETIONS else True
+    required = {"tool_choice": "required", "tools": TOOLS_A}
+    table: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+        "best_of": ({}, {"best_of": 3}, "scheduler"),
+        "echo": ({}, {"echo": True}, "reply"),
+        "frequency_penalty": ({}, {"frequency_penalty": 0.5}, "scheduler"),
+        "logit_bias": ({}, {"logit_bias": {"5": 10}}, "scheduler"),
+        "logprobs": ({}, {"logprobs": logprobs}, "scheduler"),
+        "max_completion_tokens": ({"max_tokens": None}, {"max_tokens": None, "max_completion_tokens": 7}, "scheduler"),
+        "max_tokens": ({}, {"max_tokens": 9}, "scheduler"),
+        "messages": ({}, {"messages": [{"role": "user", "content": "Bye"}]}, "scheduler"),
+        "model": ({}, {"model": "another-model"}, "reply"),
+        "n": ({}, {"n": 2}, "scheduler"),
+        "parallel_tool_calls": (required, {**required, "parallel_tool_calls": False}, "scheduler"),
+        "presence_penalty": ({}, {"presence_penalty": 0.5}, "scheduler"),
+        "prompt": ({}, {"prompt": "Bye"}, "scheduler"),
+        "response_format": ({}, {"response_format": {"type": "json_object"}}, "scheduler"),
+        "seed": ({}, {"seed": 7}, "scheduler"),
+        "stop": ({}, {"stop": ["x"]}, "scheduler"),
+        "stream": ({}, {"stream": True}, "reply"),
+        "stream_options": ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}, "reply"),
+        "temperature": ({}, {"temperature": 0.3}, "scheduler"),
+        "tool_choice": ({"tools": TOOLS_A, "tool_choice": "none"}, required, "scheduler"),
+        "tools": (required, {**required, "tools": TOOLS_B, "tool_choice": "required"}, "scheduler"),
+        "top_logprobs": ({"logprobs": True}, {"logprobs": True, "top_logprobs": 3}, "scheduler"),
+        "top_p": ({}, {"top_p": 0.5}, "scheduler"),
+    }
+    return table[field]
+
+
+IMPLEMENTED = [(e, f) for e, _, f in CASES if f not in REFUSED and f not in IGNORED]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "field"), IMPLEMENTED, ids=[f"{'chat' if e == CHAT else 'completions'}-{f}" for e, f in IMPLEMENTED]
+)
+def test_every_implemented_field_changes_what_the_gateway_does(tok, endpoint, field):
+    """A field declared and documented but never wired through would pass the test above; not this one."""
+    without, with_it, where = effect(endpoint, field)
+    a, sa = http_post(tok, endpoint, {k: v for k, v in body_for(endpoint, without).items() if v is not None})
+    b, sb = http_post(tok, endpoint, {k: v for k, v in body_for(endpoint, with_it).items() if v is not None})
+    assert a.status_code == 200, a.text
+    if where == "scheduler":
+        assert b.status_code == 200, b.text
+        assert (sa.prompts, sa.submitted) != (sb.prompts, sb.submitted), f"{field} changes nothing the scheduler gets"
+    else:
+        assert (a.status_code, a.text) != (b.status_code, b.text), f"{field} changes nothing in the reply"

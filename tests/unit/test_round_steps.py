@@ -226,7 +226,8 @@ def test_apply_finishes_on_eos_and_on_the_length_limit() -> None:
     assert [(s.id, reason) for s, reason in applied.finished] == [("e", "stop"), ("l", "length")]
     assert eos.life.state is Life.DONE and length.life.state is Life.DONE
     finished = [e for e in list(length.events._queue) if isinstance(e, Finished)]  # type: ignore[attr-defined]
-    assert finished == [Finished("length", 3, 3)]
+    # The one verify step that carried drafts: 3 drafted, all 3 accepted (the per-request statistics).
+    assert finished == [Finished("length", 3, 3, ((3, 3),))]
 
 
 def test_apply_refuses_a_reply_out_of_protocol_before_committing_anything() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -69,6 +70,31 @@ def test_every_pipeline_is_token_identical_to_target_only(pipeline: str, n: int)
     # verifying only blocks drafted after exactly the committed tokens.
     assert verifier.stale_blocks == 0
     assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+    # Each draft went with its own q row: no block refused.
+    assert verifier.bad_q_blocks == 0
+    assert all(len(t.draft_distributions) == len(t.draft_token_ids) for r in verifier.requests for t in r.tasks)
+
+
+def test_an_ahead_block_sent_with_the_q_of_the_position_before_is_refused_and_counted(monkeypatch) -> None:
+    """The fake verifier checks each q row names its draft, as the real one does; the gateway counts
+    each refused block (a mutant of gateway.round.apply.ahead_block: q shifted by one position)."""
+    original = round_apply.ahead_block
+
+    def shifted(item: DraftItem, proposal: Any) -> Any:
+        block = original(item, proposal)
+        if block is None or not block.tail:
+            return block
+        return dataclasses.replace(block, distributions=list(proposal.distributions)[: len(block.tokens)])
+
+    monkeypatch.setattr(round_apply, "ahead_block", shifted)
+    drafter = FakeDrafter(wrong=lambda n: False)
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter, "ahead")
+    results = generate(sched, PROMPTS)
+    for prompt, (ids, _) in zip(PROMPTS, results, strict=True):
+        assert ids == reference(prompt, 24)  # exact: a refused block costs a round, not a token
+    assert verifier.bad_q_blocks > 0
+    assert sched.metrics.refused_draft_blocks._value.get() == verifier.bad_q_blocks
 
 
 @pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])

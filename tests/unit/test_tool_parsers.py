@@ -16,6 +16,7 @@ from gateway.api.chat_templates import tools_problem
 from gateway.api.openai_api import OpenAIApi
 from gateway.api.tool_calls import tool_choice
 from gateway.api.tool_parsers import CallStream, ParserUnusable, check_tokenizer, read_calls
+from gateway.api.validation import InvalidParameter
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
@@ -187,3 +188,52 @@ def test_auto_is_refused_naming_a_template_that_drops_tools(tok):
     for forced in ("required", {"type": "function", "function": {"name": "weather"}}):
         r, _ = http_post(tok, CHAT, body_for(CHAT, AUTO_BODY | {"tool_choice": forced}))
         assert r.status_code == 200, r.text
+
+
+STRICT_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "strict": True,
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "required": ["x"]}}},
+]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "a_call"),
+    [({"city": "Oslo"}, True), ({}, False), ({"city": 3}, False), ({"city": "Oslo", "extra": 1}, False)],
+)
+def test_a_strict_functions_call_is_a_call_only_if_its_arguments_match(arguments, a_call):
+    text = json.dumps({"name": "weather", "arguments": arguments})
+    block = f"<tool_call>{text}</tool_call>"
+    content, calls = read(block, tool_choice(STRICT_TOOLS, "auto", None))
+    assert (calls == [("weather", arguments)]) if a_call else (content == block and calls == [])
+
+
+def test_a_functions_call_is_not_validated_unless_it_is_strict():
+    block = '<tool_call>{"name": "loose", "arguments": {}}</tool_call>'
+    assert read(block, tool_choice(STRICT_TOOLS, "auto", None)) == (None, [("loose", {})])
+
+
+def test_a_strict_function_with_a_schema_that_cannot_validate_is_a_400():
+    bad = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "objet"}}}]
+    with pytest.raises(InvalidParameter, match=r"tools\[0\]\.function\.parameters is not a JSON Schema"):
+        tool_choice(bad, "auto", None)
+
+
+def test_auto_replies_leave_an_invalid_strict_call_in_the_content(tok):
+    body = {**AUTO_BODY, "tools": STRICT_TOOLS}
+    wrong = '<tool_call>{"name": "weather", "arguments": {"town": "Oslo"}}</tool_call>'
+    r, _ = http_post(tok, CHAT, body_for(CHAT, body), ScriptedScheduler([wrong]), "hermes")
+    (choice,) = r.json()["choices"]
+    assert choice["message"] == {"role": "assistant", "content": wrong}
+    assert choice["finish_reason"] == "stop"

@@ -26,6 +26,7 @@ from gateway.api.prompts import Prompts, off_loop, prompts_for
 from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Request
 from gateway.api.replies import error_response, invalid, message, tool_finish
 from gateway.api.responses_api import ResponsesApi
+from gateway.api.spec_metrics import speculative_decoding
 from gateway.api.validation import InvalidParameter, choices, generation_params
 from gateway.failures import GenerationError
 from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
@@ -46,8 +47,11 @@ class OpenAIApi:
         tool_parser: str = "",
         undeclared_keys: bool = False,
         chat_template: str = "",
+        spec_metrics: str = "off",
     ) -> None:
         self.scheduler = scheduler
+        # --per-request-spec-decode-metrics: "off", "summary" or "detailed" (gateway.api.spec_metrics).
+        self.spec_metrics = spec_metrics
         # Why tool_choice "auto" cannot work with the served chat template ("" when it can), and
         # the template's name for that 400 (--chat-template's file, or the tokenizer's).
         self.template_tools_problem = chat_templates.tools_problem(tokenizer)
@@ -263,6 +267,7 @@ class OpenAIApi:
                 "model": self.model_name,
                 "choices": out,
                 "usage": usage(outcomes),
+                **self._metrics(outcomes),
             }
         )
 
@@ -445,8 +450,17 @@ class OpenAIApi:
                     for index, outcome in enumerate(best(outcomes, wanted))
                 ],
                 "usage": usage(outcomes),
+                **self._metrics(outcomes),
             }
         )
+
+    def _metrics(self, finished: Sequence[Finished | Outcome]) -> dict[str, Any]:
+        """The response's `metrics` member when per-request speculation statistics are on, else nothing."""
+        if self.spec_metrics == "off":
+            return {}
+        steps = [(f.finished if isinstance(f, Outcome) else f).spec_steps for f in finished]
+        k = self.scheduler.k_limit
+        return {"metrics": {"speculative_decoding": speculative_decoding(steps, k, self.spec_metrics)}}
 
     # -- plumbing --------------------------------------------------------
     async def _collect(self, seqs: list[_Sequence], request: Request) -> list[Outcome] | JSONResponse:
@@ -506,12 +520,14 @@ class OpenAIApi:
                     elif isinstance(event, Finished):
                         done[i] = event
                         yield sent(chunk(i, "", event.reason))
-                        if include_usage and len(done) == len(seqs):
+                        metrics = self._metrics(list(done.values())) if len(done) == len(seqs) else {}
+                        if len(done) == len(seqs) and (include_usage or metrics):
                             last = chunk(0, "", None)
                             assert isinstance(last, dict)  # an empty delta is never held back
                             last["choices"] = []
-                            last["usage"] = usage([done[j] for j in range(len(seqs))])
-                            yield sse(last)
+                            if include_usage:
+                                last["usage"] = usage([done[j] for j in range(len(seqs))])
+                            yield sse(last | metrics)
                     elif isinstance(event, Failed):
                         err = event.error
                         yield sse({"error": {"message": err.message, "type": err.kind.openai_type, "code": err.code}})

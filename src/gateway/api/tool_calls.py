@@ -38,6 +38,10 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object"}
 class Tool:
     name: str
     parameters: Mapping[str, Any]
+    # OpenAI's `strict`: a call's arguments always match `parameters`. Forced calls are
+    # grammar-constrained whatever it says; under "auto" a strict function's call whose arguments
+    # do not match is not returned as a call (see gateway.api.tool_parsers).
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -268,5 +272,26 @@ def _tools(tools: Sequence[Any]) -> tuple[Tool, ...]:
             parameters = NO_PARAMETERS
         if not isinstance(parameters, Mapping):
             raise InvalidParameter("tools", f"{where}.function.parameters must be a JSON Schema object")
-        declared.append(Tool(name, parameters))
+        strict = bool(function.get("strict"))
+        if strict and (problem := arguments_schema_problem(parameters)):
+            raise InvalidParameter("tools", f"{where}.function.parameters is not a JSON Schema: {problem}")
+        declared.append(Tool(name, parameters, strict))
     return tuple(declared)
+
+
+def arguments_schema_problem(schema: Mapping[str, Any]) -> str | None:
+    """Why `schema` cannot check a strict function's arguments, or None."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return exc.message
+    return None
+
+
+def arguments_match(schema: Mapping[str, Any], arguments: Any) -> bool:
+    """Whether `arguments` (parsed JSON) is an instance of `schema` (its own draft, else 2020-12)."""
+    import jsonschema
+
+    return jsonschema.validators.validator_for(schema)(schema).is_valid(arguments)

@@ -10,7 +10,10 @@ them out of its text, as vLLM's `--tool-call-parser` does. specd has one:
 
 Text outside the blocks is the reply's content. A block that is not such JSON, or that names
 a function the request did not declare, stays in the content as written: the client sees what
-the model wrote rather than a call to a tool it never offered. So do calls beyond the first
+the model wrote rather than a call to a tool it never offered. So does a call to a function
+declared `strict: true` whose arguments do not match its `parameters` (validated, not
+grammar-forced: under "auto" the model may answer in text, so nothing is constrained until a
+call has begun, and vLLM's parsers constrain nothing), and so do calls beyond the first
 when the request sets `parallel_tool_calls: false`. The same stream reads a whole
 reply and a streamed one, so both agree.
 """
@@ -22,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.api.tool_calls import ToolChoice, call
+from gateway.api.tool_calls import ToolChoice, arguments_match, call
 
 _TAGS = {"hermes": ("<tool_call>", "</tool_call>")}
 PARSERS = tuple(_TAGS)
@@ -46,8 +49,11 @@ class CallStream:
         most: int | None = None,
         open_tag: str = "<tool_call>",
         close_tag: str = "</tool_call>",
+        strict: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self.functions = frozenset(functions)
+        # The parameters schema of each function declared strict: its calls must match it.
+        self.strict = dict(strict or {})
         self.most = most  # calls beyond it stay text (parallel_tool_calls: false allows one)
         self.open_tag, self.close_tag = open_tag, close_tag
         self.held = ""  # text not yet let out
@@ -125,6 +131,8 @@ class CallStream:
                     return None
             if not isinstance(arguments, Mapping):
                 return None
+            if item["name"] in self.strict and not arguments_match(self.strict[item["name"]], arguments):
+                return None
             calls.append((item["name"], json.dumps(arguments, ensure_ascii=False)))
         if not calls:
             return None
@@ -159,7 +167,8 @@ def call_stream(parser: str, choice: ToolChoice) -> CallStream:
     """A stream for one choice of a request with tool_choice "auto", read by `parser`."""
     if parser not in PARSERS:
         raise ValueError(f"no tool-call parser {parser!r} (there is {', '.join(PARSERS)})")
-    return CallStream((t.name for t in choice.tools), choice.most_calls, *_TAGS[parser])
+    strict = {t.name: t.parameters for t in choice.tools if t.strict}
+    return CallStream((t.name for t in choice.tools), choice.most_calls, *_TAGS[parser], strict=strict)
 
 
 def read_calls(parser: str, choice: ToolChoice, text: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -46,6 +46,7 @@ class Applied:
     wasted: int = 0  # drafts dropped because the commits made their block stale
     emitted: list[Emission] = field(default_factory=list)
     finished: list[tuple[Any, str]] = field(default_factory=list)  # (sequence, "stop" or "length")
+    refused: int = 0  # verify blocks the verifier refused (bad drafts or q): their sequences went target-only
 
 
 def internal_error(what: str, exc: BaseException) -> GenerationError:
@@ -120,12 +121,15 @@ def apply_verdict(verdict: Verdict, eos: Collection[int], applied: Applied) -> N
             prefill_left(s, verdict.prefill_pending)
         elif verdict.drafts_refused:
             log.warning("verifier refused the drafts of %s; continuing target-only", s.id)
+            applied.refused += 1
             s.drafter.park()
         elif verdict.error is not None:
             fail(s, verdict.error)
         else:
             s.drafted += verdict.drafted
             s.accepted += verdict.accepted
+            if verdict.drafted:
+                s.spec_steps.append((verdict.drafted, verdict.accepted))
             if s.hidden is not None:
                 s.hidden.add(verdict.hidden_start, verdict.hidden_states)
             commit(s, list(verdict.tokens), verdict.logprobs, eos, applied)
@@ -166,4 +170,4 @@ def commit(
     if reason is not None:
         seq.life.move("finish")
         applied.finished.append((seq, reason))
-        seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output)))
+        seq.events.put_nowait(Finished(reason, len(seq.prompt), len(seq.output), tuple(seq.spec_steps)))

@@ -534,6 +534,7 @@ class Scheduler:
         if ahead is not None and items and all(item.prefill for item in items):
             budget.observe_prefill(sum(item.prefill for item in items), ahead.elapsed_ns)
         self.observer.observe_commits(applied.emitted, applied.finished)
+        self.metrics.refused_draft_blocks.inc(applied.refused)
         if plan.not_as_chosen:
             self.policy.not_as_chosen()
         self.observer.observe(

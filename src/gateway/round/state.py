@@ -69,6 +69,8 @@ class Finished:
     reason: str  # "stop" or "length"
     prompt_tokens: int
     completion_tokens: int
+    # Each verify step that carried drafts: (drafts verified, drafts accepted), in order.
+    spec_steps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -136,6 +138,7 @@ class _Sequence:
     client: str = ""  # whose share it counts against (gateway.round.shares)
     drafted: int = 0
     accepted: int = 0
+    spec_steps: list[tuple[int, int]] = field(default_factory=list)  # see Finished.spec_steps
     # Joined the drafter because auto mode wanted its drafts; then, its rounds on the drafter and
     # those in which it drafted (what the policy learns its joins are worth from).
     joined_for_auto: bool = False

@@ -124,12 +124,14 @@ def schema_problem(schema_text: str) -> str | None:
 class GrammarCompiler:
     """One per service: the tokenizer's byte-level view, built once (about 0.6 s for 49k tokens)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, end_token_ids: Sequence[int] = ()) -> None:
         import llguidance.hf
 
         self.vocab_size = vocab_size
-        self.eos = int(tokenizer.eos_token_id)
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos)
+        eos = int(tokenizer.eos_token_id)
+        # Every end id (specd.engine.end_tokens) is handled by GrammarMatcher, never by llguidance.
+        self.ends = frozenset(map(int, end_token_ids)) | {eos}
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
     def matcher(self, schema_text: str = "", grammar: str = "") -> GrammarMatcher:
         """The matcher of a JSON Schema or of an llguidance grammar (exactly one of them)."""
@@ -139,14 +141,15 @@ class GrammarCompiler:
         m = llguidance.LLMatcher(self._tokenizer, _grammar(schema_text) if schema_text else grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"cannot compile the {what}: {one_line(m.get_error())}")
-        return GrammarMatcher(m, self.vocab_size, self.eos)
+        return GrammarMatcher(m, self.vocab_size, self.ends)
 
 
-def grammar_compiler(tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:
+def grammar_compiler(tokenizer: Any, vocab_size: int, end_token_ids: Sequence[int] = ()) -> GrammarCompiler | None:
     """The service's grammar engine, or None (with a warning) if its tokenizer does not fit the
-    model's vocabulary: the service still serves, and refuses constrained sequences."""
+    model's vocabulary: the service still serves, and refuses constrained sequences.
+    `end_token_ids`: the model's end ids (specd.engine.end_tokens); the tokenizer's eos is always one."""
     try:
-        return GrammarCompiler(tokenizer, vocab_size)
+        return GrammarCompiler(tokenizer, vocab_size, end_token_ids)
     except Exception as exc:
         log.warning("structured output is off: no grammar engine for this tokenizer (%s)", exc)
         return None
@@ -155,15 +158,16 @@ def grammar_compiler(tokenizer: Any, vocab_size: int) -> GrammarCompiler | None:
 class GrammarMatcher:
     """The grammar state of one sequence, following the tokens it consumed (`tokens`).
 
-    End-of-sequence is kept here, not in llguidance: it is allowed exactly where the grammar
-    accepts, ends the output, and whatever follows it (a verifier's bonus token after an
+    End-of-sequence is kept here, not in llguidance: each end id is allowed exactly where the
+    grammar accepts, ends the output, and whatever follows it (a verifier's bonus token after an
     accepted EOS draft) is never output, so it is recorded but constrains nothing.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, ends: frozenset[int]) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
-        self.eos = eos
+        self.ends = ends
+        self._end_index = sorted(ends)
         self.tokens: list[int] = []
         # Index in `tokens` of the EOS that ended the output, if any.
         self._ended_at: int | None = None
@@ -187,14 +191,14 @@ class GrammarMatcher:
             raise GrammarError(one_line(self._m.get_error()))
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         out = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(np.bool_))
-        out[self.eos] = self._m.is_accepting()
+        out[[e for e in self._end_index if e < self.vocab_size]] = self._m.is_accepting()
         return out
 
     def push(self, tokens: Sequence[int]) -> None:
         for t in map(int, tokens):
             if self.ended:
                 pass  # after EOS: never output
-            elif t == self.eos:
+            elif t in self.ends:
                 if not self._m.is_accepting():
                     raise GrammarError("end-of-sequence is not allowed before the output is complete")
                 self._ended_at = len(self.tokens)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from specd.engine.attention_layout import layout
 from specd.engine.head_product import HeadProduct
 from specd.engine.timing import best_time
 
@@ -362,13 +363,14 @@ class BatchedCausalLM:
         self.max_positions = int(getattr(text_config, "max_position_embeddings", 2048))
         self.hidden_size = int(getattr(text_config, "hidden_size", 0))
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
+        # Sliding-window layers get their window in the mask (a prepared mask is used as it is).
+        self.attention = layout(text_config)
         self.cache = SlotKVCache(self.num_layers, device, dtype, max_slots, min(max_positions, self.max_positions))
         self._base = model.base_model
         self._cache_keyword = cache_keyword(self._base)
         self._head = model.get_output_embeddings()
         # The head's product is chosen per row count where measured (`calibrate_head`).
         self.head_product = HeadProduct(self._head)
-        self._mask_min = torch.finfo(dtype).min
         # Above 0: the model reads a feature beside each token (Row.features).
         self.feature_size = int(getattr(model, "feature_size", 0))
         # The bucketed static forward (specd.engine.cuda_graphs.enable), where one is on.
@@ -514,8 +516,7 @@ class BatchedCausalLM:
         key_pos = torch.arange(kv_len, device=self.device)
         # Query at absolute position p sees keys 0..p of its own row only.
         visible = key_pos[None, None, :] <= positions[:, :, None]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, self._mask_min)
+        mask = self.attention.masks(visible, key_pos, positions, self.dtype)
         extra = {}
         if self.feature_size:
             feats = torch.zeros((len(rows), num_new, self.feature_size), dtype=self.dtype)
@@ -526,7 +527,7 @@ class BatchedCausalLM:
         with torch.inference_mode():
             hidden = self._base(
                 input_ids=ids,
-                attention_mask=mask[:, None],
+                attention_mask=mask,
                 position_ids=positions,
                 use_cache=True,
                 **{self._cache_keyword: self.cache},

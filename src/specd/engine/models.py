@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from specd.engine import draftlm, featurehead
+from specd.engine.attention_layout import UnsupportedAttention, layout
 from specd.engine.checkpoints import ModelLoadError, is_distilled, load_tokenizer, materialize
 from specd.engine.cpus import pin
+from specd.engine.end_tokens import end_token_ids
 from specd.engine.fingerprint import TokenizerFingerprint
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,9 @@ def load_dummy(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 
     )
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_implementation(path)
+        )
     return model.eval()
 
 
@@ -90,13 +94,31 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype, load_format:
         return model
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, local_files_only=True, attn_implementation="sdpa"
+            str(path), dtype=dtype, local_files_only=True, attn_implementation=attention_implementation(path)
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot load a causal LM from {path}: {exc}") from exc
+    try:
+        layout(model.config.get_text_config())
+    except UnsupportedAttention as exc:
+        raise ModelLoadError(f"cannot serve {path} exactly: {exc}") from exc
     model.to(device)
     model.eval()
     return model
+
+
+def attention_implementation(path: Any) -> str:
+    """PyTorch's fused attention where transformers offers it for the model's class, else its
+    eager attention: transformers refuses SDPA for some (Gemma-2, for its soft-capping)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:
+        return "sdpa"  # from_pretrained then names what is wrong
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 @dataclass(frozen=True)
@@ -123,4 +145,5 @@ def load_for_serving(
         torch.set_num_threads(threads or len(pinned))
     model = load_model(spec, device, dtype, load_format)
     tokenizer = load_tokenizer(spec)
-    return LoadedModel(model, device, dtype, TokenizerFingerprint.of(tokenizer), tokenizer)
+    fingerprint = TokenizerFingerprint.of(tokenizer, end_token_ids(spec, tokenizer))
+    return LoadedModel(model, device, dtype, fingerprint, tokenizer)

@@ -77,14 +77,19 @@ def fingerprint_pb(fp: TokenizerFingerprint | None) -> common_pb2.TokenizerFinge
     if fp is None:
         return None
     return common_pb2.TokenizerFingerprint(
-        vocab_size=fp.vocab_size, vocab_sha256=fp.vocab_sha256, special_token_ids=fp.special_token_ids
+        vocab_size=fp.vocab_size,
+        vocab_sha256=fp.vocab_sha256,
+        special_token_ids=fp.special_token_ids,
+        end_token_ids=fp.end_token_ids,
     )
 
 
 def fingerprint_from_pb(msg: common_pb2.TokenizerFingerprint) -> TokenizerFingerprint | None:
     if not msg.vocab_sha256:
         return None
-    return TokenizerFingerprint(msg.vocab_size, msg.vocab_sha256, dict(msg.special_token_ids))
+    return TokenizerFingerprint(
+        msg.vocab_size, msg.vocab_sha256, dict(msg.special_token_ids), tuple(sorted(msg.end_token_ids))
+    )
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:

@@ -87,7 +87,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenizerFingerprint(_message.Message):
-    __slots__ = ("vocab_size", "vocab_sha256", "special_token_ids")
+    __slots__ = ("vocab_size", "vocab_sha256", "special_token_ids", "end_token_ids")
     class SpecialTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -98,10 +98,12 @@ class TokenizerFingerprint(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     vocab_sha256: str
     special_token_ids: _containers.ScalarMap[str, int]
-    def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings")

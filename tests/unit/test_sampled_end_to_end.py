@@ -1,0 +1,235 @@
+"""The default sampled path, end to end: unseeded temperature-1 requests through the gateway's
+real Scheduler and the real drafter and verifier engines (their servicers in process, q on the
+wire as protobuf), in every pipeline.
+
+A tiny target with a 12-token vocabulary and a drafter initialised independently of it (far:
+its q is nowhere near p, so the rejection rule's residual decides often). Two prompts,
+alternating; the first two tokens of each sequence must follow the target's own two-token
+distribution at temperature 1, computed from the model (chi-square, cells of small
+expectation pooled). No verify block may be refused for its q: the gateway's counter of
+refused blocks stays 0, so a misaligned q cannot hide as silently lost speculation.
+
+Mutants that must fail: the ahead block's q shifted by one position (each ahead draft sent
+with the q of the draft before it), and each block sent with the q of another sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import tinymodels
+import torch
+from engine_backends import EngineDrafter, EngineVerifier
+from scipy import stats
+
+from drafter_service.engine import ModelDrafter
+from gateway.round import apply as round_apply
+from gateway.round import exchange as round_exchange
+from gateway.round.messages import Block, DraftItem
+from gateway.round.scheduler import Delta, Finished, GenerationParams, Scheduler
+from specd.engine import sequences
+from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.params import SamplingParams
+from verifier_service.engine import VerifierEngine
+
+CPU = torch.device("cpu")
+VOCAB = 12
+PROMPTS = ([2, 5, 7], [4, 2, 6])
+K = 2
+BATCH = 64
+SEQUENCES = 2400  # per pipeline, half per prompt
+MAX_TOKENS = 3  # the second token may be an ahead draft, verified with one more to go
+MIN_P_VALUE = 1e-3
+DETECTED_P_VALUE = 1e-6
+PIPELINES = ("sequential", "cohort", "ahead", "auto")
+SAMPLED = SamplingParams(temperature=1.0)  # what a request without temperature or seed asks for
+
+Pair = tuple[int, int]
+
+
+class _Tokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def target() -> Any:
+    return tinymodels.build_model(0, VOCAB, 0, 1)
+
+
+@pytest.fixture(scope="module")
+def far_draft() -> Any:
+    # Independent weights (total variation from the target 0.5 or more at each prompt and after
+    # its guess), whose likeliest token at each prompt, draft-ahead's guess, is right about half
+    # the time: the ahead blocks are verified often enough for their q to show.
+    return tinymodels.build_model(8, VOCAB, 0, 1)
+
+
+def _probs(model: Any, context: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.softmax(model(torch.tensor([context])).logits[0, -1].double(), -1)
+
+
+@pytest.fixture(scope="module")
+def joints(target: Any) -> list[dict[Pair, float]]:
+    """Per prompt, P(first two tokens = (a, b)) under target-only sampling at temperature 1."""
+    out = []
+    for prompt in PROMPTS:
+        first = _probs(target, prompt)
+        out.append(
+            {(a, b): float(first[a] * _probs(target, [*prompt, a])[b]) for a in range(VOCAB) for b in range(VOCAB)}
+        )
+    return out
+
+
+@pytest.fixture(autouse=True)
+def counted_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each unseeded sequence's generator as the services make it, but seeded from a counter, so
+    the test is repeatable; the drafter's and the verifier's are still independent."""
+    counter = itertools.count(1)
+    original = sequences.make_generator
+
+    def make(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        gen = original(params, device)
+        return gen.manual_seed(next(counter)) if gen is not None else None
+
+    monkeypatch.setattr(sequences, "make_generator", make)
+
+
+@dataclasses.dataclass
+class Run:
+    pairs: list[list[Pair]]  # per prompt
+    refused_blocks: float
+    drafted: int
+    accepted: int
+
+
+def run(target: Any, draft: Any, pipeline: str) -> Run:
+    verifier = VerifierEngine(BatchedCausalLM(target, CPU, torch.float32), None, BATCH, 32, K + 1)
+    drafter = ModelDrafter(BatchedCausalLM(draft, CPU, torch.float32), None, BATCH, 32, K + 1, VOCAB)
+    sched = Scheduler(
+        _Tokenizer(),
+        EngineVerifier(verifier, BATCH),
+        EngineDrafter(drafter, BATCH),
+        K,
+        BATCH,
+        [],  # no end id: every sequence runs to MAX_TOKENS
+        speculative_mode="fixed",
+        pipeline=pipeline,
+        max_waiting=SEQUENCES,
+    )
+    # Every sequence joins the drafter at its open, whatever the machine's timings say fits:
+    # a sequence that joined after its second token would test nothing here.
+    sched.drafter_prefill.fits_beside_open = lambda tokens: 1 << 20  # type: ignore[method-assign]
+
+    async def tokens(seq: Any) -> list[int]:
+        ids: list[int] = []
+        async for event in sched.events(seq):
+            if isinstance(event, Delta):
+                ids.extend(event.token_ids)
+            else:
+                assert isinstance(event, Finished) and event.reason == "length", event
+        return ids
+
+    async def main() -> list[list[int]]:
+        sched.start()
+        try:
+            seqs = [sched.submit(PROMPTS[i % 2], GenerationParams(MAX_TOKENS, SAMPLED)) for i in range(SEQUENCES)]
+            return await asyncio.gather(*(tokens(s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    outputs = asyncio.run(main())
+    pairs: list[list[Pair]] = [[], []]
+    for i, out in enumerate(outputs):
+        pairs[i % 2].append((out[0], out[1]))
+    m = sched.metrics
+    return Run(
+        pairs,
+        m.refused_draft_blocks._value.get(),
+        int(m.num_draft_tokens._value.get()),
+        int(m.num_accepted_tokens._value.get()),
+    )
+
+
+def p_value(joint: dict[Pair, float], pairs: list[Pair]) -> float:
+    """Chi-square of the pairs against the joint, cells expected under 5 times pooled into one."""
+    counts = Counter(pairs)
+    n = len(pairs)
+    big = [c for c in joint if joint[c] * n >= 5]
+    small = [c for c in joint if joint[c] * n < 5]
+    observed = [counts[c] for c in big] + [sum(counts[c] for c in small)]
+    expected = [joint[c] * n for c in big] + [sum(joint[c] for c in small) * n]
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def smallest_p_value(joints: list[dict[Pair, float]], result: Run) -> float:
+    return min(p_value(j, p) for j, p in zip(joints, result.pairs, strict=True))
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES)
+def test_unseeded_sampling_through_the_scheduler_emits_the_targets_distribution(target, far_draft, joints, pipeline):
+    result = run(target, far_draft, pipeline)
+    assert result.refused_blocks == 0
+    # The sequences drafted (cohorts take turns), the drafts decided tokens often enough for their q to matter, and
+    # were rejected often enough for the residual to matter.
+    assert result.drafted >= SEQUENCES // 2
+    assert 0.1 < result.accepted / result.drafted < 0.9, (result.accepted, result.drafted)
+    assert smallest_p_value(joints, result) > MIN_P_VALUE
+
+
+# -- the same test, proven able to fail -------------------------------------------------
+
+
+def _shifted_ahead_block(original: Callable[..., Block | None]) -> Callable[..., Block | None]:
+    def block(item: DraftItem, proposal: Any) -> Block | None:
+        b = original(item, proposal)
+        if b is None or not b.tail:
+            return b
+        # Each ahead draft with the q of the position before it (the guess's q first).
+        return dataclasses.replace(b, distributions=list(proposal.distributions)[: len(b.tokens)])
+
+    return block
+
+
+def _rotated_q(original: Callable[..., Any]) -> Callable[..., Any]:
+    def request(*args: Any, **kwargs: Any) -> Any:
+        req = original(*args, **kwargs)
+        by_k: dict[int, list[Any]] = {}
+        for task in req.tasks:
+            if task.draft_distributions:
+                by_k.setdefault(len(task.draft_distributions), []).append(task)
+        for tasks in by_k.values():
+            dists = [list(t.draft_distributions) for t in tasks]
+            for task, other in zip(tasks, dists[1:] + dists[:1], strict=True):
+                del task.draft_distributions[:]
+                task.draft_distributions.extend(other)
+        return req
+
+    return request
+
+
+@pytest.fixture
+def mutant(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = request.param
+    if name == "ahead q shifted by one":
+        monkeypatch.setattr(round_apply, "ahead_block", _shifted_ahead_block(round_apply.ahead_block))
+    else:
+        monkeypatch.setattr(round_exchange, "verify_request", _rotated_q(round_exchange.verify_request))
+    yield name
+
+
+@pytest.mark.parametrize(
+    ("mutant", "pipeline"),
+    [("ahead q shifted by one", "ahead"), ("q of another sequence", "sequential"), ("q of another sequence", "cohort")],
+    indirect=["mutant"],
+)
+def test_a_misaligned_q_fails_the_test(target, far_draft, joints, mutant, pipeline):
+    result = run(target, far_draft, pipeline)
+    assert result.refused_blocks > 0 or smallest_p_value(joints, result) < DETECTED_P_VALUE, mutant
