@@ -38,6 +38,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(USAGE)
         return
     command, rest = args[0], args[1:]
+    from specd.launch import die_with_parent
+
+    die_with_parent()
     if command == "drafter":
         from drafter_service.server import main as run
     elif command == "verifier":

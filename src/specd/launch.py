@@ -209,13 +209,22 @@ def _terminate(procs: list[Process], grace_s: float) -> None:
             proc.wait()
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: its own process group, so a terminal's Ctrl-C reaches only `specd up`
-    (which stops the children in order), and SIGTERM should `specd up` itself die."""
-    os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# Set by `specd up` in its children's environment: the pid they must not outlive.
+PARENT_ENV = "SPECD_UP_PID"
+
+
+def die_with_parent() -> None:
+    """In a child of `specd up` (PARENT_ENV set): get SIGTERM when it dies, and stop at once if it
+    is gone already. Set here rather than between fork and exec, where a threaded parent must not run Python."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        raise SystemExit("specd up, which started this service, has exited")
 
 
 def spawn_child(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+    """A child in its own process group, so a terminal's Ctrl-C reaches only `specd up` (which
+    stops the children in order)."""
+    return subprocess.Popen(argv, env={**env, PARENT_ENV: str(os.getpid())}, process_group=0)

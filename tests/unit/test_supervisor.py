@@ -163,3 +163,42 @@ def test_stop_all_stops_the_gateway_first_and_the_backends_only_once_it_has_exit
     s.stop_all(grace_s=0, first=("gateway",), first_grace_s=5)
     assert order[:2] == ["terminate gateway", "wait gateway"]
     assert sorted(order[2:]) == sorted(["terminate verifier", "terminate drafter", "wait verifier", "wait drafter"])
+
+
+def test_a_child_of_specd_up_is_in_its_own_group_and_dies_with_it(tmp_path) -> None:
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "from specd.launch import die_with_parent; die_with_parent(); import os, time; "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    parent = (
+        "import os, sys, time; from specd.launch import spawn_child; "
+        f"spawn_child([sys.executable, '-c', {child!r}], os.environ); time.sleep(60)"
+    )
+    up = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert os.getpgid(pid) == pid != os.getpgid(up.pid)  # Ctrl-C to the terminal's group misses it
+        up.kill()  # SIGKILL: specd up has no chance to stop it
+        up.wait()
+        deadline = time.monotonic() + 10
+        status = Path(f"/proc/{pid}/status")
+        while status.exists() and "zombie" not in status.read_text():
+            assert time.monotonic() < deadline, "the child outlived specd up"
+            time.sleep(0.05)
+    finally:
+        up.kill()
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)

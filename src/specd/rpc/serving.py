@@ -51,6 +51,11 @@ WIRE_CODE = {
 KIND_OF_WIRE = {v: k for k, v in WIRE_CODE.items()}
 
 
+# The presence streams held open now (SequenceRpcs.attach): a stopping server ends them, or its
+# grace period would wait them out.
+_PRESENCE: set[asyncio.Future[None]] = set()
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -269,10 +274,13 @@ class SequenceRpcs:
         if problem := bad_owner(owner):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         self.leases.attach(owner)
+        held = asyncio.get_running_loop().create_future()
+        _PRESENCE.add(held)
         try:
             yield common_pb2.AttachResponse(detach_seconds=self.leases.detach_s)
-            await asyncio.Event().wait()
+            await held
         finally:
+            _PRESENCE.discard(held)
             self.leases.detach(owner)
 
     async def run_round(
@@ -593,6 +601,9 @@ async def serve(
     log.info("%s stopping", name)
     if task is not None:
         task.cancel()
+    for held in list(_PRESENCE):
+        if not held.done():
+            held.set_result(None)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
 
