@@ -183,12 +183,13 @@ class StaticForward:
         lm = self.lm
         ids, positions, slots, pos, rows = self._views(bucket)
         key_pos = torch.arange(bucket.keys, device=lm.device)
-        hidden_mask = key_pos[None, None, :] > positions[:, :, None]
-        mask = torch.zeros(hidden_mask.shape, dtype=lm.dtype, device=lm.device).masked_fill_(hidden_mask, lm._mask_min)
+        # The eager forward's masks (a sliding layer's narrowed to its window), over the bucket's keys.
+        visible = key_pos[None, None, :] <= positions[:, :, None]
+        mask = lm.attention.masks(visible, key_pos, positions, lm.dtype)
         lm.cache.set_static(slots, pos, rows, bucket.keys)
         try:
             return lm._base(
-                input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=True, cache=lm.cache
+                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=lm.cache
             ).last_hidden_state
         finally:
             lm.cache.set_static(None)
