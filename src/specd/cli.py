@@ -66,6 +66,22 @@ def _up_parser() -> argparse.ArgumentParser:
         description="Start drafter, verifier and gateway as child processes and restart any that dies "
         "(with backoff; the others keep running); stop all on Ctrl-C/SIGTERM, or when a child cannot start.",
     )
+    for add in (
+        _add_port_args,
+        _add_model_args,
+        _add_speculation_args,
+        _add_placement_args,
+        _add_gateway_args,
+        _add_tracing_args,
+        _add_tls_args,
+    ):
+        add(p)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
+    return p
+
+
+def _add_port_args(p: argparse.ArgumentParser) -> None:
+    """Ports each service listens on."""
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -75,6 +91,10 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50050, help="gateway gRPC port")
     p.add_argument("--drafter-port", type=int, default=50051)
     p.add_argument("--verifier-port", type=int, default=50052)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Models, their devices, dtypes and weights."""
     p.add_argument("--target-model", default="embedded", help="verifier model (HF directory, .gguf or 'embedded')")
     p.add_argument(
         "--draft-model", default=None, help="draft model (--drafter model/int4/int8/distilled); default: see --drafter"
@@ -119,6 +139,10 @@ def _up_parser() -> argparse.ArgumentParser:
         help="draft model weights; auto: on the CPU int4 where the target is 4-bit already (the embedded one), "
         "else int8 (see specd drafter --help)",
     )
+
+
+def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """How many tokens are drafted and how rounds are pipelined."""
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="most draft tokens per round")
     p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
@@ -129,6 +153,10 @@ def _up_parser() -> argparse.ArgumentParser:
         help="see specd gateway --help; default: auto where the services have cores of their own "
         "(--placement split), else sequential",
     )
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """CPU placement, threads, pinning and per-service metrics ports."""
     p.add_argument(
         "--placement",
         choices=["auto", "shared", "split"],
@@ -152,6 +180,10 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-cpus", default="", help="pin the verifier to these CPUs, e.g. 0; empty: no pinning")
     p.add_argument("--drafter-metrics-port", type=int, default=0, help="drafter's Prometheus port; 0: none")
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
+
+
+def _add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's limits, API behaviour and deadlines."""
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
         "--max-sequences-per-key",
@@ -201,8 +233,16 @@ def _up_parser() -> argparse.ArgumentParser:
         help="on Ctrl-C/SIGTERM the gateway stops first and gives in-flight requests this long to finish "
         "(new ones get 503); the drafter and verifier stop after it",
     )
+
+
+def _add_tracing_args(p: argparse.ArgumentParser) -> None:
+    """Where all three services send their spans."""
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
     p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    """One server certificate (and optionally a client one) for every hop."""
     tls = p.add_argument_group(
         "TLS", "one server certificate for all three services (its names must cover --host or --tls-server-name)"
     )
@@ -217,8 +257,6 @@ def _up_parser() -> argparse.ArgumentParser:
     )
     tls.add_argument("--tls-client-key", default="", help="PEM private key of --tls-client-cert")
     tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
-    return p
 
 
 def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
