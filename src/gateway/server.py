@@ -21,7 +21,8 @@ from gateway.api.limits import RateLimiter
 from gateway.api.openai_api import OpenAIApi
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
-from gateway.pool import PoolCollector, drafter_pool, verifier_pool
+from gateway.pool import drafter_pool, verifier_pool
+from gateway.pool_metrics import PoolCollector
 from gateway.round.scheduler import Scheduler
 from specd.engine import checkpoints
 from specd.engine.end_tokens import end_token_ids
