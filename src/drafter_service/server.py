@@ -19,7 +19,8 @@ from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
 from specd.heap import trim_heap
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
-from specd.rpc.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner, fingerprint_pb, run_service
 from specd.rpc.tracing import Tracing
 
 # The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
