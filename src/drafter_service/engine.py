@@ -193,17 +193,7 @@ class ModelDrafter(_DrafterBase):
         # Constrained sequences: the grammar follows committed + assumed tokens, then each draft.
         constrained = self._sync_grammars(active, contexts)
         timing.phases.append(("rollback", start, time.time_ns()))
-        forward_ns = 0
-        prefills = [(i, state, tasks[i].prefill_tokens) for i, state, _, _ in live if tasks[i].prefill_tokens > 0]
-        if prefills:
-            # Chunks of prompts on their own forward, before the draft steps (which would pad to them).
-            start = time.time_ns()
-            self.table.prefill([(state, n) for _, state, n in prefills])
-            end = time.time_ns()
-            forward_ns += end - start
-            timing.phases.append(("prefill", start, end))
-            for i, state, _ in prefills:
-                proposals[i].prefill_pending = self.table.pending(state)
+        forward_ns = self._prefill_chunks(tasks, live, proposals, timing)
         # Step 0 feeds every committed token not yet cached (1 after a rejection,
         # 2 when all drafts were accepted, more after a target-only stretch);
         # later steps feed the token just drafted.
@@ -238,35 +228,71 @@ class ModelDrafter(_DrafterBase):
             timing.phases.append(("step", start, end))
             chosen.update(self._coupled_tokens(active, dists, [len(contexts[i]) + step for i, _, _ in active]))
             picked = self._pick(active, {r: q for r, q in dists.items() if r not in chosen})
-            still = []
-            for row_i, (i, state, k) in enumerate(active):
-                state.cached.extend(feed[i])
-                dist: SparseDist | None = None
-                if row_i in chosen:
-                    token = chosen[row_i]
-                else:
-                    token, dist = picked[row_i]
-                    if step == 0 and tasks[i].guess_first:
-                        # A guess at the verifier's token is right with the target's probability of
-                        # it: the likeliest under q is the best guess, a sample from q a worse one.
-                        token = dist.token_ids[max(range(len(dist.probs)), key=dist.probs.__getitem__)]
-                if row_i in ended:
-                    continue  # its grammar allows nothing more (or failed): the block ends here
-                proposals[i].tokens.append(token)
-                if dist is not None:
-                    proposals[i].dists.append(dist)
-                feed[i] = [token]
-                if i in constrained and not self._push(state, token):
-                    constrained.discard(i)
-                    continue
-                if i in constrained and state.grammar is not None and state.grammar.ended:
-                    continue  # it drafted end-of-sequence: nothing can follow
-                if step + 1 < k:
-                    still.append((i, state, k))
+            still = self._take(tasks, active, step, chosen, picked, ended, proposals, feed, constrained)
             active = still
             step += 1
         timing.forward_ns = forward_ns
         return proposals, timing
+
+    def _prefill_chunks(
+        self,
+        tasks: Sequence[DraftTask],
+        live: Sequence[tuple[int, SequenceState, int, list[int]]],
+        proposals: list[DraftProposal],
+        timing: RoundTiming,
+    ) -> int:
+        """Prefill the prompts' chunks the tasks ask for; the forward nanoseconds it took."""
+        prefills = [(i, state, tasks[i].prefill_tokens) for i, state, _, _ in live if tasks[i].prefill_tokens > 0]
+        if not prefills:
+            return 0
+        # Chunks of prompts on their own forward, before the draft steps (which would pad to them).
+        start = time.time_ns()
+        self.table.prefill([(state, n) for _, state, n in prefills])
+        end = time.time_ns()
+        timing.phases.append(("prefill", start, end))
+        for i, state, _ in prefills:
+            proposals[i].prefill_pending = self.table.pending(state)
+        return end - start
+
+    def _take(
+        self,
+        tasks: Sequence[DraftTask],
+        active: list[tuple[int, SequenceState, int]],
+        step: int,
+        chosen: dict[int, int],
+        picked: dict[int, tuple[int, SparseDist]],
+        ended: set[int],
+        proposals: list[DraftProposal],
+        feed: dict[int, list[int]],
+        constrained: set[int],
+    ) -> list[tuple[int, SequenceState, int]]:
+        """Append this step's token to each active row's proposal; the rows that draft on."""
+        still = []
+        for row_i, (i, state, k) in enumerate(active):
+            state.cached.extend(feed[i])
+            dist: SparseDist | None = None
+            if row_i in chosen:
+                token = chosen[row_i]
+            else:
+                token, dist = picked[row_i]
+                if step == 0 and tasks[i].guess_first:
+                    # A guess at the verifier's token is right with the target's probability of
+                    # it: the likeliest under q is the best guess, a sample from q a worse one.
+                    token = dist.token_ids[max(range(len(dist.probs)), key=dist.probs.__getitem__)]
+            if row_i in ended:
+                continue  # its grammar allows nothing more (or failed): the block ends here
+            proposals[i].tokens.append(token)
+            if dist is not None:
+                proposals[i].dists.append(dist)
+            feed[i] = [token]
+            if i in constrained and not self._push(state, token):
+                constrained.discard(i)
+                continue
+            if i in constrained and state.grammar is not None and state.grammar.ended:
+                continue  # it drafted end-of-sequence: nothing can follow
+            if step + 1 < k:
+                still.append((i, state, k))
+        return still
 
     def _drafts_stay_on_device(self, active: Sequence[tuple[int, SequenceState, int]], constrained: set[int]) -> bool:
         """Whether nothing reads this round's drafts on the host before the last step: greedy

@@ -19,7 +19,8 @@ from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
 from specd.heap import trim_heap
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
-from specd.rpc.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner, fingerprint_pb, run_service
 from specd.rpc.tracing import Tracing
 
 # The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
@@ -37,23 +38,7 @@ DRAFT_GRAPH_BLOCK = 4
 
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
     if config.drafter == "ngram":
-        pin(config.cpus)
-        engine: ModelDrafter | NgramDrafter = NgramDrafter(
-            NGRAM_VOCAB_LIMIT,
-            config.max_sequences,
-            config.max_context,
-            config.max_draft_tokens,
-            config.ngram_min,
-            config.ngram_max,
-        )
-        info = common_pb2.ModelInfo(
-            model_id="ngram",
-            max_context=config.max_context,
-            device="cpu",
-            max_sequences=config.max_sequences,
-            max_draft_tokens=config.max_draft_tokens,
-        )
-        return engine, info
+        return _ngram_engine(config)
     quantization = config.quantization
     if config.quantize == "auto" and checkpoints.is_distilled(checkpoints.materialize(config.model)):
         quantization = "none"  # a distilled drafter is already small; quantizing would cost agreement
@@ -116,6 +101,27 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         max_sequences=config.max_sequences,
         max_draft_tokens=config.max_draft_tokens,
         step_timings=[common_pb2.StepTiming(sequences=n, forward_ns=ns) for n, ns in step_timings],
+    )
+    return engine, info
+
+
+def _ngram_engine(config: DrafterConfig) -> tuple[NgramDrafter, common_pb2.ModelInfo]:
+    """Prompt lookup: no model, no device, a vocabulary bound only by the token ids' range."""
+    pin(config.cpus)
+    engine = NgramDrafter(
+        NGRAM_VOCAB_LIMIT,
+        config.max_sequences,
+        config.max_context,
+        config.max_draft_tokens,
+        config.ngram_min,
+        config.ngram_max,
+    )
+    info = common_pb2.ModelInfo(
+        model_id="ngram",
+        max_context=config.max_context,
+        device="cpu",
+        max_sequences=config.max_sequences,
+        max_draft_tokens=config.max_draft_tokens,
     )
     return engine, info
 

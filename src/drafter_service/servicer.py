@@ -11,7 +11,8 @@ from drafter_service.engine import ModelDrafter, NgramDrafter
 from specd.engine.tasks import DraftProposal, DraftTask
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
-from specd.rpc.serving import EngineRunner, SequenceRpcs, ServiceMetrics
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner, SequenceRpcs
 from specd.rpc.tracing import Tracing
 
 log = logging.getLogger(__name__)

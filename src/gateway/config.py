@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.pool import parse_endpoints
+from gateway.endpoints import parse_endpoints
 from specd import configuration
 from specd.configuration import field
 from specd.rpc.backend_auth import BACKEND_TOKEN_ENV

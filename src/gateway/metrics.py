@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specd.rpc.serving import peak_rss_bytes
+from specd.rpc.service_metrics import peak_rss_bytes
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -78,6 +78,14 @@ class GatewayMetrics:
         )
         self.registry = CollectorRegistry()
         r = self.registry
+        self._speculation_metrics(r, max_positions)
+        self._round_counters(r)
+        self._request_metrics(r)
+        self._batch_metrics(r, max_positions)
+        self._gauges(r)
+
+    def _speculation_metrics(self, r: CollectorRegistry, max_positions: int) -> None:
+        """Counters of drafts and their acceptance, in vLLM's `spec_decode_*` names."""
         self.num_drafts = Counter("specd_spec_decode_num_drafts", "Sequence proposals verified", registry=r)
         self.num_draft_tokens = Counter(
             "specd_spec_decode_num_draft_tokens", "Draft tokens sent for verification", registry=r
@@ -117,6 +125,9 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+
+    def _round_counters(self, r: CollectorRegistry) -> None:
+        """Rounds run, by the pipeline they ran."""
         self.rounds = Counter("specd_rounds", "Draft/verify rounds run", registry=r)
         self.pipeline_rounds = Counter(
             "specd_pipeline_rounds",
@@ -125,6 +136,9 @@ class GatewayMetrics:
             ["pipeline"],
             registry=r,
         )
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Tokens, finished requests and their latencies."""
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("specd_generation_tokens", "Tokens generated", registry=r)
         self.requests = Counter(
@@ -148,6 +162,9 @@ class GatewayMetrics:
         self.e2e = Histogram(
             "specd_e2e_request_latency_seconds", "End-to-end request latency", buckets=E2E_BUCKETS, registry=r
         )
+
+    def _batch_metrics(self, r: CollectorRegistry, max_positions: int) -> None:
+        """Each round's latency by phase, the batch and the queue, and the ks chosen."""
         self.round_latency = Histogram(
             "specd_round_latency_seconds",
             "Round latency split into draft (drafter exchange), verify (verifier exchange) and overhead "
@@ -166,6 +183,9 @@ class GatewayMetrics:
             buckets=tuple(range(max(1, max_positions) + 1)),
             registry=r,
         )
+
+    def _gauges(self, r: CollectorRegistry) -> None:
+        """The process's peak memory and the speculation policy's estimates."""
         self._policy: Any = None
         Gauge("specd_gateway_peak_rss_bytes", "Peak resident set size of the gateway process", registry=r).set_function(
             peak_rss_bytes

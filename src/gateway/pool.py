@@ -17,15 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
-
 from gateway.backends import BackendError, DrafterClient, VerifierClient, describe
+from gateway.endpoints import DNS_SCHEME, Endpoint, Resolver, parse_endpoints, resolve_host
 from gateway.owed_closes import OwedCloses
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
@@ -33,51 +30,8 @@ from specd.rpc.serving import fingerprint_from_pb
 
 log = logging.getLogger(__name__)
 
-DNS_SCHEME = "dns:///"
-
 # (address, server name for TLS) -> a client of one replica.
 ClientFactory = Callable[[str, str], Any]
-# host, port -> the addresses it resolves to (loop.getaddrinfo in production; fakes in tests).
-Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One entry of --verifier / --drafter: a fixed address, or a name to resolve."""
-
-    host: str
-    port: int
-    dns: bool = False
-
-    @property
-    def address(self) -> str:
-        return join_host_port(self.host, self.port)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_endpoints(spec: str) -> list[Endpoint]:
-    """`a:1,b:2,dns:///svc:3` -> endpoints; ValueError names a malformed entry."""
-    endpoints = []
-    for raw in spec.split(","):
-        entry = raw.strip()
-        if not entry:
-            continue
-        dns = entry.startswith(DNS_SCHEME)
-        rest = entry[len(DNS_SCHEME) :] if dns else entry
-        host, sep, port = rest.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
-            raise ValueError(f"bad backend endpoint {entry!r}: expected host:port or {DNS_SCHEME}name:port")
-        endpoints.append(Endpoint(host, int(port), dns))
-    return endpoints
-
-
-async def resolve_host(host: str, port: int) -> list[str]:
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({join_host_port(str(info[4][0]), port) for info in infos})
 
 
 @dataclass(eq=False)
@@ -639,36 +593,3 @@ def verifier_pool(spec: str, *args: Any, **options: Any) -> VerifierPool:
 def drafter_pool(spec: str, *args: Any, **options: Any) -> DrafterPool:
     """A pool of drafters; arguments as their clients take them, plus the pool's options."""
     return _pool(DrafterPool, DrafterClient, spec, *args, **options)
-
-
-class PoolCollector(Collector):
-    """Per-replica gauges on the gateway's /metrics: which replicas are up and how loaded."""
-
-    def __init__(self, pools: Iterable[_Pool | None]) -> None:
-        self.pools = [p for p in pools if p is not None]
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        labels = ["service", "address"]
-        up = GaugeMetricFamily("specd_backend_up", "1 when the replica takes new sequences", labels=labels)
-        open_ = GaugeMetricFamily(
-            "specd_backend_open_sequences", "Sequences the gateway has open on the replica", labels=labels
-        )
-        placed = CounterMetricFamily(
-            "specd_backend_sequences_placed", "Sequences the gateway placed on the replica", labels=labels
-        )
-        owed = GaugeMetricFamily(
-            "specd_backend_owed_closes",
-            "Closes the replica has not confirmed yet (retried until it does)",
-            labels=labels,
-        )
-        for pool in self.pools:
-            for replica in list(pool.replicas.values()):
-                key = [pool.service, replica.address]
-                up.add_metric(key, 1.0 if replica.up else 0.0)
-                open_.add_metric(key, float(len(replica.sequences)))
-                placed.add_metric(key, float(replica.placed))
-                owed.add_metric(key, float(len(pool.owed.owed(replica))))
-        yield from (up, open_, placed, owed)

@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -21,7 +21,8 @@ from gateway.api.limits import RateLimiter
 from gateway.api.openai_api import OpenAIApi
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
-from gateway.pool import PoolCollector, drafter_pool, verifier_pool
+from gateway.pool import drafter_pool, verifier_pool
+from gateway.pool_metrics import PoolCollector
 from gateway.round.scheduler import Scheduler
 from specd.engine import checkpoints
 from specd.engine.end_tokens import end_token_ids
@@ -50,13 +51,50 @@ async def run(config: GatewayConfig) -> None:
     tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
     # Before waiting for the backends: a port another process holds is a start-up error.
     check_free({"HTTP": (config.host, config.http_port), "gRPC": (config.host, config.grpc_port)})
-    channel = (
-        config.backend_timeout_s,
-        config.max_message_bytes,
-        backend_tls,
-        config.backend_tls_server_name,
-        tokens[0] if tokens else "",
+    verifier, drafter = _backend_pools(config, backend_tls, tokens[0] if tokens else "")
+    backends: list[Any] = [verifier] + ([drafter] if drafter else [])
+    for backend in backends:
+        log.info("waiting for the %s at %s", backend.name, backend.address)
+        await backend.wait_ready(config.connect_timeout_s)
+        await backend.load_info()
+    # Every end id of the model stops a sequence; the backends' sets must be the same (the fingerprint holds it).
+    eos = end_token_ids(config.tokenizer, tokenizer)
+    log.info("sequences end at token ids %s", list(eos))
+    check_compatible(TokenizerFingerprint.of(tokenizer, eos), verifier, drafter)
+    tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
+    scheduler = _start_scheduler(config, tokenizer, verifier, drafter, eos, tracing)
+    api = _openai_api(config, scheduler, tokenizer, model_name, _health_status(scheduler, verifier, drafter))
+    api.keyed = api_keys.enabled  # clients are their keys, else their addresses
+    grpc_server = None
+    if config.grpc_port:
+        grpc_server = await _start_grpc(config, scheduler, tokenizer, model_name, api_keys, api_tls)
+    server = _http_server(config, api, api_keys)
+    _drain_on_signals(config, scheduler, server, grpc_server)
+    log.info(
+        "gateway ready: model %r, k=%d, HTTP %s://%s:%d/v1, gRPC %s%s%s",
+        model_name,
+        config.num_speculative_tokens,
+        "https" if api_tls else "http",
+        config.host,
+        config.http_port,
+        f"{config.host}:{config.grpc_port}" if grpc_server else "off",
+        " (TLS)" if grpc_server and api_tls else "",
+        ", API key required" if api_keys.enabled else "",
     )
+    try:
+        await server.serve()
+    finally:
+        await scheduler.stop()
+        if grpc_server is not None:
+            await grpc_server.stop(2)
+        for backend in backends:
+            await backend.close()
+        tracing.shutdown()
+
+
+def _backend_pools(config: GatewayConfig, backend_tls: Any, token: str) -> tuple[Any, Any]:
+    """The verifier pool and, when speculation is on, the drafter pool (not yet connected)."""
+    channel = (config.backend_timeout_s, config.max_message_bytes, backend_tls, config.backend_tls_server_name, token)
     intervals = {
         "health_interval_s": config.backend_health_interval_s,
         "resolve_interval_s": config.backend_resolve_interval_s,
@@ -72,16 +110,12 @@ async def run(config: GatewayConfig) -> None:
         if config.drafter and config.num_speculative_tokens > 0
         else None
     )
-    backends: list[Any] = [verifier] + ([drafter] if drafter else [])
-    for backend in backends:
-        log.info("waiting for the %s at %s", backend.name, backend.address)
-        await backend.wait_ready(config.connect_timeout_s)
-        await backend.load_info()
-    # Every end id of the model stops a sequence; the backends' sets must be the same (the fingerprint holds it).
-    eos = end_token_ids(config.tokenizer, tokenizer)
-    log.info("sequences end at token ids %s", list(eos))
-    check_compatible(TokenizerFingerprint.of(tokenizer, eos), verifier, drafter)
-    tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
+    return verifier, drafter
+
+
+def _start_scheduler(
+    config: GatewayConfig, tokenizer: Any, verifier: Any, drafter: Any, eos: Any, tracing: Tracing
+) -> Scheduler:
     scheduler = Scheduler(
         tokenizer,
         verifier,
@@ -103,6 +137,11 @@ async def run(config: GatewayConfig) -> None:
         scheduler.policy.costs.seed_steps((t.sequences, t.forward_ns) for t in drafter.info.step_timings)
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
     scheduler.start(config.log_stats_interval_s)
+    return scheduler
+
+
+def _health_status(scheduler: Scheduler, verifier: Any, drafter: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """The /health body: the gateway's state and each backend pool's."""
 
     async def health_status() -> dict[str, Any]:
         verifier_ok = await verifier.healthy()
@@ -126,6 +165,16 @@ async def run(config: GatewayConfig) -> None:
                 status["drafter_error"] = link.last_error
         return status
 
+    return health_status
+
+
+def _openai_api(
+    config: GatewayConfig,
+    scheduler: Scheduler,
+    tokenizer: Any,
+    model_name: str,
+    health_status: Callable[[], Awaitable[dict[str, Any]]],
+) -> OpenAIApi:
     api = OpenAIApi(
         scheduler,
         tokenizer,
@@ -144,34 +193,47 @@ async def run(config: GatewayConfig) -> None:
             api.template_name,
             api.template_tools_problem,
         )
-    api.keyed = api_keys.enabled  # clients are their keys, else their addresses
-    grpc_server = None
-    if config.grpc_port:
-        # Innermost last: the key is checked before anything else looks at the request.
-        interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
-        interceptors.append(DecodeErrorInterceptor())
-        # Clients' messages are capped as HTTP bodies are; the backends' channels keep the larger cap.
-        options = [
-            ("grpc.max_receive_message_length", config.http_max_body_bytes)
-            if k == "grpc.max_receive_message_length"
-            else (k, v)
-            for k, v in channel_options(config.max_message_bytes)
-        ] + SERVER_OPTIONS
-        grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
-        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
-            GatewayServicer(
-                scheduler, tokenizer, model_name, config.max_n, config.json_undeclared_keys, keyed=api_keys.enabled
-            ),
-            grpc_server,
-        )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-        name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-        reflection_v1.enable([name, health.SERVICE_NAME], grpc_server)
-        tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}", api_tls)
-        await grpc_server.start()
-        for service in ("", name):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return api
+
+
+async def _start_grpc(
+    config: GatewayConfig,
+    scheduler: Scheduler,
+    tokenizer: Any,
+    model_name: str,
+    api_keys: tls.ApiKeys,
+    api_tls: Any,
+) -> grpc.aio.Server:
+    """The client-facing gRPC server (GatewayService, health, reflection), started and SERVING."""
+    # Innermost last: the key is checked before anything else looks at the request.
+    interceptors = [tls.ApiKeyInterceptor(api_keys)] if api_keys.enabled else []
+    interceptors.append(DecodeErrorInterceptor())
+    # Clients' messages are capped as HTTP bodies are; the backends' channels keep the larger cap.
+    options = [
+        ("grpc.max_receive_message_length", config.http_max_body_bytes)
+        if k == "grpc.max_receive_message_length"
+        else (k, v)
+        for k, v in channel_options(config.max_message_bytes)
+    ] + SERVER_OPTIONS
+    grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(
+        GatewayServicer(
+            scheduler, tokenizer, model_name, config.max_n, config.json_undeclared_keys, keyed=api_keys.enabled
+        ),
+        grpc_server,
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+    reflection_v1.enable([name, health.SERVICE_NAME], grpc_server)
+    tls.add_port(grpc_server, f"{config.host}:{config.grpc_port}", api_tls)
+    await grpc_server.start()
+    for service in ("", name):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return grpc_server
+
+
+def _http_server(config: GatewayConfig, api: OpenAIApi, api_keys: tls.ApiKeys) -> uvicorn.Server:
     # /health answers probes and /metrics scrapers without a key; neither shows prompts or outputs.
     # The key is checked before the body is read: a caller without one costs nothing.
     limited = http_limits.body_limits(api.app(), config.http_max_body_bytes, config.http_read_timeout_s)
@@ -194,6 +256,13 @@ async def run(config: GatewayConfig) -> None:
     # uvicorn's own signal handlers would stop only the HTTP side, at once.
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+    return server
+
+
+def _drain_on_signals(
+    config: GatewayConfig, scheduler: Scheduler, server: uvicorn.Server, grpc_server: grpc.aio.Server | None
+) -> None:
+    """SIGTERM and SIGINT drain: the first one starts it, later ones are ignored."""
     loop = asyncio.get_running_loop()
     shutdown: list[asyncio.Task[None]] = []
 
@@ -216,26 +285,6 @@ async def run(config: GatewayConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal)
-    log.info(
-        "gateway ready: model %r, k=%d, HTTP %s://%s:%d/v1, gRPC %s%s%s",
-        model_name,
-        config.num_speculative_tokens,
-        "https" if api_tls else "http",
-        config.host,
-        config.http_port,
-        f"{config.host}:{config.grpc_port}" if grpc_server else "off",
-        " (TLS)" if grpc_server and api_tls else "",
-        ", API key required" if api_keys.enabled else "",
-    )
-    try:
-        await server.serve()
-    finally:
-        await scheduler.stop()
-        if grpc_server is not None:
-            await grpc_server.stop(2)
-        for backend in backends:
-            await backend.close()
-        tracing.shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -6,9 +6,9 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from specd.mps import SharedGpu
@@ -69,6 +69,22 @@ def _up_parser() -> argparse.ArgumentParser:
         description="Start drafter, verifier and gateway as child processes and restart any that dies "
         "(with backoff; the others keep running); stop all on Ctrl-C/SIGTERM, or when a child cannot start.",
     )
+    for add in (
+        _add_port_args,
+        _add_model_args,
+        _add_speculation_args,
+        _add_placement_args,
+        _add_gateway_args,
+        _add_tracing_args,
+        _add_tls_args,
+    ):
+        add(p)
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
+    return p
+
+
+def _add_port_args(p: argparse.ArgumentParser) -> None:
+    """Ports each service listens on."""
     p.add_argument(
         "--host",
         default="127.0.0.1",
@@ -78,6 +94,10 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=50050, help="gateway gRPC port")
     p.add_argument("--drafter-port", type=int, default=50051)
     p.add_argument("--verifier-port", type=int, default=50052)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Models, their devices, dtypes and weights."""
     p.add_argument("--target-model", default="embedded", help="verifier model (HF directory, .gguf or 'embedded')")
     p.add_argument(
         "--draft-model", default=None, help="draft model (--drafter model/int4/int8/distilled); default: see --drafter"
@@ -122,6 +142,10 @@ def _up_parser() -> argparse.ArgumentParser:
         help="draft model weights; auto: on the CPU int4 where the target is 4-bit already (the embedded one), "
         "else int8 (see specd drafter --help)",
     )
+
+
+def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """How many tokens are drafted and how rounds are pipelined."""
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="most draft tokens per round")
     p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
@@ -132,6 +156,10 @@ def _up_parser() -> argparse.ArgumentParser:
         help="see specd gateway --help; default: auto where the services have cores of their own "
         "(--placement split), else sequential",
     )
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """CPU placement, threads, pinning and per-service metrics ports."""
     p.add_argument(
         "--placement",
         choices=["auto", "shared", "split"],
@@ -155,6 +183,10 @@ def _up_parser() -> argparse.ArgumentParser:
     p.add_argument("--verifier-cpus", default="", help="pin the verifier to these CPUs, e.g. 0; empty: no pinning")
     p.add_argument("--drafter-metrics-port", type=int, default=0, help="drafter's Prometheus port; 0: none")
     p.add_argument("--verifier-metrics-port", type=int, default=0, help="verifier's Prometheus port; 0: none")
+
+
+def _add_gateway_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's limits, API behaviour and deadlines."""
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument(
         "--max-sequences-per-key",
@@ -204,8 +236,16 @@ def _up_parser() -> argparse.ArgumentParser:
         help="on Ctrl-C/SIGTERM the gateway stops first and gives in-flight requests this long to finish "
         "(new ones get 503); the drafter and verifier stop after it",
     )
+
+
+def _add_tracing_args(p: argparse.ArgumentParser) -> None:
+    """Where all three services send their spans."""
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
     p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    """One server certificate (and optionally a client one) for every hop."""
     tls = p.add_argument_group(
         "TLS", "one server certificate for all three services (its names must cover --host or --tls-server-name)"
     )
@@ -220,8 +260,6 @@ def _up_parser() -> argparse.ArgumentParser:
     )
     tls.add_argument("--tls-client-key", default="", help="PEM private key of --tls-client-cert")
     tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
-    return p
 
 
 def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
@@ -323,23 +361,66 @@ def refuse_taken_ports(args: argparse.Namespace, drafter: str) -> None:
         sys.exit(CONFIG_ERROR)
 
 
+class _UpPlan(NamedTuple):
+    """What `specd up` resolved from its flags and the machine before starting anything."""
+
+    drafter: str
+    draft_model: str
+    quantize: str
+    placement: CpuPlacement
+    overlap: bool
+    shared: SharedGpu | None
+
+
 def up(argv: Sequence[str]) -> None:
     import grpc  # keep `specd --help` light
 
-    from specd.launch import GiveUp, Supervisor, spawn_child
     from specd.rpc.health import check
 
     parser = _up_parser()
     args = parser.parse_args(argv)
+    plan = _up_plan(parser, args)
+    children = _child_commands(args, plan)
+    backend_server_name = args.tls_server_name or args.host
+    health = {
+        "verifier": f"{LOOPBACK}:{args.verifier_port}",
+        "drafter": f"{LOOPBACK}:{args.drafter_port}",
+        "gateway": f"{args.host}:{args.grpc_port}",
+    }
+    from specd.rpc.backend_auth import child_environment
+    from specd.rpc.tls import TlsConfigError, channel_credentials
+
+    env, generated = child_environment(os.environ)
+    print(
+        f"specd up: the drafter and verifier listen on {LOOPBACK} only, and answer only the gateway: "
+        + ("by a random token made for this run" if generated else "by the backend token you set"),
+        file=sys.stderr,
+        flush=True,
+    )
+
+    try:
+        credentials = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
+
+    def healthy(address: str) -> bool:
+        server_name = args.tls_server_name if address == health["gateway"] else backend_server_name
+        try:
+            return check(address, credentials, server_name, timeout_s=1.0) == "SERVING"
+        except grpc.RpcError:
+            return False
+
+    sys.exit(_supervise(args, plan, children, health, healthy, env))
+
+
+def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPlan:
+    """Check the flags together, resolve the drafter, the placement and the shared GPU; apply the placement."""
     if len({bool(args.tls_cert), bool(args.tls_key), bool(args.tls_ca)}) > 1:
         parser.error("--tls-cert, --tls-key and --tls-ca go together")
     if bool(args.tls_client_cert) != bool(args.tls_client_key) or (args.tls_client_cert and not args.tls_cert):
         parser.error("--tls-client-cert and --tls-client-key go together, and need --tls-cert")
-    server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
-    backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
     refuse_taken_ports(args, drafter)
-    drafter_dtype = args.drafter_dtype or ("float32" if drafter == "distilled" else "bfloat16")
     explicit = bool(args.drafter_cpus or args.verifier_cpus)
     try:
         placement = resolve_placement(args, drafter)
@@ -359,7 +440,15 @@ def up(argv: Sequence[str]) -> None:
         file=sys.stderr,
         flush=True,
     )
-    backend_server_name = args.tls_server_name or args.host
+    return _UpPlan(drafter, draft_model, quantize, placement, overlap, shared)
+
+
+def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[str]]:
+    """Each child's `specd` command line: verifier, drafter (unless none), gateway."""
+    drafter, draft_model, quantize = plan.drafter, plan.draft_model, plan.quantize
+    drafter_dtype = args.drafter_dtype or ("float32" if drafter == "distilled" else "bfloat16")
+    server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
+    backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
     # The backends never leave loopback here, and still ask for the gateway's token:
     # any local user could otherwise open sequences on them.
@@ -394,7 +483,14 @@ def up(argv: Sequence[str]) -> None:
             "--cpus", args.drafter_cpus,
             *backend_tls,
         ]  # fmt: skip
-    children["gateway"] = [
+    children["gateway"] = _gateway_command(args, drafter, plan.overlap, tracing, server_tls)
+    return children
+
+
+def _gateway_command(
+    args: argparse.Namespace, drafter: str, overlap: bool, tracing: list[str], server_tls: list[str]
+) -> list[str]:
+    command = [
         "gateway",
         "--host", args.host,
         "--http-port", str(args.http_port),
@@ -422,37 +518,24 @@ def up(argv: Sequence[str]) -> None:
     ]  # fmt: skip
     if args.tls_ca:
         # The certificate names --host (or --tls-server-name), not the loopback address dialed.
-        children["gateway"] += ["--backend-tls-ca", args.tls_ca, "--backend-tls-server-name", backend_server_name]
+        command += ["--backend-tls-ca", args.tls_ca, "--backend-tls-server-name", args.tls_server_name or args.host]
     if args.tls_client_cert:
-        children["gateway"] += ["--backend-tls-cert", args.tls_client_cert, "--backend-tls-key", args.tls_client_key]
-    health = {
-        "verifier": f"{LOOPBACK}:{args.verifier_port}",
-        "drafter": f"{LOOPBACK}:{args.drafter_port}",
-        "gateway": f"{args.host}:{args.grpc_port}",
-    }
-    from specd.rpc.backend_auth import child_environment
-    from specd.rpc.tls import TlsConfigError, channel_credentials
+        command += ["--backend-tls-cert", args.tls_client_cert, "--backend-tls-key", args.tls_client_key]
+    return command
 
-    env, generated = child_environment(os.environ)
-    print(
-        f"specd up: the drafter and verifier listen on {LOOPBACK} only, and answer only the gateway: "
-        + ("by a random token made for this run" if generated else "by the backend token you set"),
-        file=sys.stderr,
-        flush=True,
-    )
 
-    try:
-        credentials = channel_credentials(args.tls_ca, args.tls_client_cert, args.tls_client_key)
-    except TlsConfigError as exc:
-        parser.error(str(exc))
+def _supervise(
+    args: argparse.Namespace,
+    plan: _UpPlan,
+    children: dict[str, list[str]],
+    health: dict[str, str],
+    healthy: Callable[[str], bool],
+    env: dict[str, str],
+) -> int:
+    """Start the children, wait for them, restart any that dies until told to stop; the exit code."""
+    from specd.launch import GiveUp, Supervisor, spawn_child
 
-    def healthy(address: str) -> bool:
-        server_name = args.tls_server_name if address == health["gateway"] else backend_server_name
-        try:
-            return check(address, credentials, server_name, timeout_s=1.0) == "SERVING"
-        except grpc.RpcError:
-            return False
-
+    draft_model, shared = plan.draft_model, plan.shared
     supervisor = Supervisor(healthy, spawn=lambda argv: spawn_child(argv, env))
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
@@ -485,7 +568,7 @@ def up(argv: Sequence[str]) -> None:
             from specd import mps
 
             mps.stop_daemon(shared.started)
-    sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

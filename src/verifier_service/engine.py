@@ -21,6 +21,8 @@ from specd.engine.sequences import SequenceState, SequenceTable
 from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
 
 T = TypeVar("T", list[int], torch.Tensor)
+# The sequences verified in a round: (index into the tasks, state, task, the drafter's distributions).
+_Live = list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]]
 
 # Slack for float32 rounding of probabilities that were normalised on another host.
 PROB_SUM_TOLERANCE = 1e-3
@@ -125,6 +127,49 @@ class VerifierEngine:
 
     def verify(self, tasks: Sequence[VerifyTask]) -> tuple[list[VerifyResult], RoundTiming]:
         results = [VerifyResult(t.sequence_id) for t in tasks]
+        live, rows, prefills = self._admit(tasks, results)
+        live = self._draft_distributions(live)
+        timing = RoundTiming(batch_size=len(rows), tokens_fed=sum(len(r.tokens) for r in rows))
+        if prefills:
+            self._prefill_chunks(prefills, results, timing)
+        if not rows:
+            return results, timing
+        start = time.time_ns()
+        if any(task.return_hidden for _, _, task, _ in live):
+            logits, hidden = self.lm.forward_hidden(rows)
+        else:
+            logits, hidden = self.lm.forward(rows), []
+        end = time.time_ns()
+        timing.forward_ns += end - start
+        timing.phases.append(("forward", start, end))
+        # Penalties, bias and the grammar's mask shape p; the logprobs below stay the raw model's.
+        adjusted = [
+            state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
+        ]
+        consumed = self._grammar_masks(live, adjusted, results)
+        # The target's own token at every row of the greedy and seeded sequences, each kind in
+        # one pass read back once; p itself only for the unseeded sampled ones.
+        own = self._greedy_tokens(live, adjusted)
+        sampled = [n for n, (_, state, _, _) in enumerate(live) if not state.params.greedy]
+        dists: dict[int, torch.Tensor] = {}
+        if sampled:
+            params = [live[n][1].params for n in sampled for _ in range(len(live[n][2].draft_tokens) + 1)]
+            probs = probabilities(torch.cat([adjusted[n] for n in sampled]), params)
+            dists = _by_block(probs, {n: adjusted[n].shape[0] for n in sampled})
+            own.update(self._coupled_tokens(live, dists))
+        drawn = self._drawn_verdicts(live, dists, own, results)
+        self._commit_verdicts(live, logits, hidden, rows, adjusted, dists, own, drawn, consumed, results)
+        timing.phases.append(("rejection_sampling", end, time.time_ns()))
+        return results, timing
+
+    def _admit(
+        self, tasks: Sequence[VerifyTask], results: list[VerifyResult]
+    ) -> tuple[
+        list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]],
+        list[Row],
+        list[tuple[int, SequenceState, int]],
+    ]:
+        """Validate each task: the sequences to verify (with their rows), the prefill chunks; errors in results."""
         live: list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]] = []
         rows: list[Row] = []
         seen: set[str] = set()
@@ -146,32 +191,28 @@ class VerifierEngine:
             fed = state.committed[len(state.cached) :] + list(task.draft_tokens)
             rows.append(Row(state.slot, len(state.cached), fed, len(fed) - len(task.draft_tokens) - 1))
             live.append((i, state, task, None))
-        live = self._draft_distributions(live)
-        timing = RoundTiming(batch_size=len(rows), tokens_fed=sum(len(r.tokens) for r in rows))
-        if prefills:
-            # Chunks of prompts on their own forward: in the verify's, every row would pad to a chunk's length.
-            timing.tokens_fed += sum(min(n, self.table.pending(state)) for _, state, n in prefills)
-            start = time.time_ns()
-            self.table.prefill([(state, n) for _, state, n in prefills])
-            end = time.time_ns()
-            timing.forward_ns += end - start
-            timing.phases.append(("prefill", start, end))
-            for i, state, _ in prefills:
-                results[i].prefill_pending = self.table.pending(state)
-        if not rows:
-            return results, timing
+        return live, rows, prefills
+
+    def _prefill_chunks(
+        self, prefills: list[tuple[int, SequenceState, int]], results: list[VerifyResult], timing: RoundTiming
+    ) -> None:
+        # Chunks of prompts on their own forward: in the verify's, every row would pad to a chunk's length.
+        timing.tokens_fed += sum(min(n, self.table.pending(state)) for _, state, n in prefills)
         start = time.time_ns()
-        if any(task.return_hidden for _, _, task, _ in live):
-            logits, hidden = self.lm.forward_hidden(rows)
-        else:
-            logits, hidden = self.lm.forward(rows), []
+        self.table.prefill([(state, n) for _, state, n in prefills])
         end = time.time_ns()
         timing.forward_ns += end - start
-        timing.phases.append(("forward", start, end))
-        # Penalties, bias and the grammar's mask shape p; the logprobs below stay the raw model's.
-        adjusted = [
-            state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
-        ]
+        timing.phases.append(("prefill", start, end))
+        for i, state, _ in prefills:
+            results[i].prefill_pending = self.table.pending(state)
+
+    @staticmethod
+    def _grammar_masks(
+        live: _Live,
+        adjusted: list[torch.Tensor],
+        results: list[VerifyResult],
+    ) -> dict[str, int]:
+        """Mask each constrained sequence's rows in place; the drafts each grammar consumed doing so."""
         # Drafts each grammar consumed while masking its rows, settled after the verdict.
         consumed: dict[str, int] = {}
         for n, (i, state, task, _) in enumerate(live):
@@ -186,17 +227,22 @@ class VerifierEngine:
                 # the sequence has failed, so a grammar that cannot even roll back is left as is.
                 with contextlib.suppress(Exception):
                     state.grammar.pop(consumed.pop(task.sequence_id, 0))
-        # The target's own token at every row of the greedy and seeded sequences, each kind in
-        # one pass read back once; p itself only for the unseeded sampled ones.
-        own = self._greedy_tokens(live, adjusted)
-        sampled = [n for n, (_, state, _, _) in enumerate(live) if not state.params.greedy]
-        dists: dict[int, torch.Tensor] = {}
-        if sampled:
-            params = [live[n][1].params for n in sampled for _ in range(len(live[n][2].draft_tokens) + 1)]
-            probs = probabilities(torch.cat([adjusted[n] for n in sampled]), params)
-            dists = _by_block(probs, {n: adjusted[n].shape[0] for n in sampled})
-            own.update(self._coupled_tokens(live, dists))
-        drawn = self._drawn_verdicts(live, dists, own, results)
+        return consumed
+
+    def _commit_verdicts(
+        self,
+        live: _Live,
+        logits: Sequence[torch.Tensor],
+        hidden: Sequence[torch.Tensor],
+        rows: list[Row],
+        adjusted: list[torch.Tensor],
+        dists: dict[int, torch.Tensor],
+        own: dict[int, list[int]],
+        drawn: dict[int, Verdict],
+        consumed: dict[str, int],
+        results: list[VerifyResult],
+    ) -> None:
+        """Each sequence's verdict: commit its accepted drafts and next token, or record why it failed."""
         for n, ((i, state, task, _), raw) in enumerate(zip(live, logits, strict=True)):
             k = len(task.draft_tokens)
             if results[i].error is not None:
@@ -231,8 +277,6 @@ class VerifierEngine:
             state.committed.append(verdict.next_token)
             results[i].num_accepted = verdict.num_accepted
             results[i].next_token = verdict.next_token
-        timing.phases.append(("rejection_sampling", end, time.time_ns()))
-        return results, timing
 
     @staticmethod
     def _drawn_verdicts(

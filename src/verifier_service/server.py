@@ -12,7 +12,8 @@ from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.rpc.leases import Leases
-from specd.rpc.serving import EngineRunner, ServiceMetrics, fingerprint_pb, run_service
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner, fingerprint_pb, run_service
 from specd.rpc.tracing import Tracing
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine

@@ -11,7 +11,8 @@ from specd.engine import hidden_states
 from specd.engine.tasks import VerifyResult, VerifyTask
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.rpc.leases import Leases
-from specd.rpc.serving import EngineRunner, SequenceRpcs, ServiceMetrics, dist_from_pb, token_logprob_pb
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner, SequenceRpcs, dist_from_pb, token_logprob_pb
 from specd.rpc.tracing import Tracing
 from verifier_service.engine import VerifierEngine
 

@@ -14,7 +14,8 @@ from drafter_service.engine import ModelDrafter
 from drafter_service.servicer import DrafterServicer
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.rpc.leases import Leases
-from specd.rpc.serving import EngineRunner, ServiceMetrics
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner
 from specd.rpc.tracing import Tracing
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer

@@ -107,3 +107,40 @@ def test_engines_never_import_grpc_or_the_layers_above():
             )
         ]
         assert above == [], (name, above)
+
+
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
+
+
+def _too_long(source: str, name: str) -> list[str]:
+    """`name`'s functions (methods and nested ones too) over MAX_FUNCTION_LINES, decorators aside,
+    and the module itself when over MAX_MODULE_LINES."""
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_MODULE_LINES:
+        found.append(f"{name}: {lines} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    return found
+
+
+def test_no_long_functions_or_modules():
+    # A function a reader cannot see whole, or a module past a few screens, hides its seams:
+    # split it where one step ends and the next begins.
+    too_long = [hit for name, path in _modules().items() for hit in _too_long(path.read_text(encoding="utf-8"), name)]
+    assert too_long == []
+
+
+def test_the_length_check_finds_a_long_function_and_a_long_module():
+    # Without this, a check that never reports anything would pass the test above.
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    method = "class C:\n    async def m(self):\n" + body.replace("    ", "        ") + "        return 0\n"
+    assert _too_long(f"def f():\n{body}", "m") == []
+    assert _too_long(f"def f():\n{body}    return 0\n", "m") == ["m:1 f: 81 lines"]
+    assert _too_long(method, "m") == ["m:2 m: 81 lines"]
+    assert _too_long("x = 1\n" * MAX_MODULE_LINES, "m") == []
+    assert _too_long("x = 1\n" * (MAX_MODULE_LINES + 1), "m") == ["m: 601 lines"]

@@ -19,7 +19,8 @@ from specd.engine.params import SamplingParams
 from specd.engine.tasks import SequenceSpec
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases, engine_id
-from specd.rpc.serving import EngineRunner, ServiceMetrics
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner
 from specd.rpc.tracing import Tracing
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,7 +15,8 @@ from drafter_service.engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
 from specd.rpc.leases import Leases, engine_id, public_message
-from specd.rpc.serving import EngineRunner, ServiceMetrics, expire_leases
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner, expire_leases
 from specd.rpc.tracing import Tracing
 
 

@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gateway.backends import BackendError
 from gateway.config import GatewayConfig
-from gateway.pool import DrafterPool, Endpoint, PoolCollector, VerifierPool, parse_endpoints, resolve_host
+from gateway.endpoints import Endpoint, parse_endpoints, resolve_host
+from gateway.pool import DrafterPool, VerifierPool
+from gateway.pool_metrics import PoolCollector
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 T = TypeVar("T")

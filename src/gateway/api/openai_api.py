@@ -17,14 +17,15 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.api import chat_templates, tool_calls, tool_parsers
+from gateway.api import chat_templates
+from gateway.api.chat_stream import ChatChunks
 from gateway.api.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.api.grammar_check import check_constraint
 from gateway.api.limits import RateLimiter, api_key
 from gateway.api.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.api.prompts import Prompts, off_loop, prompts_for
 from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Request
-from gateway.api.replies import error_response, invalid, message, tool_finish
+from gateway.api.replies import error_response, invalid, message
 from gateway.api.responses_api import ResponsesApi
 from gateway.api.spec_metrics import speculative_decoding
 from gateway.api.validation import InvalidParameter, choices, generation_params
@@ -318,120 +319,9 @@ class OpenAIApi:
                 return None
             return {"content": chat_content(lps or [], self.texts), "refusal": None}
 
-        def chunk(
-            index: int, text: str | None, finish: str | None, lps: list[TokenLogprob] | None = None, first: bool = False
-        ) -> dict[str, Any]:
-            delta: dict[str, Any] = {}
-            if first:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            return {
-                "id": ident,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs(lps), "finish_reason": finish}],
-            }
-
         if body.stream:
-            unsent: dict[int, list[TokenLogprob]] = {}  # a choice's logprobs that no chunk has carried yet
-
-            def stream_chunk(
-                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None = None
-            ) -> dict[str, Any] | list[dict[str, Any]] | None:
-                if tools is not None and tools.mode == "auto":
-                    return written_calls_chunk(index, text, finish, lps)
-                if tools is None or not tools.forced:
-                    return chunk(index, text if text or finish is None else None, finish, lps)
-                if not text and finish is None and not lps:
-                    return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
-                if tools.mode == "named":
-                    return named_call_chunk(index, text, finish, lps)
-                return required_calls_chunk(index, text, finish, lps)
-
-            arrays: dict[int, tool_calls.CallArrayStream] = {}
-
-            def required_calls_chunk(
-                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
-            ) -> list[dict[str, Any]] | None:
-                """Required calls as they are generated: each call's id and name once its name is
-                whole, then its arguments piece by piece; the output as text if it never named one."""
-                assert tools is not None
-                stream = arrays.setdefault(index, tool_calls.CallArrayStream())
-                kept = unsent.setdefault(index, [])
-                kept.extend(lps or [])
-                parts = []
-                for piece in stream.feed(text):
-                    delta = chunk(index, None, None, kept)
-                    delta["choices"][0]["delta"]["tool_calls"] = [piece]
-                    parts.append(delta)
-                    kept = unsent[index] = []
-                if finish is not None:
-                    if stream.index < 0:  # cut short before a call was named: what was written, as text
-                        parts.append(chunk(index, stream.text, None, kept))
-                        kept = []
-                    parts.append(chunk(index, None, tool_finish(tools, finish), kept or None))
-                return parts or None
-
-            calls_begun: set[int] = set()  # choices whose call's id and name were sent
-
-            def named_call_chunk(
-                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
-            ) -> dict[str, Any] | list[dict[str, Any]]:
-                """A named call's output is its arguments, streamed as they come, as OpenAI streams them:
-                the call's id and name with the first piece, then pieces of the arguments alone."""
-                assert tools is not None
-                parts = []
-                if text or index not in calls_begun:
-                    delta = chunk(index, None, None, lps)
-                    if index in calls_begun:
-                        piece: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-                    else:
-                        piece = {"index": 0, **tool_calls.call(tools.name, text)}
-                        calls_begun.add(index)
-                    delta["choices"][0]["delta"]["tool_calls"] = [piece]
-                    parts.append(delta)
-                if finish is not None:
-                    parts.append(chunk(index, None, finish))
-                return parts
-
-            streams: dict[int, tool_parsers.CallStream] = {}
-
-            def written_calls_chunk(
-                index: int, text: str, finish: str | None, lps: list[TokenLogprob] | None
-            ) -> dict[str, Any] | list[dict[str, Any]] | None:
-                """tool_choice "auto": content as soon as it cannot begin a call, each call when its
-                block closes (its id, name and whole arguments in one delta)."""
-                assert tools is not None
-                if not text and finish is None and not lps:
-                    return chunk(index, None, None)  # nothing to hold (the usage chunk's envelope)
-                stream = streams.get(index)
-                if stream is None:
-                    stream = streams[index] = tool_parsers.call_stream(self.tool_parser, tools)
-                kept = unsent.setdefault(index, [])
-                kept.extend(lps or [])
-                pieces = stream.feed(text) + (stream.finish() if finish is not None else [])
-                parts = []
-                n = stream.calls - sum(p.call is not None for p in pieces)  # the calls sent before these
-                for piece in pieces:
-                    if piece.call is None:
-                        parts.append(chunk(index, piece.text, None, kept))
-                    else:
-                        delta = chunk(index, None, None, kept)
-                        delta["choices"][0]["delta"]["tool_calls"] = [{"index": n, **piece.call}]
-                        n += 1
-                        parts.append(delta)
-                    kept = unsent[index] = []
-                if finish is not None:
-                    reason = "tool_calls" if stream.calls and finish == "stop" else finish
-                    parts.append(chunk(index, None, reason, kept or None))
-                return parts or None
-
-            def role(index: int) -> dict[str, Any]:
-                return chunk(index, "", None, first=True)
-
-            return self._sse(seqs, request, stream_chunk, role, body.include_usage)
+            chunks = ChatChunks(ident, created, self.model_name, tools, self.tool_parser, logprobs)
+            return self._sse(seqs, request, chunks, chunks.role, body.include_usage)
         outcomes = await self._collect(seqs, request)
         if isinstance(outcomes, JSONResponse):
             return outcomes

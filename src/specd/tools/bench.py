@@ -472,6 +472,45 @@ def main(argv: Sequence[str] | None = None) -> None:
     model = args.model
     if http_modes and model is None:
         model = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+    _run_http_levels(args, model, http_modes, prompts, rows, outputs)
+    hf_runs = _run_hf_baselines(args, prompts, rows, outputs)
+    order = {m: i for i, m in enumerate(args.modes)}
+    rows.sort(key=lambda r: (r["concurrency"], order[r["mode"]]))
+    add_bounds(rows, args.k)
+    sent = [r for (mode, _), results in outputs.items() if mode in HTTP_MODES for r in results]
+    prompt_tokens = sum(r.prompt_tokens for r in sent) / len(sent) if sent else 0.0
+    report: dict[str, Any] = {
+        "name": name,
+        "command": "specd bench " + " ".join(sys.argv[2:] if argv is None else argv),
+        "machine": machine(),
+        "date": measured_at(),
+        "commit": source_commit(),
+        "args": {k: v for k, v in vars(args).items() if k != "levels"},
+        "hf_peers": hf_runs,
+        "results": rows,
+    }
+    if http_modes:
+        report["services"] = asyncio.run(service_stats(args, prompt_tokens))
+    if args.temperature == 0:
+        report["output_mismatches_vs_target"] = compare_outputs(outputs)
+    _print_summary(rows, report)
+    json_path = out_dir / f"bench-{name}.json"
+    json_path.write_text(json.dumps(report, indent=2, default=float))
+    from specd.tools.benchplots import plot_all
+
+    plots = plot_all(rows, out_dir / f"plots-{name}", name)
+    print(f"wrote {json_path} and {', '.join(str(p) for p in plots)}")
+
+
+def _run_http_levels(
+    args: argparse.Namespace,
+    model: str | None,
+    http_modes: list[str],
+    prompts: list[str],
+    rows: list[dict[str, Any]],
+    outputs: dict[tuple[str, int], list[RequestResult]],
+) -> None:
+    """Each concurrency level against the server, in every HTTP mode; adds rows and outputs."""
     for concurrency in args.levels:
         batch = level_prompts(prompts, args, concurrency)
         if not http_modes:
@@ -481,6 +520,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             rows.append(row)
             outputs[(row["mode"], concurrency)] = level_results[row["mode"]]
             print(f"{row['mode']} @ {concurrency}: {row['output_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+
+
+def _run_hf_baselines(
+    args: argparse.Namespace,
+    prompts: list[str],
+    rows: list[dict[str, Any]],
+    outputs: dict[tuple[str, int], list[RequestResult]],
+) -> dict[str, Any]:
+    """The in-process Hugging Face peers (hf-* modes); adds rows and outputs, returns each mode's peer name."""
     hf_runs: dict[str, Any] = {}
     for mode in [m for m in args.modes if m in HF_MODES]:
         from tqdm import tqdm
@@ -512,25 +560,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             row["peer"] = hf_runs[mode]
             rows.append(row)
             outputs[(mode, concurrency)] = served
-    order = {m: i for i, m in enumerate(args.modes)}
-    rows.sort(key=lambda r: (r["concurrency"], order[r["mode"]]))
-    add_bounds(rows, args.k)
-    sent = [r for (mode, _), results in outputs.items() if mode in HTTP_MODES for r in results]
-    prompt_tokens = sum(r.prompt_tokens for r in sent) / len(sent) if sent else 0.0
-    report: dict[str, Any] = {
-        "name": name,
-        "command": "specd bench " + " ".join(sys.argv[2:] if argv is None else argv),
-        "machine": machine(),
-        "date": measured_at(),
-        "commit": source_commit(),
-        "args": {k: v for k, v in vars(args).items() if k != "levels"},
-        "hf_peers": hf_runs,
-        "results": rows,
-    }
-    if http_modes:
-        report["services"] = asyncio.run(service_stats(args, prompt_tokens))
-    if args.temperature == 0:
-        report["output_mismatches_vs_target"] = compare_outputs(outputs)
+    return hf_runs
+
+
+def _print_summary(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
     m = report["machine"]
     print(f"machine: {m['cpu']}, {m['cpus']} CPUs" + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else ""))
     print(format_table(rows))
@@ -542,9 +575,3 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"{service}: {', '.join(parts)}")
     if report.get("output_mismatches_vs_target"):
         print("requests whose text differs from target-only:", report["output_mismatches_vs_target"])
-    json_path = out_dir / f"bench-{name}.json"
-    json_path.write_text(json.dumps(report, indent=2, default=float))
-    from specd.tools.benchplots import plot_all
-
-    plots = plot_all(rows, out_dir / f"plots-{name}", name)
-    print(f"wrote {json_path} and {', '.join(str(p) for p in plots)}")

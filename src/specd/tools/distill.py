@@ -231,37 +231,87 @@ def main(argv: Sequence[str] | None = None) -> None:
     stops = stop_ids(tok)
     vocab = choose_vocab(examples, args.draft_vocab, int(target.config.vocab_size), stops)
     refs = eval_references(args, work, tok) if args.eval_workload else []
-    eval_dtype = models.parse_dtype(args.eval_dtype)
     report: dict[str, Any] = {"argv": raw, "machine": machine(), "design": args.design}
     train_seconds = max(1.0, budget - work.seconds("data") - work.seconds("features") - reserve)
-    out = Path(args.out)
     if args.design == "feature-head":
-        head = featurehead.init_from_target(target, vocab)
-        if refs and "eval_init" not in work.state:
-            work.state["eval_init"] = distill_features.evaluate(head, target, refs)
-            work.save()
-        report["eval_init"] = work.state.get("eval_init", {})
-        report["train"] = distill_features.phase_train(args, work, head, examples, feats, train_seconds)
-        if refs:
-            report["eval"] = distill_features.evaluate(head.to(eval_dtype), target, refs)
-        student: Any = head
-        head_from = featurehead.target_head_name(checkpoints.materialize(args.target))
-        head_sha = draftlm.tensor_sha256(draftlm.read_target_tensor(checkpoints.materialize(args.target), head_from))
-        meta = {"target": args.target, "seed": args.seed, "head_sha256": head_sha}
-        featurehead.save(head, out, meta, models.parse_dtype(args.save_dtype), head_from)
+        student: Any = _train_feature_head(args, work, target, vocab, refs, examples, feats, report, train_seconds)
     else:
-        layers = layer_indices(args.layers, int(target.config.num_hidden_layers))
-        report.update(layer_indices=layers, layers_copied=len(layers))
-        student = init_student(target, layers, vocab)
-        if refs and "eval_init" not in work.state:
-            work.state["eval_init"] = evaluate(student, refs, eval_dtype)
-            work.save()
-        report["eval_init"] = work.state.get("eval_init", {})
-        report["train"] = phase_train(args, work, student, examples, train_seconds)
-        if refs:
-            report["eval"] = evaluate(student, refs, eval_dtype)
-        meta = {"target": args.target, "layers_from": layers, "seed": args.seed}
-        draftlm.save(student, out, meta, args.embedding == "borrow", models.parse_dtype(args.save_dtype))
+        student = _train_layers(args, work, target, vocab, refs, examples, report, train_seconds)
+    _write_report(args, work, report, refs, vocab, student, target, tok, phases_before, wall)
+
+
+def _train_feature_head(
+    args: argparse.Namespace,
+    work: Work,
+    target: Any,
+    vocab: torch.Tensor,
+    refs: list[Any],
+    examples: list[Any],
+    feats: list[Any],
+    report: dict[str, Any],
+    train_seconds: float,
+) -> Any:
+    """Train a feature head on the target's hidden states, evaluate it and save it to --out."""
+    eval_dtype = models.parse_dtype(args.eval_dtype)
+    out = Path(args.out)
+    head = featurehead.init_from_target(target, vocab)
+    if refs and "eval_init" not in work.state:
+        work.state["eval_init"] = distill_features.evaluate(head, target, refs)
+        work.save()
+    report["eval_init"] = work.state.get("eval_init", {})
+    report["train"] = distill_features.phase_train(args, work, head, examples, feats, train_seconds)
+    if refs:
+        report["eval"] = distill_features.evaluate(head.to(eval_dtype), target, refs)
+    head_from = featurehead.target_head_name(checkpoints.materialize(args.target))
+    head_sha = draftlm.tensor_sha256(draftlm.read_target_tensor(checkpoints.materialize(args.target), head_from))
+    meta = {"target": args.target, "seed": args.seed, "head_sha256": head_sha}
+    featurehead.save(head, out, meta, models.parse_dtype(args.save_dtype), head_from)
+    return head
+
+
+def _train_layers(
+    args: argparse.Namespace,
+    work: Work,
+    target: Any,
+    vocab: torch.Tensor,
+    refs: list[Any],
+    examples: list[Any],
+    report: dict[str, Any],
+    train_seconds: float,
+) -> Any:
+    """Train a small LM from some of the target's layers, evaluate it and save it to --out."""
+    eval_dtype = models.parse_dtype(args.eval_dtype)
+    out = Path(args.out)
+    layers = layer_indices(args.layers, int(target.config.num_hidden_layers))
+    report.update(layer_indices=layers, layers_copied=len(layers))
+    student = init_student(target, layers, vocab)
+    if refs and "eval_init" not in work.state:
+        work.state["eval_init"] = evaluate(student, refs, eval_dtype)
+        work.save()
+    report["eval_init"] = work.state.get("eval_init", {})
+    report["train"] = phase_train(args, work, student, examples, train_seconds)
+    if refs:
+        report["eval"] = evaluate(student, refs, eval_dtype)
+    meta = {"target": args.target, "layers_from": layers, "seed": args.seed}
+    draftlm.save(student, out, meta, args.embedding == "borrow", models.parse_dtype(args.save_dtype))
+    return student
+
+
+def _write_report(
+    args: argparse.Namespace,
+    work: Work,
+    report: dict[str, Any],
+    refs: list[Any],
+    vocab: torch.Tensor,
+    student: Any,
+    target: Any,
+    tok: Any,
+    phases_before: float,
+    wall: float,
+) -> None:
+    """Measure the drafter's step, then write the tokenizer, the model card and distill.json beside it."""
+    eval_dtype = models.parse_dtype(args.eval_dtype)
+    out = Path(args.out)
     losses = report["train"]["losses"]
     report["final_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
     report["train"]["losses"] = losses[:: max(1, len(losses) // 200)]
