@@ -16,6 +16,10 @@ a bucket runs through buffers made once for it:
   a real row's queries never see the scratch slot (their keys are their own slot's). Padded
   rows' outputs are never read.
 
+Plain `torch.cuda.CUDAGraph` capture, not `torch.compile(mode="reduce-overhead")`: that mode
+replays CUDA graphs too, and would add fused kernels, but compiles each bucket for tens of
+seconds at start (minutes for all of them), and recompiles where a shape guard fails.
+
 Prefill and shapes outside the buckets run eagerly, as do models other than the fused Llama
 forward (`specd.fused_llama`: transformers' own forward builds masks and reads cache lengths on
 the host) and feature drafters. On the CPU the same static path runs without capture (tests
