@@ -17,8 +17,8 @@ a bucket runs through buffers made once for it:
   rows' outputs are never read.
 
 Plain `torch.cuda.CUDAGraph` capture, not `torch.compile(mode="reduce-overhead")`: that mode
-replays CUDA graphs too, and would add fused kernels, but compiles each bucket for tens of
-seconds at start (minutes for all of them), and recompiles where a shape guard fails.
+replays CUDA graphs too, and would add fused kernels, but compiles every bucket at start, far
+longer than capturing it, and compiles again wherever a shape guard fails.
 
 Prefill and shapes outside the buckets run eagerly, as do models other than the fused Llama
 forward (`specd.fused_llama`: transformers' own forward builds masks and reads cache lengths on
