@@ -586,7 +586,9 @@ def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dic
             elif device != "cpu" and mps.running():
                 out[label] = {"skipped": "an MPS daemon already runs on this host"}
                 continue
-            out[label] = bench_stack(device, model_dir, dry, share, logs / label)
+            # With MPS, specd up finds the daemon this check started (and leaves it to the check).
+            shared = "auto" if with_mps else "off"
+            out[label] = bench_stack(device, model_dir, dry, share, logs / label, shared)
         except Exception as exc:
             out[label] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         finally:
@@ -598,7 +600,9 @@ def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dic
     return out
 
 
-def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
+def bench_stack(
+    device: str, model_dir: Path, dry: bool, deadline: float, logs: Path, shared: str = "off"
+) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     http, grpc_port, dport, vport, dm, vm = (free_port() for _ in range(6))
     up = [
@@ -606,7 +610,7 @@ def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: 
         "--target-model", str(model_dir), "--drafter", "model", "--draft-model", str(model_dir),
         "--drafter-device", device, "--verifier-device", device,
         "--verifier-dtype", "bfloat16", "--drafter-dtype", "bfloat16", "--quantize", "none",
-        "--load-format", "dummy", "--pipeline", "auto", "--shared-gpu", "off",
+        "--load-format", "dummy", "--pipeline", "auto", "--shared-gpu", shared,
         "--http-port", str(http), "--grpc-port", str(grpc_port),
         "--drafter-port", str(dport), "--verifier-port", str(vport),
         "--drafter-metrics-port", str(dm), "--verifier-metrics-port", str(vm),
