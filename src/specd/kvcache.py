@@ -454,7 +454,8 @@ class BatchedCausalLM:
         `ids`: [len(rows)] token ids on the model's device, one per row, fed instead of the rows'
         own tokens (each row then has one placeholder token): a step can feed what the previous
         step chose without reading it back to the host."""
-        return self.forward_hidden(rows, ids)[0] if rows else []
+        # Its hidden states are dropped: a bucketed forward's need not be copied out of its buffer.
+        return self._forward(rows, ids, keep=False)[0] if rows else []
 
     def forward_hidden(
         self, rows: Sequence[Row], device_ids: torch.Tensor | None = None
@@ -462,9 +463,14 @@ class BatchedCausalLM:
         """Feed each row's tokens (or `device_ids`, as `forward` says); per row, float32 logits
         [n_wanted, vocab] and the last hidden states (the LM head's input) of every fed position,
         [len(tokens), hidden], in the model's dtype."""
+        return self._forward(rows, device_ids, keep=True)
+
+    def _forward(
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None, keep: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not rows:
             return [], []
-        order, rows, hidden, wanted = self._run(rows, device_ids, keep=True)
+        order, rows, hidden, wanted = self._run(rows, device_ids, keep)
         with torch.inference_mode():
             logits = self.head_product(wanted).float()
             if self.softcap:
