@@ -596,8 +596,33 @@ def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dic
                 mps.stop_daemon(daemon)
         if REPORT:
             REPORT.data["services"] = out
+            REPORT.data.update(service_summary(out))
             REPORT.write()
     return out
+
+
+def service_summary(services: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two figures from the stacks: `round_overhead_ms` (a sequential round's time
+    outside the two forwards, per clients, from the stack without MPS) and `shared_gpu`
+    (draft-ahead's verify exchange beside the verifier's forward, per clients, without and with MPS)."""
+    overhead: dict[str, Any] = {}
+    shared: dict[str, Any] = {}
+    for variant, runs in services.items():
+        if not isinstance(runs, dict):
+            continue
+        for key, r in runs.items():
+            if not isinstance(r, dict) or "@" not in key:
+                continue
+            mode, clients = key.split("@")
+            if mode == "sequential" and variant == "no_mps" and "outside_forwards_ms" in r:
+                overhead[clients] = r["outside_forwards_ms"]
+            if mode == "ahead":
+                shared.setdefault(variant, {})[clients] = {
+                    "verify_exchange_ms": r.get("round_verify_ms"),
+                    "verifier_forward_ms": r.get("round_verifier_forward_ms"),
+                    "x_forward": r.get("verify_exchange_x_forward"),
+                }
+    return {"round_overhead_ms": overhead, "shared_gpu": shared}
 
 
 def bench_stack(

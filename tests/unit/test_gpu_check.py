@@ -93,6 +93,12 @@ def test_round_figures_take_the_forwards_out_of_a_round() -> None:
     assert figures["round_ms"] == 45.0
     assert figures["outside_forwards_ms"] == 17.0
     assert figures["verify_exchange_x_forward"] == 1.5
+    services = {"no_mps": {"ahead@1": figures, "sequential@1": {**figures, "outside_forwards_ms": 4.0}}}
+    summary = check.service_summary({**services, "mps": {"skipped": "no daemon"}})
+    assert summary["round_overhead_ms"] == {"1": 4.0}
+    assert summary["shared_gpu"] == {
+        "no_mps": {"1": {"verify_exchange_ms": 30.0, "verifier_forward_ms": 20.0, "x_forward": 1.5}}
+    }
     assert check.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert check.gpu_slug("NVIDIA H200") == "h200"
 
