@@ -121,3 +121,25 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
     assert "unit_first: 40 passed, 1 failed, 2 skipped, cut short" in text
+
+
+def test_wheels_install_once_and_go_first_on_the_path(tmp_path: Path, monkeypatch) -> None:
+    """A pure-Python wheel written here (a GPU host gets scripts/gpu_wheels.sh's)."""
+    import zipfile
+
+    check = script("gpu_check")
+    root, site = tmp_path / "repo", tmp_path / "site"
+    (root / ".whl").mkdir(parents=True)
+    wheel = root / ".whl" / "specd_probe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("specd_probe.py", "ANSWER = 42\n")
+        z.writestr("specd_probe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: specd-probe\nVersion: 1.0\n")
+        z.writestr("specd_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("specd_probe-1.0.dist-info/RECORD", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    first = check.install_wheels(root, site)
+    assert first.startswith("1 wheels in") and (site / "specd_probe.py").is_file()
+    assert sys.path[0] == str(site)
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(site), str(check.SRC), "/elsewhere"]
+    assert check.install_wheels(root, site).endswith("installed before")
