@@ -302,6 +302,8 @@ def time_shape(
     from specd.kvcache import BatchedCausalLM, Row
 
     dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # the dry run's tiny shape: threads would only spin against each other
     dtype = torch.bfloat16
     context = 128
     with tempfile.TemporaryDirectory() as tmp:
@@ -325,12 +327,18 @@ def time_shape(
     def step(b: int, n: int = 1) -> Callable[[], Any]:
         return lambda: lm.forward([Row(s, context, [5] * n, 0) for s in range(b)])
 
+    def draft(b: int) -> Callable[[], Any]:
+        # The drafter's greedy step: fed the previous step's tokens on the device, argmax there.
+        ids = torch.full((b,), 5, dtype=torch.long, device=dev)
+        return lambda: lm.forward_argmax([Row(s, context, [0], 0) for s in range(b)], ids)
+
     def measure(label: str) -> None:
         for b in batches:
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} batch {b}")
                 continue
             out.setdefault("step_ms", {}).setdefault(str(b), {})[label] = median_ms(step(b), dev, repeats)
+            out.setdefault("draft_step_ms", {}).setdefault(str(b), {})[label] = median_ms(draft(b), dev, repeats)
         for n in lengths:
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} verify {n}")

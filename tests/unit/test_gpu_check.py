@@ -108,7 +108,12 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
     report = {
         "device": {"name": "NVIDIA H100 80GB HBM3"},
         "step_ms": {
-            "llama-3.1-8b": {"weight_bytes": 15e9, "floor_ms": 5.0, "step_ms": {"1": {"eager": 30.0, "graphed": 6.0}}},
+            "llama-3.1-8b": {
+                "weight_bytes": 15e9,
+                "floor_ms": 5.0,
+                "step_ms": {"1": {"eager": 30.0, "graphed": 6.0}},
+                "draft_step_ms": {"1": {"eager": 29.0, "graphed": 5.5}},
+            },
             "llama-3.2-1b": {"error": "RuntimeError: out of memory"},
         },
         "verify_ms": {"smollm2-135m": {"ms": {"1": {"graphed": 1.5}}, "x_step": {"graphed": {"1": 1.0, "5": 1.2}}}},
@@ -116,8 +121,8 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
         "cuda_tests": {"unit_first": {"passed": 40, "failed": 1, "error": 0, "skipped": 2, "timed_out": True}},
     }
     text = table.render([report])
-    assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.00 | 1.20x |" in text
-    assert "| llama-3.2-1b | – | – | – | – | – | RuntimeError: out of memory |" in text
+    assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.50 | 5.00 | 1.20x |" in text
+    assert "| llama-3.2-1b | – | – | – | – | – | – | RuntimeError: out of memory |" in text
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
     assert "unit_first: 40 passed, 1 failed, 2 skipped, cut short" in text
