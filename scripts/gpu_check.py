@@ -379,6 +379,11 @@ def graphed(
         "max_abs_logit_diff": max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True)),
         "same_argmax": all(bool(torch.equal(g.argmax(-1), r.argmax(-1))) for g, r in zip(got, reference, strict=True)),
     }
+    # The services' start-up check: rows of other starts and block lengths, a padded row, and
+    # positions the graph itself must write (the comparison above rewrites what eager wrote).
+    diff = cuda_graphs.self_check(lm, static)
+    out["graphed_vs_eager"]["self_check"] = "passed" if diff is None else f"failed: logits {diff:.4g} apart"
+    lm.static = static
 
 
 def free_device_memory(device: str) -> None:

@@ -256,11 +256,22 @@ def enable(
     static = StaticForward(lm, max_batch, max_length, capture=True)
     try:
         static.capture_all()
+        diff = self_check(lm, static)
     except Exception as exc:
         if choice == "on":
             raise
         # auto: a forward that cannot be captured (an op that waits for the host, say) runs eagerly.
         log.warning("the %s runs eagerly: capturing its CUDA graphs failed (%s: %s)", service, type(exc).__name__, exc)
+        lm.static = None
+        lm.cache.captured = False
+        return None
+    if diff is not None:
+        # Wrong logits are never worth a faster step: the eager forward serves instead.
+        message = f"the {service}'s CUDA graphs gave logits {diff:.3g} away from the eager forward's"
+        if choice == "on":
+            raise RuntimeError(message)
+        log.error("%s: it runs eagerly", message)
+        lm.static = None
         lm.cache.captured = False
         return None
     lm.static = static
@@ -275,6 +286,45 @@ def enable(
         static.capture_bytes / 2**20,
     )
     return static
+
+
+def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
+    """Run a round through `static` and eagerly, and return how far apart their logits are where
+    that is beyond rounding, else None. Start-up only (it uses the first slots and releases them).
+
+    The rows start at different positions, feed blocks of different lengths and leave a padded
+    row in their bucket; two steps run each way, and before the graphed pair another eager step
+    writes other tokens at the first step's positions, so a graph whose cache writes went astray
+    reads those and fails the check."""
+    from specd.kvcache import Row
+
+    rows = min(3, lm.cache.max_slots, static.batches[-1])
+    lengths = [4 + 3 * s for s in range(rows)]
+    if lengths[-1] + 2 * static.max_length + 1 > lm.cache.max_positions:
+        return None  # too short a cache to check in
+    vocab = lm.vocab_size
+    first = [Row(s, lengths[s], [(5 + s) % vocab] * min(1 + s, static.max_length), 0) for s in range(rows)]
+    second = [Row(s, lengths[s] + len(first[s].tokens), [(9 + s) % vocab], 0) for s in range(rows)]
+    other = [Row(r.slot, r.start, [(r.tokens[0] + 1) % vocab] * len(r.tokens), 0) for r in first]
+    lm.static = None
+    try:
+        for s in range(rows):
+            lm.forward([Row(s, 0, [(11 * s + j) % vocab for j in range(lengths[s])], lengths[s] - 1)])
+        lm.forward(first)
+        want = lm.forward(second)
+        lm.forward(other)
+        lm.static = static
+        lm.forward(first)
+        got = lm.forward(second)
+    finally:
+        lm.static = None
+        for s in range(rows):
+            lm.cache.release(s)
+    scale = max(1.0, max(float(w.abs().max()) for w in want))
+    diff = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    # Rounding: float32 sums in another order; bfloat16 and float16 keep about three digits.
+    tolerance = (1e-3 if lm.dtype == torch.float32 else 5e-2) * scale
+    return diff if diff > tolerance else None
 
 
 def read_back(t: torch.Tensor) -> list[Any]:

@@ -16,7 +16,7 @@ from tinymodels import device_under_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specd import cuda_graphs, fused_llama
-from specd.kvcache import BatchedCausalLM, Row
+from specd.kvcache import BatchedCausalLM, Row, SlotKVCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -174,6 +174,41 @@ def test_a_capture_that_fails_leaves_auto_eager_and_on_refusing(monkeypatch) -> 
     lm.reserve(4, 100)  # not left captured: the bound can still change
     with pytest.raises(RuntimeError, match="stream is capturing"):
         cuda_graphs.enable(lm, "on", 5, "verifier")
+
+
+def test_the_start_up_check_catches_cache_writes_gone_astray(monkeypatch, caplog) -> None:
+    _, static = pair(torch.device("cpu"))
+    runner = static.static
+    assert cuda_graphs.self_check(static, runner) is None
+    assert static.cache._high[:3] == [0, 0, 0]  # the slots it used are handed back
+
+    def astray(self, buf, new):
+        # Every key to the scratch slot: the rows then read what the eager step left there.
+        slots, positions, rows, keys = self._static
+        self._static = (torch.full_like(slots, self.scratch_slot), positions, rows, keys)
+        return real(self, buf, new)
+
+    real = SlotKVCache._static_update
+    monkeypatch.setattr(SlotKVCache, "_static_update", astray)
+    assert cuda_graphs.self_check(static, runner) > 0.01
+    # In the service: auto serves eagerly (and says why), on refuses to start.
+    monkeypatch.setattr(cuda_graphs, "wants_graphs", lambda choice, device: True)
+    monkeypatch.setattr(cuda_graphs.StaticForward, "capture_all", lambda self, buckets=None: None)
+    monkeypatch.setattr(cuda_graphs.StaticForward, "__init__", uncaptured(cuda_graphs.StaticForward.__init__))
+    lm = BatchedCausalLM(fused_llama.fuse(llama()), torch.device("cpu"), torch.float32, max_slots=6)
+    assert cuda_graphs.enable(lm, "auto", 5, "verifier") is None and lm.static is None
+    assert "CUDA graphs gave logits" in caplog.text and "runs eagerly" in caplog.text
+    with pytest.raises(RuntimeError, match="CUDA graphs gave logits"):
+        cuda_graphs.enable(lm, "on", 5, "verifier")
+
+
+def uncaptured(init):
+    """StaticForward.__init__ that keeps the static path uncaptured whatever it is asked (the CPU)."""
+
+    def wrapped(self, lm, max_batch, max_length, capture, batches=()):
+        init(self, lm, max_batch, max_length, False, batches)
+
+    return wrapped
 
 
 @cuda
