@@ -437,6 +437,71 @@ def verify_summary(steps: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- graph probe -----------------------------------------------------------
+
+PROBE_VARIANTS: dict[str, dict[str, Any]] = {
+    # test_cuda_graphs' failing case on the H100: 3 rows in a bucket of 4, other starts, keys 300.
+    "as_the_test": {},
+    "uncaptured": {"capture": False},
+    "keys_512": {"positions": 600},
+    "same_starts": {"starts": [7, 7, 7]},
+    "full_bucket": {"slots": [4, 0, 2, 1], "starts": [7, 3, 12, 5]},
+    "one_token_rows": {"counts": [1, 1, 1]},
+    "bfloat16": {"dtype": "bfloat16"},
+}
+
+
+def probe_once(device: str, capture: bool = True, positions: int = 300, dtype: str = "float32", **rows: Any) -> float:
+    """The largest |graphed - eager| logit over three rounds of the tiny test model's rows."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specd import cuda_graphs, fused_llama
+    from specd.kvcache import BatchedCausalLM, Row
+
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=positions, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    fused = fused_llama.fuse(LlamaForCausalLM(config).eval()).to(device=dev, dtype=dt)
+    eager = BatchedCausalLM(fused, dev, dt, max_slots=6, max_positions=positions)
+    static = BatchedCausalLM(copy.deepcopy(fused), dev, dt, max_slots=6, max_positions=positions)
+    static.static = cuda_graphs.StaticForward(static, 64, 5, capture=capture and dev.type == "cuda")
+    slots, starts = rows.get("slots", [4, 0, 2]), list(rows.get("starts", [7, 3, 12]))
+    counts = rows.get("counts")
+    for slot, n in zip(slots, starts, strict=True):
+        for lm in (eager, static):
+            lm.forward([Row(slot, 0, [(3 * slot + j) % 96 for j in range(n)], n - 1)])
+    worst = 0.0
+    for step in range(3):
+        fed = counts or [1 + (step + i) % 3 for i in range(len(slots))]
+        batch = [
+            Row(s, n, [(step + s + j) % 96 for j in range(c)], 0) for s, n, c in zip(slots, starts, fed, strict=True)
+        ]
+        for w, g in zip(eager.forward(batch), static.forward(batch), strict=True):
+            worst = max(worst, float((g.float() - w.float()).abs().max()))
+        starts = [n + c for n, c in zip(starts, fed, strict=True)]
+    return worst
+
+
+def probe_section(device: str, deadline: float) -> dict[str, Any]:
+    """Which setting makes the graphed path leave the eager one (each variant changes one thing)."""
+    out: dict[str, Any] = {}
+    for name, variant in PROBE_VARIANTS.items():
+        if time.monotonic() > deadline:
+            out[name] = "no time left"
+            continue
+        try:
+            out[name] = round(probe_once(device, **variant), 6)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 # -- tests -----------------------------------------------------------------
 
 _OUTCOME = re.compile(r"^(\S+::\S+?)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
@@ -742,7 +807,7 @@ def round_figures(report: dict[str, Any]) -> dict[str, Any]:
 # -- main ------------------------------------------------------------------
 
 REPORT: Report | None = None
-SECTIONS = ("device", "step_ms", "verify_ms", "cuda_tests", "services")
+SECTIONS = ("device", "graph_probe", "step_ms", "verify_ms", "cuda_tests", "services")
 
 
 def gpu_slug(name: str) -> str:
@@ -791,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     # Shares of the whole budget, most valuable first; what a section leaves goes to the next.
     plan: list[tuple[str, float, Callable[[float], Any]]] = [
         ("device", 0.03, lambda d: device_info(args.device)),
+        ("graph_probe", 0.05, lambda d: probe_section(args.device, d)),
         ("step_ms", 0.30, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
         ("verify_ms", 0.0, lambda d: verify_summary(REPORT.data.get("step_ms", {}) if REPORT else {})),
         ("cuda_tests", 0.40, lambda d: tests_section(args.device, dry, d, logs)),
