@@ -448,11 +448,26 @@ PROBE_VARIANTS: dict[str, dict[str, Any]] = {
     "full_bucket": {"slots": [4, 0, 2, 1], "starts": [7, 3, 12, 5]},
     "one_token_rows": {"counts": [1, 1, 1]},
     "bfloat16": {"dtype": "bfloat16"},
+    # Attention by the math backend alone (no memory-efficient or cuDNN kernel).
+    "math_attention": {"backend": "MATH"},
+    "math_attention_uncaptured": {"backend": "MATH", "capture": False},
 }
 
 
-def probe_once(device: str, capture: bool = True, positions: int = 300, dtype: str = "float32", **rows: Any) -> float:
-    """The largest |graphed - eager| logit over three rounds of the tiny test model's rows."""
+def probe_once(device: str, backend: str = "", **variant: Any) -> float:
+    """The largest |graphed - eager| logit over three rounds of the tiny test model's rows, with
+    attention through `backend` alone where one is named (torch.nn.attention.SDPBackend)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+        return _probe_rounds(device, **variant)
+
+
+def _probe_rounds(
+    device: str, capture: bool = True, positions: int = 300, dtype: str = "float32", **rows: Any
+) -> float:
     import copy
 
     import torch
