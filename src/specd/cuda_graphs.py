@@ -54,7 +54,7 @@ class Bucket:
 
 
 def key_buckets(max_positions: int) -> list[int]:
-    """Key counts attended: powers of two from MIN_KEYS, the last one the cache's bound."""
+    """Key counts attended: powers of two from MIN_KEYS, the last one the positions the cache holds."""
     out: list[int] = []
     n = MIN_KEYS
     while n < max_positions:
@@ -103,7 +103,7 @@ class StaticForward:
         self.max_length = max(1, max_length)
         limit = min(max_batch, cache.max_slots)
         self.batches = sorted({b for b in (batches or BATCH_BUCKETS) if b <= max(limit, 1)} or {1})
-        self.keys = key_buckets(cache.max_positions)
+        self.keys = key_buckets(cache.position_room)
         top = self.batches[-1]
         size = 4 * top * self.max_length + top
         self._inputs = torch.zeros(size, dtype=torch.long, device=lm.device)

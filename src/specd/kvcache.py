@@ -34,6 +34,8 @@ from specd.timing import best_time
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
 DEFAULT_SLOTS = 16
 DEFAULT_POSITIONS = 2048
+# A bucketed forward's key counts are multiples of this (SlotKVCache.position_room).
+KEY_ALIGNMENT = 64
 
 
 # Anonymous private mappings that can hand pages back (Linux, macOS); elsewhere plain zeros.
@@ -118,6 +120,16 @@ class SlotKVCache(Cache):
         if not self.scratch:
             raise RuntimeError("this cache has no scratch row (add_scratch)")
         return self.max_slots
+
+    @property
+    def position_room(self) -> int:
+        """Positions the tensors hold: the bound, and with a scratch row (a bucketed forward) the bound
+        rounded up to a multiple of KEY_ALIGNMENT, so every key count a bucket attends is aligned
+        (attention kernels pad an unaligned mask; the positions past the bound are never written by
+        a sequence, and masked)."""
+        if not self.scratch:
+            return self.max_positions
+        return -(-self.max_positions // KEY_ALIGNMENT) * KEY_ALIGNMENT
 
     def add_scratch(self) -> None:
         """Make the tensors with a scratch row past the bound, dropping what is cached."""
@@ -233,7 +245,7 @@ class SlotKVCache(Cache):
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             buf = store[layer_idx]
             if buf is None:
-                shape = (self.max_slots + int(self.scratch), new.shape[1], self.max_positions, new.shape[3])
+                shape = (self.max_slots + int(self.scratch), new.shape[1], self.position_room, new.shape[3])
                 buf, region = self._allocate(shape, new.dtype)
                 store[layer_idx] = buf
                 (self._key_regions if store is self.keys else self._value_regions)[layer_idx] = region
