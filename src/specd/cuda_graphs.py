@@ -322,8 +322,10 @@ def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
             lm.cache.release(s)
     scale = max(1.0, max(float(w.abs().max()) for w in want))
     diff = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
-    # Rounding: float32 sums in another order; bfloat16 and float16 keep about three digits.
-    tolerance = (1e-3 if lm.dtype == torch.float32 else 5e-2) * scale
+    # Rounding: float32 sums in another order; bfloat16 and float16 keep two or three digits, and
+    # a padded batch or more (masked) keys can move the last of them. A graph gone astray is off by
+    # about the logits' own scale.
+    tolerance = (1e-3 if lm.dtype == torch.float32 else 1e-1) * scale
     return diff if diff > tolerance else None
 
 
