@@ -512,9 +512,44 @@ def _probe_rounds(
     return worst
 
 
+def sdpa_gap(device: str, keys: int, queries: int = 1) -> float:
+    """|memory-efficient - math| attention, float32, on the fused forward's layout: queries grouped
+    per key/value head and an additive mask made for one query per row, broadcast over heads."""
+    import torch
+    from torch.nn import functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(4, 2, 2 * queries, 16, device=device, generator=gen)
+    k = torch.randn(4, 2, keys, 16, device=device, generator=gen)
+    v = torch.randn(4, 2, keys, 16, device=device, generator=gen)
+    starts = torch.tensor([3, 12, 7, 0], device=device)
+    visible = starts[:, None, None] + torch.arange(queries, device=device)[None, :, None]
+    hidden = torch.arange(keys, device=device)[None, None, :] > visible
+    mask = torch.zeros(4, queries, keys, device=device).masked_fill_(hidden, torch.finfo(torch.float32).min)
+    mask = mask[:, None]  # [batch, 1, queries, keys]: one query broadcasts over the grouped heads
+    if queries > 1:
+        mask = mask.repeat(1, 1, 2, 1)  # as _group_mask: one row per grouped query
+    outs = []
+    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel(backend):
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    return float((outs[0] - outs[1]).abs().max())
+
+
 def probe_section(device: str, deadline: float) -> dict[str, Any]:
-    """Which setting makes the graphed path leave the eager one (each variant changes one thing)."""
+    """Which setting makes the graphed path leave the eager one (each variant changes one thing);
+    and the attention kernel alone against the math one at the key counts involved."""
     out: dict[str, Any] = {}
+    if device.startswith("cuda"):
+        for keys in (13, 137, 300, 320):
+            for queries in (1, 3):
+                try:
+                    out[f"sdpa_efficient_vs_math_keys_{keys}_queries_{queries}"] = round(
+                        sdpa_gap(device, keys, queries), 6
+                    )
+                except Exception as exc:
+                    out[f"sdpa_efficient_vs_math_keys_{keys}_queries_{queries}"] = f"{type(exc).__name__}: {exc}"
     for name, variant in PROBE_VARIANTS.items():
         if time.monotonic() > deadline:
             out[name] = "no time left"
