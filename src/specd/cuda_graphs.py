@@ -276,7 +276,8 @@ def enable(
         return None
     lm.static = static
     log.info(
-        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device memory",
+        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device "
+        "memory; their logits match the eager forward's",
         service,
         len(static.buckets()),
         ",".join(map(str, static.batches)),
