@@ -23,8 +23,8 @@ def script(name: str) -> ModuleType:
 
 def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None:
     bench, out = tmp_path / "bench", tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "120"]
-    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", "device,step_ms,verify_ms"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "600"]
+    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", "device,graph_probe,step_ms,verify_ms"]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,7 +39,11 @@ def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None
     # The uncaptured static path computes what the eager one does.
     assert tiny["graphed_vs_eager"]["same_argmax"]
     assert report["verify_ms"]["tiny"]["x_step"]["eager"]["1"] == 1.0
-    assert set(report["wall_s"]) == {"device", "step_ms", "verify_ms"}
+    assert set(report["wall_s"]) == {"device", "graph_probe", "step_ms", "verify_ms"}
+    # The probe's variants of the static path, uncaptured here, each give the eager logits.
+    probe = report["graph_probe"]
+    assert set(probe) == set(script("gpu_check").PROBE_VARIANTS)
+    assert all(gap < 1e-3 for name, gap in probe.items() if name != "bfloat16"), probe
 
 
 def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
