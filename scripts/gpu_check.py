@@ -305,6 +305,8 @@ def time_shape(
     from specd.engine.kvcache import BatchedCausalLM, Row
 
     dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # the dry run's tiny shape: threads would only spin against each other
     dtype = torch.bfloat16
     context = 128
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,12 +330,18 @@ def time_shape(
     def step(b: int, n: int = 1) -> Callable[[], Any]:
         return lambda: lm.forward([Row(s, context, [5] * n, 0) for s in range(b)])
 
+    def draft(b: int) -> Callable[[], Any]:
+        # The drafter's greedy step: fed the previous step's tokens on the device, argmax there.
+        ids = torch.full((b,), 5, dtype=torch.long, device=dev)
+        return lambda: lm.forward_argmax([Row(s, context, [0], 0) for s in range(b)], ids)
+
     def measure(label: str) -> None:
         for b in batches:
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} batch {b}")
                 continue
             out.setdefault("step_ms", {}).setdefault(str(b), {})[label] = median_ms(step(b), dev, repeats)
+            out.setdefault("draft_step_ms", {}).setdefault(str(b), {})[label] = median_ms(draft(b), dev, repeats)
         for n in lengths:
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} verify {n}")
@@ -374,6 +382,11 @@ def graphed(
         "max_abs_logit_diff": max(float((g - r).abs().max()) for g, r in zip(got, reference, strict=True)),
         "same_argmax": all(bool(torch.equal(g.argmax(-1), r.argmax(-1))) for g, r in zip(got, reference, strict=True)),
     }
+    # The services' start-up check: rows of other starts and block lengths, a padded row, and
+    # positions the graph itself must write (the comparison above rewrites what eager wrote).
+    diff = cuda_graphs.self_check(lm, static)
+    out["graphed_vs_eager"]["self_check"] = "passed" if diff is None else f"failed: logits {diff:.4g} apart"
+    lm.static = static
 
 
 def free_device_memory(device: str) -> None:
@@ -424,6 +437,130 @@ def verify_summary(steps: dict[str, Any]) -> dict[str, Any]:
             if one:
                 per[label] = {n: round(v[label] / one, 3) for n, v in verify.items() if label in v}
         out[name] = {"ms": verify, "x_step": per}
+    return out
+
+
+# -- graph probe -----------------------------------------------------------
+
+PROBE_VARIANTS: dict[str, dict[str, Any]] = {
+    # test_cuda_graphs' failing case on the H100: 3 rows in a bucket of 4, other starts, keys 300.
+    "as_the_test": {},
+    "uncaptured": {"capture": False},
+    "keys_512": {"positions": 600},
+    "same_starts": {"starts": [7, 7, 7]},
+    "full_bucket": {"slots": [4, 0, 2, 1], "starts": [7, 3, 12, 5]},
+    "one_token_rows": {"counts": [1, 1, 1]},
+    "bfloat16": {"dtype": "bfloat16"},
+    # Attention by the math backend alone (no memory-efficient or cuDNN kernel).
+    "math_attention": {"backend": "MATH"},
+    "math_attention_uncaptured": {"backend": "MATH", "capture": False},
+    # Keys as the H100 run had them (300, where the cache now rounds its positions up to 320).
+    "unaligned_keys": {"alignment": 1},
+}
+
+
+def probe_once(device: str, backend: str = "", **variant: Any) -> float:
+    """The largest |graphed - eager| logit over three rounds of the tiny test model's rows, with
+    attention through `backend` alone where one is named (torch.nn.attention.SDPBackend)."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from specd.engine import kvcache
+
+    alignment = variant.pop("alignment", kvcache.KEY_ALIGNMENT)
+    before, kvcache.KEY_ALIGNMENT = kvcache.KEY_ALIGNMENT, alignment
+    try:
+        with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
+            return _probe_rounds(device, **variant)
+    finally:
+        kvcache.KEY_ALIGNMENT = before
+
+
+def _probe_rounds(
+    device: str, capture: bool = True, positions: int = 300, dtype: str = "float32", **rows: Any
+) -> float:
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specd.engine import cuda_graphs, fused_llama
+    from specd.engine.kvcache import BatchedCausalLM, Row
+
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=positions, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    fused = fused_llama.fuse(LlamaForCausalLM(config).eval()).to(device=dev, dtype=dt)
+    eager = BatchedCausalLM(fused, dev, dt, max_slots=6, max_positions=positions)
+    static = BatchedCausalLM(copy.deepcopy(fused), dev, dt, max_slots=6, max_positions=positions)
+    static.static = cuda_graphs.StaticForward(static, 64, 5, capture=capture and dev.type == "cuda")
+    slots, starts = rows.get("slots", [4, 0, 2]), list(rows.get("starts", [7, 3, 12]))
+    counts = rows.get("counts")
+    for slot, n in zip(slots, starts, strict=True):
+        for lm in (eager, static):
+            lm.forward([Row(slot, 0, [(3 * slot + j) % 96 for j in range(n)], n - 1)])
+    worst = 0.0
+    for step in range(3):
+        fed = counts or [1 + (step + i) % 3 for i in range(len(slots))]
+        batch = [
+            Row(s, n, [(step + s + j) % 96 for j in range(c)], 0) for s, n, c in zip(slots, starts, fed, strict=True)
+        ]
+        for w, g in zip(eager.forward(batch), static.forward(batch), strict=True):
+            worst = max(worst, float((g.float() - w.float()).abs().max()))
+        starts = [n + c for n, c in zip(starts, fed, strict=True)]
+    return worst
+
+
+def sdpa_gap(device: str, keys: int, queries: int = 1) -> float:
+    """|memory-efficient - math| attention, float32, on the fused forward's layout: queries grouped
+    per key/value head and an additive mask made for one query per row, broadcast over heads."""
+    import torch
+    from torch.nn import functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(4, 2, 2 * queries, 16, device=device, generator=gen)
+    k = torch.randn(4, 2, keys, 16, device=device, generator=gen)
+    v = torch.randn(4, 2, keys, 16, device=device, generator=gen)
+    starts = torch.tensor([3, 12, 7, 0], device=device)
+    visible = starts[:, None, None] + torch.arange(queries, device=device)[None, :, None]
+    hidden = torch.arange(keys, device=device)[None, None, :] > visible
+    mask = torch.zeros(4, queries, keys, device=device).masked_fill_(hidden, torch.finfo(torch.float32).min)
+    mask = mask[:, None]  # [batch, 1, queries, keys]: one query broadcasts over the grouped heads
+    if queries > 1:
+        mask = mask.repeat(1, 1, 2, 1)  # as _group_mask: one row per grouped query
+    outs = []
+    for backend in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel(backend):
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    return float((outs[0] - outs[1]).abs().max())
+
+
+def probe_section(device: str, deadline: float) -> dict[str, Any]:
+    """Which setting makes the graphed path leave the eager one (each variant changes one thing);
+    and the attention kernel alone against the math one at the key counts involved."""
+    out: dict[str, Any] = {}
+    if device.startswith("cuda"):
+        for keys in (13, 137, 300, 320):
+            for queries in (1, 3):
+                try:
+                    out[f"sdpa_efficient_vs_math_keys_{keys}_queries_{queries}"] = round(
+                        sdpa_gap(device, keys, queries), 6
+                    )
+                except Exception as exc:
+                    out[f"sdpa_efficient_vs_math_keys_{keys}_queries_{queries}"] = f"{type(exc).__name__}: {exc}"
+    for name, variant in PROBE_VARIANTS.items():
+        if time.monotonic() > deadline:
+            out[name] = "no time left"
+            continue
+        try:
+            out[name] = round(probe_once(device, **variant), 6)
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
     return out
 
 
@@ -602,7 +739,9 @@ def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dic
             elif device != "cpu" and mps.running():
                 out[label] = {"skipped": "an MPS daemon already runs on this host"}
                 continue
-            out[label] = bench_stack(device, model_dir, dry, share, logs / label)
+            # With MPS, specd up finds the daemon this check started (and leaves it to the check).
+            shared = "auto" if with_mps else "off"
+            out[label] = bench_stack(device, model_dir, dry, share, logs / label, shared)
         except Exception as exc:
             out[label] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         finally:
@@ -610,11 +749,38 @@ def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dic
                 mps.stop_daemon(daemon)
         if REPORT:
             REPORT.data["services"] = out
+            REPORT.data.update(service_summary(out))
             REPORT.write()
     return out
 
 
-def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
+def service_summary(services: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two figures from the stacks: `round_overhead_ms` (a sequential round's time
+    outside the two forwards, per clients, from the stack without MPS) and `shared_gpu`
+    (draft-ahead's verify exchange beside the verifier's forward, per clients, without and with MPS)."""
+    overhead: dict[str, Any] = {}
+    shared: dict[str, Any] = {}
+    for variant, runs in services.items():
+        if not isinstance(runs, dict):
+            continue
+        for key, r in runs.items():
+            if not isinstance(r, dict) or "@" not in key:
+                continue
+            mode, clients = key.split("@")
+            if mode == "sequential" and variant == "no_mps" and "outside_forwards_ms" in r:
+                overhead[clients] = r["outside_forwards_ms"]
+            if mode == "ahead":
+                shared.setdefault(variant, {})[clients] = {
+                    "verify_exchange_ms": r.get("round_verify_ms"),
+                    "verifier_forward_ms": r.get("round_verifier_forward_ms"),
+                    "x_forward": r.get("verify_exchange_x_forward"),
+                }
+    return {"round_overhead_ms": overhead, "shared_gpu": shared}
+
+
+def bench_stack(
+    device: str, model_dir: Path, dry: bool, deadline: float, logs: Path, shared: str = "off"
+) -> dict[str, Any]:
     logs.mkdir(parents=True, exist_ok=True)
     http, grpc_port, dport, vport, dm, vm = (free_port() for _ in range(6))
     up = [
@@ -622,7 +788,7 @@ def bench_stack(device: str, model_dir: Path, dry: bool, deadline: float, logs: 
         "--target-model", str(model_dir), "--drafter", "model", "--draft-model", str(model_dir),
         "--drafter-device", device, "--verifier-device", device,
         "--verifier-dtype", "bfloat16", "--drafter-dtype", "bfloat16", "--quantize", "none",
-        "--load-format", "dummy", "--pipeline", "auto", "--shared-gpu", "off",
+        "--load-format", "dummy", "--pipeline", "auto", "--shared-gpu", shared,
         "--http-port", str(http), "--grpc-port", str(grpc_port),
         "--drafter-port", str(dport), "--verifier-port", str(vport),
         "--drafter-metrics-port", str(dm), "--verifier-metrics-port", str(vm),
@@ -716,7 +882,7 @@ def round_figures(report: dict[str, Any]) -> dict[str, Any]:
 # -- main ------------------------------------------------------------------
 
 REPORT: Report | None = None
-SECTIONS = ("device", "step_ms", "verify_ms", "cuda_tests", "services")
+SECTIONS = ("device", "graph_probe", "step_ms", "verify_ms", "cuda_tests", "services")
 
 
 def gpu_slug(name: str) -> str:
@@ -766,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     # Shares of the whole budget, most valuable first; what a section leaves goes to the next.
     plan: list[tuple[str, float, Callable[[float], Any]]] = [
         ("device", 0.03, lambda d: device_info(args.device)),
+        ("graph_probe", 0.05, lambda d: probe_section(args.device, d)),
         ("step_ms", 0.30, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
         ("verify_ms", 0.0, lambda d: verify_summary(REPORT.data.get("step_ms", {}) if REPORT else {})),
         ("cuda_tests", 0.40, lambda d: tests_section(args.device, dry, d, logs)),

@@ -28,14 +28,16 @@ def step_rows(report: dict[str, Any]) -> list[str]:
     for name, shape in report.get("step_ms", {}).items():
         if not isinstance(shape, dict) or "step_ms" not in shape:
             why = shape.get("error") or shape.get("skipped") if isinstance(shape, dict) else None
-            rows.append(f"| {gpu} | {name} | – | – | – | – | – | {why or 'not measured'} |")
+            rows.append(f"| {gpu} | {name} | – | – | – | – | – | – | {why or 'not measured'} |")
             continue
         floor = shape.get("floor_ms")
         gb = shape["weight_bytes"] / 1e9
+        drafts = shape.get("draft_step_ms", {})
         for batch, t in shape["step_ms"].items():
             eager, graphed = t.get("eager"), t.get("graphed")
+            draft = drafts.get(batch, {}).get("graphed")
             rows.append(
-                f"| {gpu} | {name} | {gb:.2f} | {batch} | {_ms(eager)} | {_ms(graphed)} | {_ms(floor)} "
+                f"| {gpu} | {name} | {gb:.2f} | {batch} | {_ms(eager)} | {_ms(graphed)} | {_ms(draft)} | {_ms(floor)} "
                 f"| {_ratio(graphed, floor)} |"
             )
     return rows
@@ -87,8 +89,9 @@ def tests_line(report: dict[str, Any]) -> str:
 
 def render(reports: list[dict[str, Any]]) -> str:
     out = [
-        "| GPU | shape | weights GB | batch | eager ms | graphed ms | bandwidth floor ms | graphed / floor |",
-        "|---|---|---|---|---|---|---|---|",
+        "| GPU | shape | weights GB | batch | step eager ms | step graphed ms | draft step graphed ms "
+        "| bandwidth floor ms | graphed / floor |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         out += step_rows(r)

@@ -16,7 +16,7 @@ from tinymodels import device_under_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specd.engine import cuda_graphs, fused_llama
-from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.kvcache import BatchedCausalLM, Row, SlotKVCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -59,9 +59,10 @@ def test_buckets_pad_the_batch_and_the_keys_but_never_past_the_bound() -> None:
     _, static = pair(torch.device("cpu"), positions=700)
     runner = static.static
     assert runner.batches == [1, 2, 4]  # six slots: no bucket of 8
-    assert runner.keys == [512, 700]
+    assert runner.keys == [512, 704]  # the bound rounded up to KEY_ALIGNMENT: aligned keys
     assert runner.bucket(3, 2, 40) == cuda_graphs.Bucket(4, 2, 512)
-    assert runner.bucket(1, 5, 513) == cuda_graphs.Bucket(1, 5, 700)
+    assert runner.bucket(1, 5, 513) == cuda_graphs.Bucket(1, 5, 704)
+    assert static.cache.keys[0] is None or static.cache.keys[0].shape[2] == 704
     assert runner.bucket(5, 1, 10) is None  # more rows than the largest bucket
     assert runner.bucket(1, 6, 10) is None  # a longer block than any captured: eager
     assert cuda_graphs.key_buckets(2048) == [512, 1024, 2048]
@@ -145,7 +146,7 @@ def test_shapes_outside_the_buckets_run_eagerly() -> None:
     assert calls == []
     rows = [Row(0, 20, [1, 2], 1)]
     torch.testing.assert_close(static.forward(rows)[0], eager.forward(rows)[0], rtol=1e-5, atol=1e-5)
-    assert calls == [cuda_graphs.Bucket(1, 2, 300)]
+    assert calls == [cuda_graphs.Bucket(1, 2, 320)]
 
 
 def test_the_choice_of_cuda_graphs() -> None:
@@ -176,11 +177,46 @@ def test_a_capture_that_fails_leaves_auto_eager_and_on_refusing(monkeypatch) -> 
         cuda_graphs.enable(lm, "on", 5, "verifier")
 
 
+def test_the_start_up_check_catches_cache_writes_gone_astray(monkeypatch, caplog) -> None:
+    _, static = pair(torch.device("cpu"))
+    runner = static.static
+    assert cuda_graphs.self_check(static, runner) is None
+    assert static.cache._high[:3] == [0, 0, 0]  # the slots it used are handed back
+
+    def astray(self, buf, new):
+        # Every key to the scratch slot: the rows then read what the eager step left there.
+        slots, positions, rows, keys = self._static
+        self._static = (torch.full_like(slots, self.scratch_slot), positions, rows, keys)
+        return real(self, buf, new)
+
+    real = SlotKVCache._static_update
+    monkeypatch.setattr(SlotKVCache, "_static_update", astray)
+    assert cuda_graphs.self_check(static, runner) > 0.01
+    # In the service: auto serves eagerly (and says why), on refuses to start.
+    monkeypatch.setattr(cuda_graphs, "wants_graphs", lambda choice, device: True)
+    monkeypatch.setattr(cuda_graphs.StaticForward, "capture_all", lambda self, buckets=None: None)
+    monkeypatch.setattr(cuda_graphs.StaticForward, "__init__", uncaptured(cuda_graphs.StaticForward.__init__))
+    lm = BatchedCausalLM(fused_llama.fuse(llama()), torch.device("cpu"), torch.float32, max_slots=6)
+    assert cuda_graphs.enable(lm, "auto", 5, "verifier") is None and lm.static is None
+    assert "CUDA graphs gave logits" in caplog.text and "runs eagerly" in caplog.text
+    with pytest.raises(RuntimeError, match="CUDA graphs gave logits"):
+        cuda_graphs.enable(lm, "on", 5, "verifier")
+
+
+def uncaptured(init):
+    """StaticForward.__init__ that keeps the static path uncaptured whatever it is asked (the CPU)."""
+
+    def wrapped(self, lm, max_batch, max_length, capture, batches=()):
+        init(self, lm, max_batch, max_length, False, batches)
+
+    return wrapped
+
+
 @cuda
 def test_captured_rounds_give_the_eager_tokens_on_cuda() -> None:
     device = torch.device("cuda")
     eager, static = pair(device, torch.float32)
-    static.static.capture_all([cuda_graphs.Bucket(4, n, 300) for n in (1, 2, 3)])
+    static.static.capture_all([cuda_graphs.Bucket(4, n, 320) for n in (1, 2, 3)])
     slots, lengths = [4, 0, 2], [7, 3, 12]
     prefill((eager, static), slots, lengths)
     for step in range(3):
@@ -242,11 +278,11 @@ def test_the_capture_path_runs_with_a_stand_in_for_cuda(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     eager, static = pair(torch.device("cpu"))
     static.static.capture = True
-    static.static.capture_all([cuda_graphs.Bucket(4, n, 300) for n in (1, 2)])
+    static.static.capture_all([cuda_graphs.Bucket(4, n, 320) for n in (1, 2)])
     assert static.cache.captured and len(static.static._graphs) == 2
     slots, lengths = [4, 0, 2], [7, 3, 12]
     prefill((eager, static), slots, lengths)  # a prompt of 3 captures one more bucket on the way
-    assert cuda_graphs.Bucket(1, 3, 300) in static.static._graphs
+    assert cuda_graphs.Bucket(1, 3, 320) in static.static._graphs
     for step in range(2):
         rows = [Row(s, n, [step + 3] * (1 + step), 0) for s, n in zip(slots, lengths, strict=True)]
         for w, g in zip(eager.forward(rows), static.forward(rows), strict=True):

@@ -23,8 +23,8 @@ def script(name: str) -> ModuleType:
 
 def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None:
     bench, out = tmp_path / "bench", tmp_path / "out"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "120"]
-    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", "device,step_ms,verify_ms"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "600"]
+    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", "device,graph_probe,step_ms,verify_ms"]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,7 +39,11 @@ def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None
     # The uncaptured static path computes what the eager one does.
     assert tiny["graphed_vs_eager"]["same_argmax"]
     assert report["verify_ms"]["tiny"]["x_step"]["eager"]["1"] == 1.0
-    assert set(report["wall_s"]) == {"device", "step_ms", "verify_ms"}
+    assert set(report["wall_s"]) == {"device", "graph_probe", "step_ms", "verify_ms"}
+    # The probe's variants of the static path, uncaptured here, each give the eager logits.
+    probe = report["graph_probe"]
+    assert set(probe) == set(script("gpu_check").PROBE_VARIANTS)
+    assert all(gap < 1e-3 for name, gap in probe.items() if name != "bfloat16"), probe
 
 
 def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
@@ -105,6 +109,12 @@ def test_round_figures_take_the_forwards_out_of_a_round() -> None:
     assert figures["round_ms"] == 45.0
     assert figures["outside_forwards_ms"] == 17.0
     assert figures["verify_exchange_x_forward"] == 1.5
+    services = {"no_mps": {"ahead@1": figures, "sequential@1": {**figures, "outside_forwards_ms": 4.0}}}
+    summary = check.service_summary({**services, "mps": {"skipped": "no daemon"}})
+    assert summary["round_overhead_ms"] == {"1": 4.0}
+    assert summary["shared_gpu"] == {
+        "no_mps": {"1": {"verify_exchange_ms": 30.0, "verifier_forward_ms": 20.0, "x_forward": 1.5}}
+    }
     assert check.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
     assert check.gpu_slug("NVIDIA H200") == "h200"
 
@@ -114,7 +124,12 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
     report = {
         "device": {"name": "NVIDIA H100 80GB HBM3"},
         "step_ms": {
-            "llama-3.1-8b": {"weight_bytes": 15e9, "floor_ms": 5.0, "step_ms": {"1": {"eager": 30.0, "graphed": 6.0}}},
+            "llama-3.1-8b": {
+                "weight_bytes": 15e9,
+                "floor_ms": 5.0,
+                "step_ms": {"1": {"eager": 30.0, "graphed": 6.0}},
+                "draft_step_ms": {"1": {"eager": 29.0, "graphed": 5.5}},
+            },
             "llama-3.2-1b": {"error": "RuntimeError: out of memory"},
         },
         "verify_ms": {"smollm2-135m": {"ms": {"1": {"graphed": 1.5}}, "x_step": {"graphed": {"1": 1.0, "5": 1.2}}}},
@@ -122,8 +137,8 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
         "cuda_tests": {"unit_first": {"passed": 40, "failed": 1, "error": 0, "skipped": 2, "timed_out": True}},
     }
     text = table.render([report])
-    assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.00 | 1.20x |" in text
-    assert "| llama-3.2-1b | – | – | – | – | – | RuntimeError: out of memory |" in text
+    assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.50 | 5.00 | 1.20x |" in text
+    assert "| llama-3.2-1b | – | – | – | – | – | – | RuntimeError: out of memory |" in text
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
     assert "unit_first: 40 passed, 1 failed, 2 skipped, cut short" in text
@@ -138,3 +153,25 @@ def test_readme_shows_the_committed_gpu_reports_as_rendered() -> None:
     begin, end = "<!-- gpu-table: begin -->\n", "<!-- gpu-table: end -->"
     shown = readme[readme.index(begin) + len(begin) : readme.index(end)]
     assert shown == table.render([json.loads(p.read_text()) for p in reports])
+
+
+def test_wheels_install_once_and_go_first_on_the_path(tmp_path: Path, monkeypatch) -> None:
+    """A pure-Python wheel written here (a GPU host gets scripts/gpu_wheels.sh's)."""
+    import zipfile
+
+    check = script("gpu_check")
+    root, site = tmp_path / "repo", tmp_path / "site"
+    (root / ".whl").mkdir(parents=True)
+    wheel = root / ".whl" / "specd_probe-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("specd_probe.py", "ANSWER = 42\n")
+        z.writestr("specd_probe-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: specd-probe\nVersion: 1.0\n")
+        z.writestr("specd_probe-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("specd_probe-1.0.dist-info/RECORD", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    first = check.install_wheels(root, site)
+    assert first.startswith("1 wheels in") and (site / "specd_probe.py").is_file()
+    assert sys.path[0] == str(site)
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(site), str(check.SRC), "/elsewhere"]
+    assert check.install_wheels(root, site).endswith("installed before")

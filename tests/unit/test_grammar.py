@@ -71,15 +71,20 @@ def reference(model, grammars, prompt: list[int], schema: str, params: SamplingP
 
 
 def decode_under(model, matcher, prompt: list[int], params: SamplingParams, eos: int) -> list[int]:
-    """Target-only decoding with `matcher`'s mask at every position, as the verifier samples."""
+    """Target-only decoding with `matcher`'s mask at every position, as the verifier samples, on the
+    device the engines run on: another device's kernels round logits and noise differently, which
+    can move a sample, so the engines are held to their own device's target-only output."""
+    device = device_under_test()
+    model = on_test_device(model)
     ids = list(prompt)
     with torch.no_grad():
         while len(ids) - len(prompt) < MAX_NEW:
-            logits = apply_mask(model(torch.tensor([ids])).logits[0, -1:].float(), matcher.allowed()[None])
+            logits = model(torch.tensor([ids], device=device)).logits[0, -1:].float()
+            logits = apply_mask(logits, matcher.allowed()[None])
             probs = probabilities(logits, [params])
             if params.seeded:
                 assert params.seed is not None
-                token = int(gumbel_argmax(probs, position_keys(params.seed, len(ids), 1, CPU))[0])
+                token = int(gumbel_argmax(probs, position_keys(params.seed, len(ids), 1, device))[0])
             else:
                 token = int(probs[0].argmax())
             ids.append(token)

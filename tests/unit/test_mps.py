@@ -105,3 +105,55 @@ def test_specd_up_says_what_it_chose(tmp_path: Path, monkeypatch, capsys) -> Non
     assert cli.shared_gpu(two, "model") is None and two.pipeline == "auto"  # two GPUs: they truly overlap
     ngram = args()
     assert cli.shared_gpu(ngram, "ngram") is None and ngram.pipeline is None  # no model drafter on the GPU
+
+
+def test_specd_up_passes_the_gpu_flags_to_both_services(tmp_path: Path, monkeypatch, capsys) -> None:
+    from specd import launch
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no MPS control client here
+    started: dict[str, list[str]] = {}
+
+    class Recorder:
+        stopping = False
+
+        def __init__(self, healthy, spawn) -> None:
+            pass
+
+        def add(self, name: str, argv: list[str], health: str) -> None:
+            started[name] = argv
+
+        def start(self) -> None:
+            pass
+
+        def wait_up(self, timeout_s: float) -> None:
+            raise launch.GiveUp("recorded")
+
+        def request_stop(self) -> None:
+            pass
+
+        def stop_all(self, first: tuple[str, ...] = (), first_grace_s: float = 0.0) -> None:
+            pass
+
+    monkeypatch.setattr(launch, "Supervisor", Recorder)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)  # pytest keeps its own handlers
+    model = str(tmp_path / "model")
+    argv = ["--target-model", model, "--drafter", "model", "--quantize", "none"]
+    argv += [
+        "--drafter-device",
+        "cuda",
+        "--verifier-device",
+        "cuda:0",
+        "--load-format",
+        "dummy",
+        "--cuda-graphs",
+        "off",
+    ]
+    with pytest.raises(SystemExit):
+        cli.up(argv)
+    for service in ("verifier", "drafter"):
+        args = started[service]
+        assert args[args.index("--load-format") + 1] == "dummy"
+        assert args[args.index("--cuda-graphs") + 1] == "off"
+    gateway = started["gateway"]
+    assert gateway[gateway.index("--pipeline") + 1] == "sequential"
+    assert f"no {mps.CONTROL} on PATH" in capsys.readouterr().err

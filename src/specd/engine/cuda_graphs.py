@@ -16,6 +16,10 @@ a bucket runs through buffers made once for it:
   a real row's queries never see the scratch slot (their keys are their own slot's). Padded
   rows' outputs are never read.
 
+Plain `torch.cuda.CUDAGraph` capture, not `torch.compile(mode="reduce-overhead")`: that mode
+replays CUDA graphs too, and would add fused kernels, but compiles every bucket at start, far
+longer than capturing it, and compiles again wherever a shape guard fails.
+
 Prefill and shapes outside the buckets run eagerly, as do models other than the fused Llama
 forward (`specd.engine.fused_llama`: transformers' own forward builds masks and reads cache lengths on
 the host) and feature drafters. On the CPU the same static path runs without capture (tests
@@ -52,7 +56,7 @@ class Bucket:
 
 
 def key_buckets(max_positions: int) -> list[int]:
-    """Key counts attended: powers of two from MIN_KEYS, the last one the cache's bound."""
+    """Key counts attended: powers of two from MIN_KEYS, the last one the positions the cache holds."""
     out: list[int] = []
     n = MIN_KEYS
     while n < max_positions:
@@ -99,7 +103,7 @@ class StaticForward:
         self.max_length = max(1, max_length)
         limit = min(max_batch, cache.max_slots)
         self.batches = sorted({b for b in (batches or BATCH_BUCKETS) if b <= max(limit, 1)} or {1})
-        self.keys = key_buckets(cache.max_positions)
+        self.keys = key_buckets(cache.position_room)
         top = self.batches[-1]
         size = 4 * top * self.max_length + top
         self._inputs = torch.zeros(size, dtype=torch.long, device=lm.device)
@@ -253,16 +257,28 @@ def enable(
     static = StaticForward(lm, max_batch, max_length, capture=True)
     try:
         static.capture_all()
+        diff = self_check(lm, static)
     except Exception as exc:
         if choice == "on":
             raise
         # auto: a forward that cannot be captured (an op that waits for the host, say) runs eagerly.
         log.warning("the %s runs eagerly: capturing its CUDA graphs failed (%s: %s)", service, type(exc).__name__, exc)
+        lm.static = None
+        lm.cache.captured = False
+        return None
+    if diff is not None:
+        # Wrong logits are never worth a faster step: the eager forward serves instead.
+        message = f"the {service}'s CUDA graphs gave logits {diff:.3g} away from the eager forward's"
+        if choice == "on":
+            raise RuntimeError(message)
+        log.error("%s: it runs eagerly", message)
+        lm.static = None
         lm.cache.captured = False
         return None
     lm.static = static
     log.info(
-        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device memory",
+        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device "
+        "memory; their logits match the eager forward's",
         service,
         len(static.buckets()),
         ",".join(map(str, static.batches)),
@@ -272,6 +288,47 @@ def enable(
         static.capture_bytes / 2**20,
     )
     return static
+
+
+def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
+    """Run a round through `static` and eagerly, and return how far apart their logits are where
+    that is beyond rounding, else None. Start-up only (it uses the first slots and releases them).
+
+    The rows start at different positions, feed blocks of different lengths and leave a padded
+    row in their bucket; two steps run each way, and before the graphed pair another eager step
+    writes other tokens at the first step's positions, so a graph whose cache writes went astray
+    reads those and fails the check."""
+    from specd.engine.kvcache import Row
+
+    rows = min(3, lm.cache.max_slots, static.batches[-1])
+    lengths = [4 + 3 * s for s in range(rows)]
+    if lengths[-1] + 2 * static.max_length + 1 > lm.cache.max_positions:
+        return None  # too short a cache to check in
+    vocab = lm.vocab_size
+    first = [Row(s, lengths[s], [(5 + s) % vocab] * min(1 + s, static.max_length), 0) for s in range(rows)]
+    second = [Row(s, lengths[s] + len(first[s].tokens), [(9 + s) % vocab], 0) for s in range(rows)]
+    other = [Row(r.slot, r.start, [(r.tokens[0] + 1) % vocab] * len(r.tokens), 0) for r in first]
+    lm.static = None
+    try:
+        for s in range(rows):
+            lm.forward([Row(s, 0, [(11 * s + j) % vocab for j in range(lengths[s])], lengths[s] - 1)])
+        lm.forward(first)
+        want = lm.forward(second)
+        lm.forward(other)
+        lm.static = static
+        lm.forward(first)
+        got = lm.forward(second)
+    finally:
+        lm.static = None
+        for s in range(rows):
+            lm.cache.release(s)
+    scale = max(1.0, max(float(w.abs().max()) for w in want))
+    diff = max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
+    # Rounding: float32 sums in another order; bfloat16 and float16 keep two or three digits, and
+    # a padded batch or more (masked) keys can move the last of them. A graph gone astray is off by
+    # about the logits' own scale.
+    tolerance = (1e-3 if lm.dtype == torch.float32 else 1e-1) * scale
+    return diff if diff > tolerance else None
 
 
 def read_back(t: torch.Tensor) -> list[Any]:

@@ -34,6 +34,8 @@ from specd.engine.timing import best_time
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
 DEFAULT_SLOTS = 16
 DEFAULT_POSITIONS = 2048
+# A bucketed forward's key counts are multiples of this (SlotKVCache.position_room).
+KEY_ALIGNMENT = 64
 
 
 # Anonymous private mappings that can hand pages back (Linux, macOS); elsewhere plain zeros.
@@ -118,6 +120,16 @@ class SlotKVCache(Cache):
         if not self.scratch:
             raise RuntimeError("this cache has no scratch row (add_scratch)")
         return self.max_slots
+
+    @property
+    def position_room(self) -> int:
+        """Positions the tensors hold: the bound, and with a scratch row (a bucketed forward) the bound
+        rounded up to a multiple of KEY_ALIGNMENT, so every key count a bucket attends is aligned
+        (attention kernels pad an unaligned mask; the positions past the bound are never written by
+        a sequence, and masked)."""
+        if not self.scratch:
+            return self.max_positions
+        return -(-self.max_positions // KEY_ALIGNMENT) * KEY_ALIGNMENT
 
     def add_scratch(self) -> None:
         """Make the tensors with a scratch row past the bound, dropping what is cached."""
@@ -233,7 +245,7 @@ class SlotKVCache(Cache):
         for store, new in ((self.keys, key_states), (self.values, value_states)):
             buf = store[layer_idx]
             if buf is None:
-                shape = (self.max_slots + int(self.scratch), new.shape[1], self.max_positions, new.shape[3])
+                shape = (self.max_slots + int(self.scratch), new.shape[1], self.position_room, new.shape[3])
                 buf, region = self._allocate(shape, new.dtype)
                 store[layer_idx] = buf
                 (self._key_regions if store is self.keys else self._value_regions)[layer_idx] = region
@@ -431,7 +443,8 @@ class BatchedCausalLM:
         `ids`: [len(rows)] token ids on the model's device, one per row, fed instead of the rows'
         own tokens (each row then has one placeholder token): a step can feed what the previous
         step chose without reading it back to the host."""
-        return self.forward_hidden(rows, ids)[0] if rows else []
+        # Its hidden states are dropped: a bucketed forward's need not be copied out of its buffer.
+        return self._forward(rows, ids, keep=False)[0] if rows else []
 
     def forward_hidden(
         self, rows: Sequence[Row], device_ids: torch.Tensor | None = None
@@ -439,9 +452,14 @@ class BatchedCausalLM:
         """Feed each row's tokens (or `device_ids`, as `forward` says); per row, float32 logits
         [n_wanted, vocab] and the last hidden states (the LM head's input) of every fed position,
         [len(tokens), hidden], in the model's dtype."""
+        return self._forward(rows, device_ids, keep=True)
+
+    def _forward(
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None, keep: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not rows:
             return [], []
-        order, rows, hidden, wanted = self._run(rows, device_ids, keep=True)
+        order, rows, hidden, wanted = self._run(rows, device_ids, keep)
         with torch.inference_mode():
             logits = self.head_product(wanted).float()
             if self.softcap:
