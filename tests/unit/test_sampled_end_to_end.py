@@ -231,5 +231,14 @@ def mutant(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> I
     indirect=["mutant"],
 )
 def test_a_misaligned_q_fails_the_test(target, far_draft, joints, mutant, pipeline):
-    result = run(target, far_draft, pipeline)
-    assert result.refused_blocks > 0 or smallest_p_value(joints, result) < DETECTED_P_VALUE, mutant
+    # The ahead mutant touches only the sequences whose second token came from a block drafted
+    # beside their prefill, and how many do depends on the machine's timing: one run on a busy
+    # CI machine left so few that the test missed it (p = 0.025). A mutant the test catches in
+    # one of three runs is caught; the unmutated test above gets no such second chance.
+    found = []
+    for _ in range(3):
+        result = run(target, far_draft, pipeline)
+        found.append((result.refused_blocks, smallest_p_value(joints, result)))
+        if result.refused_blocks > 0 or found[-1][1] < DETECTED_P_VALUE:
+            return
+    raise AssertionError(f"{mutant} was not detected in 3 runs (refused blocks, smallest p): {found}")
