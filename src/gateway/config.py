@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.endpoints import parse_endpoints
+from gateway.round.speculation import HEURISTICS, PolicyConfig
 from specd import configuration
 from specd.configuration import field
 from specd.rpc.backend_auth import BACKEND_TOKEN_ENV
@@ -53,6 +54,11 @@ class GatewayConfig:
     )
     speculative_disable_by_batch_size: int = field(
         0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"
+    )
+    policy_off: str = field(
+        "",
+        "comma-separated heuristics of the auto policy to switch off, for an A/B run beside a default gateway "
+        "(specd bench --server; docs/pipeline.md): " + ", ".join(HEURISTICS),
     )
     max_batch: int = field(32, "most sequences in one round")
     prefill_chunk_tokens: int = field(
@@ -134,11 +140,16 @@ class GatewayConfig:
     backend_token_file: str = field("", "file holding the backend token (instead of SPECD_BACKEND_TOKEN)")
     backend_tls_server_name: str = field("", "name the backends' certificates are checked against; default: the host")
 
+    @property
+    def heuristics_off(self) -> frozenset[str]:
+        return frozenset(h.strip() for h in self.policy_off.split(",") if h.strip())
+
     def validate(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
         if self.speculative_disable_by_batch_size < 0:
             raise ValueError("speculative_disable_by_batch_size must be >= 0")
+        PolicyConfig(off=self.heuristics_off)  # raises ValueError naming an unknown one
         if self.backend_health_interval_s <= 0 or self.backend_resolve_interval_s <= 0:
             raise ValueError("backend_health_interval_s and backend_resolve_interval_s must be > 0")
         parse_endpoints(self.verifier)  # raises ValueError naming a malformed entry

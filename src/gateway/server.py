@@ -126,6 +126,7 @@ def _start_scheduler(
         tracing=tracing,
         speculative_mode=config.speculative_mode,
         disable_by_batch_size=config.speculative_disable_by_batch_size,
+        policy_off=config.heuristics_off,
         max_waiting=config.max_waiting,
         max_sequences_per_key=config.max_sequences_per_key,
         request_timeout_s=config.request_timeout_s,

@@ -18,7 +18,8 @@ def test_bench_interleaves_modes_in_blocks_and_reports_their_range(gateway_for, 
     bench(
         [
             "--base-url", base_url(gateway),
-            "--modes", "target,fixed,auto",
+            "--modes", "target,fixed,auto,fixed@again",
+            "--server", f"again={base_url(gateway)}",
             "--concurrency", "1,2",
             "--num-prompts", "4",
             "--max-tokens", str(TOKENS),
@@ -30,7 +31,7 @@ def test_bench_interleaves_modes_in_blocks_and_reports_their_range(gateway_for, 
     )  # fmt: skip
     report = json.loads((tmp_path / "bench-tiny.json").read_text())
     rows = {(r["mode"], r["concurrency"]): r for r in report["results"]}
-    assert set(rows) == {(m, c) for m in ("target", "fixed", "auto") for c in (1, 2)}
+    assert set(rows) == {(m, c) for m in ("target", "fixed", "auto", "fixed@again") for c in (1, 2)}
     for row in rows.values():
         # Every mode ran every block of the same prompts, and each block's tokens add up to the row's.
         assert len(row["blocks"]) == 2
@@ -40,6 +41,9 @@ def test_bench_interleaves_modes_in_blocks_and_reports_their_range(gateway_for, 
         assert row["speedup_vs_target_min"] <= row["speedup_vs_target"] <= row["speedup_vs_target_max"] + 1e-9
     # The fixed-k gateway drafted in fixed mode; target-only did not.
     assert rows[("fixed", 1)]["drafts"] > 0 and "drafts" not in rows[("target", 1)]
+    # A second named server (here the same gateway again) runs in the same blocks, against its base mode.
+    assert rows[("fixed@again", 1)]["drafts"] > 0
+    assert rows[("fixed@again", 2)]["vs_base_min"] <= rows[("fixed@again", 2)]["vs_base"]
     assert set(report["output_mismatches_vs_target"].values()) == {0}
     assert report["machine"]["cpu"]
     out = capsys.readouterr().out

@@ -12,10 +12,11 @@ from specd.tools.bench import (
     block_order,
     block_speedups,
     compare_outputs,
-    format_table,
     mode_extra,
+    parse_args,
     split_blocks,
 )
+from specd.tools.benchreport import format_table
 from specd.tools.benchstats import (
     RequestResult,
     acceptance,
@@ -129,6 +130,42 @@ def test_add_bounds_leaves_overlapped_pipelines_unbounded():
     rows = [target, *({"mode": mode, **common, **costs} for mode in ("ahead", "cohort", "auto"))]
     add_bounds(rows, k=4)
     assert all("efficiency_vs_bound" not in row and "speedup_vs_target" in row for row in rows[1:])
+
+
+def test_rows_of_another_server_take_its_own_target_and_the_same_mode_on_the_base():
+    def row(mode: str, rate: float, blocks: list[float]) -> dict:
+        walls = [{"output_tokens": 10, "wall_s": 10 / b} for b in blocks]
+        return {"mode": mode, "concurrency": 8, "output_tokens_per_s": rate, "blocks": walls}
+
+    rows = [
+        row("target", 10.0, [10.0, 10.0]),
+        row("auto", 20.0, [20.0, 20.0]),
+        row("target@b", 12.0, [12.0, 12.0]),
+        row("auto@b", 18.0, [16.0, 20.0]),
+        row("fixed@c", 15.0, [15.0, 15.0]),  # no target@c, no fixed on the base
+    ]
+    add_bounds(rows, k=4)
+    by = {r["mode"]: r for r in rows}
+    assert by["auto@b"]["speedup_vs_target"] == pytest.approx(18.0 / 12.0)
+    assert by["auto@b"]["vs_base"] == pytest.approx(0.9)
+    assert by["auto@b"]["vs_base_min"] == pytest.approx(0.8) and by["auto@b"]["vs_base_max"] == pytest.approx(1.0)
+    assert by["fixed@c"]["speedup_vs_target"] == pytest.approx(1.5) and "vs_base" not in by["fixed@c"]
+    assert "vs_base" not in by["auto"] and "0.90x" in format_table(rows)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--modes", "auto@b"], "no --server named 'b'"),
+        (["--server", "b", "--modes", "auto"], "NAME=URL"),
+        (["--server", "b=http://x", "--modes", "hf@b"], "HTTP modes only"),
+        (["--server", "b=http://x", "--modes", "nope@b"], "unknown mode"),
+    ],
+)
+def test_bad_server_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_modes_map_to_the_request_extension():

@@ -213,6 +213,10 @@ def test_auto_requests_join_at_their_open_only_into_a_batch_the_policy_would_dra
     assert sched._early_joins(many, 10)[0] == []
     fixed = [sched.submit(PROMPTS[3], GenerationParams(8, GREEDY, speculation=4)) for _ in range(32)]
     assert sched._early_joins(fixed, 10)[0] == fixed  # a request that names its k drafts whatever auto does
+    late = Scheduler(
+        CharTokenizer(), FakeVerifier(drafter=drafter), drafter, 4, 64, [EOS], policy_off=frozenset({"early-joins"})
+    )
+    assert late._early_joins(fixed[:1], 10) == ([], {})  # they join after their first round instead
 
 
 def test_a_first_rounds_ahead_block_fits_in_its_verify() -> None:

@@ -8,10 +8,13 @@ import random
 import pytest
 from synthetic_costs import MS, costs
 
+from gateway.config import GatewayConfig
+from gateway.round import speculation
+from gateway.round.acceptance import Acceptance
 from gateway.round.costs import CostModel, LinearCost, SizedCost
 from gateway.round.pipeline_choice import MODES as PIPELINES
 from gateway.round.speculation import (
-    Acceptance,
+    HEURISTICS,
     Candidate,
     PolicyConfig,
     SpeculationPolicy,
@@ -437,3 +440,35 @@ def test_the_drafter_s_start_up_step_timings_price_batches_not_drafted_for_yet()
     assert seeded.step.predict(16) == pytest.approx(94 * MS, rel=0.1)
     assert not any(choose_ks(batch, seeded, 4).ks)
     assert any(choose_ks(batch[:1], seeded, 4).ks)  # one sequence's drafts still pay
+
+
+def test_each_heuristic_switched_off_changes_what_the_policy_does(monkeypatch) -> None:
+    """`--policy-off` for A/B runs: every name is a real switch, and an unknown one is refused."""
+    with pytest.raises(ValueError, match="unknown policy heuristics"):
+        GatewayConfig(policy_off="borrow,nope").validate()
+    assert GatewayConfig(policy_off=" borrow, calibration").heuristics_off == {"borrow", "calibration"}
+    on = SpeculationPolicy(PolicyConfig(k_max=4))
+    assert on.overall.borrow and on.overlap.value == 1.0 and on.calibrated is on.calibration
+    off = SpeculationPolicy(PolicyConfig(k_max=4, off=frozenset(HEURISTICS)))
+    assert not off.overall.borrow and off.overlap.value == 0.5 and off.calibrated is None
+    # Calibrated down to a fifth, drafting for two stops paying; with calibration off it still pays.
+    for policy in (on, off):
+        policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=6, step_ms=8, step_per_seq_ms=1)
+        for pipeline in PIPELINES:
+            policy.calibration.observe(pipeline, 20.0, 1000.0, batch=2)
+    assert not on.drafts_for(2) and off.drafts_for(2)
+    # The switching margin reaches the round's choice as 0.
+    margins = []
+    real = speculation.choose_round
+    monkeypatch.setattr(speculation, "choose_round", lambda *a, **kw: margins.append(a[6]) or real(*a, **kw))
+    one = [Candidate(cap=4, rates=[0.9] * 4)]
+    for policy in (on, off):
+        policy.choose(one, batch_size=1, pipelines=PIPELINES)
+    assert margins == [on.config.switch_margin, 0.0] and on.config.switch_margin > 0
+    # A join that costs more than it saves is refused, unless join-cost is off.
+    for policy in (on, off):
+        policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=20, step_ms=20)
+        policy.choose(one, batch_size=1)
+        policy.observe_join(50, 1e12)
+    assert not on.join_pays(generated=1, left=100, prompt_tokens=50)
+    assert off.join_pays(generated=1, left=100, prompt_tokens=50)

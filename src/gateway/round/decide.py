@@ -208,6 +208,8 @@ def early_joins(
     prompt tokens each prefills there within `budget` (what the drafter prefills in the time of
     the verifier's open): requests that draft, auto ones only into a batch auto is predicted to
     draft for (what pays for a few sequences may not for many)."""
+    if not policy.config.on("early-joins"):
+        return [], {}
     auto = any(speculation(s, limits) == "auto" for s in batch)
     everyone = [*active, *batch]
     auto_drafts = auto and policy.drafts_for(len(everyone), offered(everyone, limits.pipeline))

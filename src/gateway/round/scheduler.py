@@ -76,6 +76,7 @@ class Scheduler:
         tracing: Tracing | None = None,
         speculative_mode: str = "auto",
         disable_by_batch_size: int = 0,
+        policy_off: frozenset[str] = frozenset(),
         max_waiting: int = 0,
         max_sequences_per_key: int = 0,
         request_timeout_s: float = 0.0,
@@ -101,7 +102,9 @@ class Scheduler:
         self.metrics = metrics or GatewayMetrics(self.k_limit)
         self.tracing = tracing or Tracing("specd-gateway")
         self.speculative_mode = speculative_mode
-        self.policy = SpeculationPolicy(PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size))
+        self.policy = SpeculationPolicy(
+            PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size, off=policy_off)
+        )
         self.metrics.bind_policy(self.policy)
         self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
         self.pipeline = pipeline

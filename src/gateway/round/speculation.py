@@ -36,95 +36,23 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from gateway.round.acceptance import Acceptance, HitRate
 from gateway.round.costs import CostModel, Ewma, SizedCost, verified_positions
 from gateway.round.pipeline_choice import MODES as PIPELINES
 from gateway.round.pipeline_choice import Calibration, Overlap, RoundModel
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
 
-
-class Acceptance:
-    """Per-position conditional acceptance counts, with exponential forgetting.
-
-    `rate(j)` estimates P(draft j accepted | drafts before j accepted) (0-based j),
-    smoothed toward `prior` with `prior_weight` pseudo-observations, so positions
-    never tried yet are neither certain nor hopeless.
-
-    `borrow`: a position's prior is also at least the estimate of the position before it.
-    Rounds that draft little leave the later positions untried, at the prior, however often
-    the earlier ones are accepted; priced that low, a longer block is never chosen, so never
-    tried, and its acceptance never learnt (docs/architecture.md, "Adaptive speculation"). The rate before
-    is the optimistic guess: the later drafts of a block whose first ones stood are usually
-    accepted at least as often, and a position tried learns its own rate.
-    """
-
-    def __init__(
-        self,
-        k_max: int,
-        prior: Sequence[float] | float,
-        prior_weight: float,
-        decay: float = 1.0,
-        borrow: bool = False,
-    ) -> None:
-        self.k_max = k_max
-        self.prior = [float(prior)] * k_max if isinstance(prior, int | float) else [float(p) for p in prior]
-        self.prior_weight = prior_weight
-        self.decay = decay
-        self.borrow = borrow
-        self.tried = [0.0] * k_max
-        self.accepted = [0.0] * k_max
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One verified proposal: positions < accepted accepted, position `accepted` rejected."""
-        if self.decay < 1.0:
-            self.tried = [t * self.decay for t in self.tried]
-            self.accepted = [a * self.decay for a in self.accepted]
-        for j in range(min(drafted, accepted + 1, self.k_max)):
-            self.tried[j] += 1.0
-            if j < accepted:
-                self.accepted[j] += 1.0
-
-    def rate(self, j: int) -> float:
-        # The policy reads rate(0) for every sequence of every round: borrowing walks only to j.
-        return self._rates(j + 1)[j] if self.borrow else self._smoothed(j, self.prior[j])
-
-    def rates(self) -> list[float]:
-        return self._rates(self.k_max)
-
-    def _rates(self, n: int) -> list[float]:
-        """The first n positions' rates."""
-        out: list[float] = []
-        for j in range(n):
-            prior = max(self.prior[j], out[-1]) if self.borrow and out else self.prior[j]
-            out.append(self._smoothed(j, prior))
-        return out
-
-    def _smoothed(self, j: int, prior: float) -> float:
-        w = self.prior_weight
-        return (self.accepted[j] + w * prior) / (self.tried[j] + w)
-
-    @property
-    def observations(self) -> float:
-        return self.tried[0] if self.k_max else 0.0
-
-
-class HitRate:
-    """How often something happens (a Bernoulli rate), forgetting old observations by `decay`
-    per observation, and smoothed with `prior_weight` pseudo-observations of a prior given
-    when the rate is read (so a prior that is itself an estimate can move)."""
-
-    def __init__(self, prior_weight: float, decay: float = 1.0) -> None:
-        self.prior_weight = prior_weight
-        self.decay = decay
-        self.tried = 0.0
-        self.hits = 0.0
-
-    def observe(self, hit: bool) -> None:
-        self.tried = self.tried * self.decay + 1.0
-        self.hits = self.hits * self.decay + (1.0 if hit else 0.0)
-
-    def value(self, prior: float) -> float:
-        return (self.hits + self.prior_weight * prior) / (self.tried + self.prior_weight)
+# The policy's heuristics on top of the cost model, each of which `--policy-off` can switch off
+# for an A/B run with `specd bench --server` (docs/pipeline.md, "What each heuristic buys"):
+HEURISTICS = {
+    "overlap-prior": "an untried overlap is priced perfect (prior 1), not at no opinion (0.5)",
+    "borrow": "an untried draft position's acceptance is at least the one before it",
+    "calibration": "each pipeline's predictions scaled by what its rounds delivered, per batch size",
+    "switch-margin": "another pipeline must be predicted 3% faster to replace the last round's",
+    "early-joins": "auto sequences open on the drafter beside their verifier open, not after it",
+    "join-cost": "a sequence joins the drafter only if its drafts are predicted to repay the prefill",
+}
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -316,6 +244,15 @@ class PolicyConfig:
     prior_acceptance: float = 0.7
     sequence_prior_weight: float = 4.0  # how many observations of a sequence outweigh the overall rates
     switch_margin: float = 0.03  # predicted gain another pipeline needs over the last round's (--pipeline auto)
+    off: frozenset[str] = frozenset()  # of HEURISTICS, those switched off
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.off) - set(HEURISTICS))
+        if unknown:
+            raise ValueError(f"unknown policy heuristics {unknown}; choose from {', '.join(HEURISTICS)}")
+
+    def on(self, heuristic: str) -> bool:
+        return heuristic not in self.off
 
 
 class SpeculationPolicy:
@@ -324,7 +261,8 @@ class SpeculationPolicy:
     def __init__(self, config: PolicyConfig) -> None:
         self.config = config
         self.k_max = config.k_max
-        self.overall = Acceptance(config.k_max, config.prior_acceptance, prior_weight=2.0, decay=0.999, borrow=True)
+        borrow = config.on("borrow")
+        self.overall = Acceptance(config.k_max, config.prior_acceptance, prior_weight=2.0, decay=0.999, borrow=borrow)
         # How often a draft-ahead block's guess at the verifier's token is right, once the block
         # it assumed was accepted whole. Not the acceptance there: a sampled request's token and
         # the drafter's guess are two draws, which agree far less often than a draft is accepted.
@@ -332,8 +270,10 @@ class SpeculationPolicy:
         # optimistic (as the overlap's prior) so that draft-ahead is tried and its guesses learnt.
         self.overall_guess = HitRate(prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
-        self.overlap = Overlap()
+        self.overlap = Overlap(prior=1.0 if config.on("overlap-prior") else 0.5)
         self.calibration = Calibration()
+        # What the choice reads: the calibration, unless switched off (it is still kept, for the metrics).
+        self.calibrated = self.calibration if config.on("calibration") else None
         self._rounds_without_drafts = 0
         self.last_choice: Choice | None = None
         self._previous_pipeline = "sequential"  # the pipeline of the round before the one being chosen
@@ -409,8 +349,8 @@ class SpeculationPolicy:
             self.overlap.value,
             pipelines,
             previous,
-            cfg.switch_margin,
-            self.calibration,
+            cfg.switch_margin if cfg.on("switch-margin") else 0.0,
+            self.calibrated,
         )
         self.last_pipeline = choice.pipeline if len(pipelines) > 1 else pipelines[0]
         if all_fixed:
@@ -460,7 +400,7 @@ class SpeculationPolicy:
         guess = self.guess_rate(self.new_guess_rate())  # a sequence not seen yet: everyone's rate
         typical = [Candidate(cap=self.k_max, rates=rates, cohort=i % 2, guess=guess) for i in range(batch)]
         choice = choose_round(
-            typical, self.costs, self.k_max, self.overlap.value, pipelines, calibration=self.calibration
+            typical, self.costs, self.k_max, self.overlap.value, pipelines, calibration=self.calibrated
         )
         return any(choice.ks) and choice.predicted_gain > 1.0
 
@@ -481,7 +421,7 @@ class SpeculationPolicy:
         the first one measures the cost.
         """
         choice = self.last_choice
-        if choice is None or choice.baseline_rate <= 0:
+        if not self.config.on("join-cost") or choice is None or choice.baseline_rate <= 0:
             return True  # no adaptive choice this round (untimed or fixed): the drafts need the join
         gain = choice.predicted_gain
         if gain <= 1.0:

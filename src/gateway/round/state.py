@@ -28,11 +28,11 @@ from typing import Any
 from opentelemetry.trace import Status, StatusCode
 
 from gateway.failures import GenerationError
+from gateway.round.acceptance import Acceptance, HitRate
 from gateway.round.detokenize import TextStream
 from gateway.round.hidden_log import HiddenLog
 from gateway.round.membership import DrafterMembership, DrafterState, MembershipError
 from gateway.round.messages import Block
-from gateway.round.speculation import Acceptance, HitRate
 from specd.engine.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 
 

@@ -15,6 +15,12 @@ from the same run:
   model (or prompt lookup) / alone, with the same models, k and prompts, one
   request at a time (assisted generation supports batch size 1 only).
 
+Other servers join the same run with `--server NAME=URL`: a mode written
+`MODE@NAME` runs against that server (its ratio to target-only against
+`target@NAME` where the run has it), and each such row also gets its ratio to the
+same mode on `--base-url` (`vs_base`, per block too): an A/B of two builds or two
+configurations of the gateway, interleaved like the modes.
+
 Modes are interleaved: each level's prompts are split into blocks, and every
 mode runs every block, in order on even blocks and reversed on odd ones, so a
 machine whose speed drifts during the run (a shared or throttled host can move
@@ -33,18 +39,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.placement import cpu_model
+from specd.tools.benchreport import machine, print_summary
 from specd.tools.benchstats import (
     RequestResult,
     acceptance,
@@ -169,66 +173,90 @@ async def run_block(
     concurrency: int,
     args: argparse.Namespace,
     extra: dict[str, Any],
-    progress: Callable[[int], Any],
+    desc: str,
 ) -> list[tuple[int, RequestResult]]:
     """A block's prompts through `concurrency` closed-loop clients."""
+    from tqdm import tqdm
+
     next_index = iter(block)
     done: list[tuple[int, RequestResult]] = []
+    bar = tqdm(total=len(block), desc=desc, unit="req", file=sys.stderr, leave=False)
 
     async def worker() -> None:
         for i in next_index:
             done.append((i, await one_request(client, model, prompts[i], args, extra)))
-            progress(1)
+            bar.update(1)
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(block)))))
+    try:
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(block)))))
+    finally:
+        bar.close()
     return done
 
 
+def split_mode(mode: str) -> tuple[str, str]:
+    """`MODE@NAME` -> (MODE, NAME); a mode without a server runs against --base-url ("")."""
+    name, _, server = mode.partition("@")
+    return name, server
+
+
 async def run_level(
-    args: argparse.Namespace, model: str, modes: Sequence[str], prompts: list[str], concurrency: int
+    args: argparse.Namespace, models: dict[str, str], modes: Sequence[str], prompts: list[str], concurrency: int
 ) -> tuple[list[dict[str, Any]], dict[str, list[RequestResult]]]:
     """Every HTTP mode at one concurrency, interleaved block by block (see `split_blocks`)."""
-    from tqdm import tqdm
-
     blocks = split_blocks(len(prompts), concurrency, args.blocks)
     results: dict[str, list[RequestResult | None]] = {m: [None] * len(prompts) for m in modes}
     walls: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list[int]] = {m: [] for m in modes}
     deltas: dict[str, dict[str, float]] = {m: {} for m in modes}
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
+    clients = {
+        server: httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits)
+        for server, url in args.servers.items()
+    }
+    try:
         for b, block in enumerate(blocks):
             for mode in block_order(modes, b):
-                extra = mode_extra(mode, args.k)
+                name, server = split_mode(mode)
+                client, model, extra = clients[server], models[server], mode_extra(name, args.k)
                 if b == 0:
                     # Untimed requests so first-call costs (and, for auto, the cost model's start) stay out.
                     warm = prompts[: min(2, len(prompts))]
                     await asyncio.gather(*(one_request(client, model, p, args, extra) for p in warm))
                 before = await scrape(client)
                 desc = f"{mode:>9} @ {concurrency:>3} [{b + 1}/{len(blocks)}]"
-                bar = tqdm(total=len(block), desc=desc, unit="req", file=sys.stderr, leave=False)
                 start = time.perf_counter()
-                for i, result in await run_block(client, model, prompts, block, concurrency, args, extra, bar.update):
+                for i, result in await run_block(client, model, prompts, block, concurrency, args, extra, desc):
                     results[mode][i] = result
                 walls[mode].append(time.perf_counter() - start)
-                bar.close()
                 tokens[mode].append(sum(r.completion_tokens for i in block if (r := results[mode][i]) is not None))
                 add_deltas(deltas[mode], before, await scrape(client))
-    rows, done = [], {}
-    for mode in modes:
-        finished = [r for r in results[mode] if r is not None]
-        row = {"mode": mode, "concurrency": concurrency, **summarize(finished, sum(walls[mode]))}
-        row["blocks"] = [{"output_tokens": t, "wall_s": w} for t, w in zip(tokens[mode], walls[mode], strict=True)]
-        row.update(acceptance({}, deltas[mode]))
-        if deltas[mode]:
-            row.update(round_costs({}, deltas[mode]))
-        rows.append(row)
-        done[mode] = finished
-    return rows, done
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    rows = [level_row(mode, concurrency, results[mode], walls[mode], tokens[mode], deltas[mode]) for mode in modes]
+    return rows, {mode: [r for r in results[mode] if r is not None] for mode in modes}
 
 
-def block_speedups(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
-    """The ratio to target-only within each block, and their range: how far drift moved it."""
+def level_row(
+    mode: str,
+    concurrency: int,
+    results: list[RequestResult | None],
+    walls: list[float],
+    tokens: list[int],
+    deltas: dict[str, float],
+) -> dict[str, Any]:
+    finished = [r for r in results if r is not None]
+    row = {"mode": mode, "concurrency": concurrency, **summarize(finished, sum(walls))}
+    row["blocks"] = [{"output_tokens": t, "wall_s": w} for t, w in zip(tokens, walls, strict=True)]
+    row.update(acceptance({}, deltas))
+    if deltas:
+        row.update(round_costs({}, deltas))
+    return row
+
+
+def block_speedups(row: dict[str, Any], base: dict[str, Any], key: str = "speedup_vs_target") -> dict[str, Any]:
+    """The ratio to `base` (target-only) within each block, and their range: how far drift moved it."""
     pairs = list(zip(row.get("blocks", []), base.get("blocks", []), strict=False))
     if len(pairs) < 2 or len(row["blocks"]) != len(base["blocks"]):
         return {}
@@ -239,19 +267,26 @@ def block_speedups(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         for mine, theirs in pairs
     ]
     return {
-        "speedup_vs_target_blocks": ratios,
-        "speedup_vs_target_min": min(ratios),
-        "speedup_vs_target_max": max(ratios),
-        "speedup_vs_target_range": f"{min(ratios):.2f}-{max(ratios):.2f}x",
+        f"{key}_blocks": ratios,
+        f"{key}_min": min(ratios),
+        f"{key}_max": max(ratios),
+        f"{key}_range": f"{min(ratios):.2f}-{max(ratios):.2f}x",
     }
 
 
 def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
     """Speedup over target-only, and the Leviathan bound from single-stream model costs."""
-    target = {r["concurrency"]: r for r in rows if r["mode"] == "target"}
+    by_mode = {(r["mode"], r["concurrency"]): r for r in rows}
     hf = {r["concurrency"]: r for r in rows if r["mode"] == "hf"}
     for row in rows:
-        base = target.get(row["concurrency"])
+        name, server = split_mode(row["mode"])
+        conc = row["concurrency"]
+        base = by_mode.get((f"target@{server}", conc)) if server else None
+        base = base or by_mode.get(("target", conc))
+        same = by_mode.get((name, conc)) if server else None
+        if same is not None:
+            row["vs_base"] = row["output_tokens_per_s"] / same["output_tokens_per_s"]
+            row.update(block_speedups(row, same, "vs_base"))
         if base is not None:
             row["speedup_vs_target"] = row["output_tokens_per_s"] / base["output_tokens_per_s"]
             row.update(block_speedups(row, base))
@@ -262,7 +297,7 @@ def add_bounds(rows: list[dict[str, Any]], k: int) -> None:
         # pipeline runs them; fixed k runs the gateway's pipeline, which may overlap them, so
         # its efficiency can pass 1. Draft-ahead and cohort rounds always overlap: no bound.
         if (
-            row["mode"] not in ("fixed", "sequential")
+            name not in ("fixed", "sequential")
             or row["concurrency"] != 1
             or base is None
             or "acceptance_rate" not in row
@@ -303,62 +338,6 @@ def compare_outputs(outputs: dict[tuple[str, int], list[RequestResult]]) -> dict
     return report
 
 
-COLUMNS = [
-    ("conc", "concurrency", "{:d}"),
-    ("mode", "mode", "{}"),
-    ("tok/s", "output_tokens_per_s", "{:.1f}"),
-    ("tok/s/user", "output_tokens_per_s_per_user", "{:.1f}"),
-    ("vs target", "speedup_vs_target", "{:.2f}x"),
-    ("blocks", "speedup_vs_target_range", "{}"),
-    ("vs HF", "speedup_vs_hf", "{:.2f}x"),
-    ("TTFT p50", "ttft_ms_p50", "{:.0f}"),
-    ("TTFT p95", "ttft_ms_p95", "{:.0f}"),
-    ("TPOT p50", "tpot_ms_p50", "{:.1f}"),
-    ("ITL p50", "itl_ms_p50", "{:.1f}"),
-    ("ITL p95", "itl_ms_p95", "{:.1f}"),
-    ("ITL p99", "itl_ms_p99", "{:.1f}"),
-    ("E2E p50", "e2e_ms_p50", "{:.0f}"),
-    ("accept", "acceptance_rate", "{:.3f}"),
-    ("MAL", "mean_acceptance_length", "{:.2f}"),
-    ("mean k", "mean_k", "{:.2f}"),
-    ("bound", "bound_bound", "{:.2f}x"),
-    ("eff", "efficiency_vs_bound", "{:.2f}"),
-    ("outside", "round_outside_models", "{:.0%}"),
-]
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    def cell(row: dict[str, Any], key: str, fmt: str) -> str:
-        value = row.get(key)
-        if value is None or (isinstance(value, float) and value != value):
-            return "-"
-        return fmt.format(value)
-
-    table = [[c[0] for c in COLUMNS]] + [[cell(r, key, fmt) for _, key, fmt in COLUMNS] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
-    lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths, strict=True)) for line in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + (
-        "\n(latencies in ms; MAL = mean acceptance length; eff = speedup / bound;"
-        " outside = share of round time outside the models' forward passes;"
-        " blocks = range of the ratio to target-only over the interleaved blocks)"
-    )
-
-
-def machine() -> dict[str, Any]:
-    cpu = cpu_model(platform.processor())
-    info: dict[str, Any] = {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except ImportError:
-        pass
-    return info
-
-
 async def service_stats(args: argparse.Namespace, prompt_tokens: float) -> dict[str, Any]:
     """Peak RSS and KV-cache bytes per sequence of each service whose metrics were given."""
     stats: dict[str, Any] = {}
@@ -385,7 +364,15 @@ async def service_stats(args: argparse.Namespace, prompt_tokens: float) -> dict[
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specd bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway (or any OpenAI-compatible server)")
-    p.add_argument("--model", default=None, help="model name; default: the first of /v1/models")
+    p.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="another server in the same run (repeatable): modes written MODE@NAME run against it, and each\n"
+        "such row also gets its ratio to MODE on --base-url (vs_base): an interleaved A/B of two gateways",
+    )
+    p.add_argument("--model", default=None, help="model name; default: the first of /v1/models (of each server)")
     p.add_argument(
         "--modes", default="target,fixed,auto,hf", help=f"comma-separated: {', '.join(HTTP_MODES + HF_MODES)}"
     )
@@ -430,9 +417,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     hf.add_argument("--hf-device", default="cpu")
     args = p.parse_args(argv)
+    args.servers = {"": args.base_url}
+    for item in args.server:
+        name, sep, url = item.partition("=")
+        if not sep or not name.strip() or not url.strip() or name.strip() in args.servers:
+            p.error(f"--server needs a new NAME=URL, not {item!r}")
+        args.servers[name.strip()] = url.strip()
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
-        if mode not in HTTP_MODES + HF_MODES:
+        name, server = split_mode(mode)
+        if "@" in mode and (name in HF_MODES or server not in args.servers):
+            p.error(f"{mode!r}: no --server named {server!r} (HTTP modes only)")
+        if mode not in HF_MODES and name not in HTTP_MODES:
             p.error(f"unknown mode {mode!r}; choose from {', '.join(HTTP_MODES + HF_MODES)}")
     if args.blocks < 1:
         p.error("--blocks needs a positive integer")
@@ -468,16 +464,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[tuple[str, int], list[RequestResult]] = {}
-    http_modes = [m for m in args.modes if m in HTTP_MODES]
-    model = args.model
-    if http_modes and model is None:
-        model = httpx.get(args.base_url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
-    _run_http_levels(args, model, http_modes, prompts, rows, outputs)
+    http_modes = [m for m in args.modes if m not in HF_MODES]
+    models = {server: args.model or first_model(url) for server, url in args.servers.items()} if http_modes else {}
+    _run_http_levels(args, models, http_modes, prompts, rows, outputs)
     hf_runs = _run_hf_baselines(args, prompts, rows, outputs)
     order = {m: i for i, m in enumerate(args.modes)}
     rows.sort(key=lambda r: (r["concurrency"], order[r["mode"]]))
     add_bounds(rows, args.k)
-    sent = [r for (mode, _), results in outputs.items() if mode in HTTP_MODES for r in results]
+    sent = [r for (mode, _), results in outputs.items() if mode not in HF_MODES for r in results]
     prompt_tokens = sum(r.prompt_tokens for r in sent) / len(sent) if sent else 0.0
     report: dict[str, Any] = {
         "name": name,
@@ -493,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         report["services"] = asyncio.run(service_stats(args, prompt_tokens))
     if args.temperature == 0:
         report["output_mismatches_vs_target"] = compare_outputs(outputs)
-    _print_summary(rows, report)
+    print_summary(rows, report)
     json_path = out_dir / f"bench-{name}.json"
     json_path.write_text(json.dumps(report, indent=2, default=float))
     from specd.tools.benchplots import plot_all
@@ -502,9 +496,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"wrote {json_path} and {', '.join(str(p) for p in plots)}")
 
 
+def first_model(url: str) -> str:
+    return str(httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"])
+
+
 def _run_http_levels(
     args: argparse.Namespace,
-    model: str | None,
+    models: dict[str, str],
     http_modes: list[str],
     prompts: list[str],
     rows: list[dict[str, Any]],
@@ -515,7 +513,7 @@ def _run_http_levels(
         batch = level_prompts(prompts, args, concurrency)
         if not http_modes:
             continue
-        level_rows, level_results = asyncio.run(run_level(args, model, http_modes, batch, concurrency))
+        level_rows, level_results = asyncio.run(run_level(args, models, http_modes, batch, concurrency))
         for row in level_rows:
             rows.append(row)
             outputs[(row["mode"], concurrency)] = level_results[row["mode"]]
@@ -561,17 +559,3 @@ def _run_hf_baselines(
             rows.append(row)
             outputs[(mode, concurrency)] = served
     return hf_runs
-
-
-def _print_summary(rows: list[dict[str, Any]], report: dict[str, Any]) -> None:
-    m = report["machine"]
-    print(f"machine: {m['cpu']}, {m['cpus']} CPUs" + (f", GPUs: {', '.join(m['gpus'])}" if m.get("gpus") else ""))
-    print(format_table(rows))
-    if report.get("services"):
-        for service, stats in report["services"].items():
-            parts = [f"peak RSS {stats['peak_rss_mib']:.0f} MiB"] if "peak_rss_mib" in stats else []
-            if "kv_bytes_per_token" in stats:
-                parts.append(f"KV cache {stats['kv_bytes_per_token'] / 1024:.1f} KiB/token")
-            print(f"{service}: {', '.join(parts)}")
-    if report.get("output_mismatches_vs_target"):
-        print("requests whose text differs from target-only:", report["output_mismatches_vs_target"])
