@@ -8,6 +8,9 @@ from api_harness import CHAT, COMPLETIONS, body_for, grpc_generate, http_post
 
 from specd.engine.grammar import one_line
 
+NODE = {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}, "required": ["child"]}
+ENDLESS = {"$defs": {"node": NODE}, "$ref": "#/$defs/node"}
+
 NEVER = [
     (
         {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#"}}}},
@@ -16,6 +19,11 @@ NEVER = [
     ({"guided_regex": "[^\\x00-\\x{10FFFF}]"}, "guided_regex"),
     ({"guided_regex": "[a&&b]"}, "guided_regex"),
     ({"guided_choice": [f"c{i}" for i in range(30_000)]}, "guided_choice"),
+    # A node that must hold a node: it compiles and its first token is allowed, yet never closes.
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": ENDLESS}}},
+        "response_format",
+    ),
 ]
 
 
@@ -36,10 +44,12 @@ def test_grpc_refuses_the_same_constraints(tok):
 
 
 def test_satisfiable_constraints_pass(tok):
-    for fields in ({"guided_regex": "[a-z]+"}, {"guided_choice": ["yes", "no"]}):
+    optional = {"$defs": {"node": {**NODE, "required": []}}, "$ref": "#/$defs/node"}
+    tree = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": optional}}}
+    for fields in ({"guided_regex": "[a-z]+"}, {"guided_choice": ["yes", "no"]}, tree):
         r, scheduler = http_post(tok, CHAT, body_for(CHAT, fields))
         assert r.status_code == 200, r.text
-        assert scheduler.submitted[0].grammar
+        assert scheduler.submitted[0].grammar or scheduler.submitted[0].json_schema
 
 
 def test_an_engine_panic_reaches_no_client_beyond_its_first_line():

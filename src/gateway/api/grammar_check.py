@@ -1,14 +1,17 @@
 """Constraints fail at the door: each JSON schema, regex, choice list or grammar is compiled
-against the gateway's tokenizer and dry-run (its first token mask) at admission, so one that
-can never match is a 400 with one line, not a failure in the round. No torch here."""
+against the gateway's tokenizer and dry-run (its first token mask) at admission, and a JSON
+schema that only infinitely nested values satisfy is found (`finite_schema`), so one that can
+never match is a 400 with one line, not a failure in the round. No torch here."""
 
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import llguidance
 
+from gateway.api.finite_schema import never_finite
 from gateway.api.validation import InvalidParameter, RequestedParams
 from gateway.round.scheduler import GenerationParams
 from specd.engine.grammar import compile_text, dry_run_problem, one_line
@@ -23,6 +26,10 @@ class GrammarCheck:
 
     def problem(self, schema_text: str = "", grammar: str = "") -> str | None:
         """Why the constraint can never match, or None."""
+        if schema_text:
+            endless = never_finite(json.loads(schema_text))
+            if endless:
+                return endless
         try:
             matcher = llguidance.LLMatcher(self._tokenizer, compile_text(schema_text, grammar), log_level=0)
         except (ValueError, TypeError) as exc:
