@@ -80,6 +80,10 @@ def _ratio(result: dict[str, Any]) -> str:
     low, high = result.get("speedup_vs_target_min"), result.get("speedup_vs_target_max")
     if low is not None and high is not None and len(result.get("speedup_vs_target_blocks") or ()) > 1:
         text += f" ({low:.2f}–{high:.2f})"
+    if result.get("vs_base") is not None:  # MODE@SERVER (specd bench --server): against MODE on the base server
+        text += f" = {result['vs_base']:.2f}x {result['mode'].split('@')[0]}"
+        if result.get("vs_base_min") is not None and result.get("vs_base_max") is not None:
+            text += f" ({result['vs_base_min']:.2f}–{result['vs_base_max']:.2f})"
     return text
 
 
@@ -87,7 +91,7 @@ def _differed(report: dict[str, Any], clients: int) -> str:
     counts = report.get("output_mismatches_vs_target")
     if not isinstance(counts, dict):
         return ""
-    differing = {key.split("@")[0]: n for key, n in counts.items() if key.endswith(f"@{clients}") and n}
+    differing = {key.rsplit("@", 1)[0]: n for key, n in counts.items() if key.endswith(f"@{clients}") and n}
     if not any(key.endswith(f"@{clients}") for key in counts):
         return ""
     if not differing:

@@ -115,3 +115,19 @@ def test_bench_records_when_and_from_which_code(tmp_path: Path) -> None:
     assert measured_at()[:2] == "20" and measured_at().endswith("+00:00")
     commit = source_commit(ROOT)
     assert commit is None or commit.split("-")[0].isalnum()
+
+
+def test_a_row_of_another_server_gives_its_ratio_to_the_same_mode_on_the_base(
+    render: ModuleType, tmp_path: Path
+) -> None:
+    other = {**_result("auto@before", 38.0, 2.26, [2.2, 2.3]), "vs_base": 0.95, "vs_base_min": 0.93}
+    other["vs_base_max"] = 0.97
+    report = {
+        "machine": {"cpu": "Test CPU", "cpus": 2},
+        "results": [_result("target", 16.84, 1.0, [1.0, 1.0]), _result("auto", 40.0, 2.434, [2.32, 2.62]), other],
+        "output_mismatches_vs_target": {"target@1": 0, "auto@1": 0, "auto@before@1": 1},
+    }
+    (tmp_path / "bench-ab.json").write_text(json.dumps(report))
+    row = next(line for line in render.render_tables(tmp_path).splitlines() if line.startswith("| [bench-ab.json]"))
+    assert "auto@before 2.26x (2.20–2.30) = 0.95x auto (0.93–0.97)" in row
+    assert row.rstrip(" |").endswith("outputs differing from target-only: auto@before 1")
