@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from gateway.api.json_schemas import DATA_KEYWORDS
+
 
 def never_finite(schema: Any) -> str | None:
     """Why no finite value satisfies `schema` (naming the references that recurse without end), or None."""
@@ -49,7 +51,7 @@ def _refs(schema: Any) -> set[str]:
             ref = node.get("$ref")
             if isinstance(ref, str) and ref.startswith("#"):
                 found.add(ref)
-            stack.extend(v for k, v in node.items() if k not in ("const", "enum", "default", "examples"))
+            stack.extend(v for k, v in node.items() if k not in DATA_KEYWORDS)
         elif isinstance(node, list):
             stack.extend(node)
     return found

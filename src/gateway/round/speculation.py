@@ -49,7 +49,7 @@ HEURISTICS = {
     "overlap-prior": "an untried overlap is priced perfect (prior 1), not at no opinion (0.5)",
     "borrow": "an untried draft position's acceptance is at least the one before it",
     "calibration": "each pipeline's predictions scaled by what its rounds delivered, per batch size",
-    "switch-margin": "another pipeline must be predicted 3% faster to replace the last round's",
+    "switch-margin": "another pipeline must be predicted faster by `switch_margin` to replace the last round's",
     "early-joins": "auto sequences open on the drafter beside their verifier open, not after it",
     "join-cost": "a sequence joins the drafter only if its drafts are predicted to repay the prefill",
 }
