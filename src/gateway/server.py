@@ -16,6 +16,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.api import chat_templates, http_limits, reflection_v1, tool_parsers
+from gateway.api.body_screen import BodyScreen
 from gateway.api.grpc_api import GatewayServicer
 from gateway.api.limits import RateLimiter
 from gateway.api.openai_api import OpenAIApi
@@ -68,7 +69,10 @@ async def run(config: GatewayConfig) -> None:
     grpc_server = None
     if config.grpc_port:
         grpc_server = await _start_grpc(config, scheduler, tokenizer, model_name, api_keys, api_tls)
-    server = _http_server(config, api, api_keys)
+    # The route's own bound on a prompt's bytes, so the worker refuses what the route would.
+    screen = BodyScreen(text_limit=(api.prompts.max_context * api.prompts.max_token_bytes, api.prompts.max_context))
+    screen.start()
+    server = _http_server(config, api, api_keys, screen)
     _drain_on_signals(config, scheduler, server, grpc_server)
     log.info(
         "gateway ready: model %r, k=%d, HTTP %s://%s:%d/v1, gRPC %s%s%s",
@@ -90,6 +94,7 @@ async def run(config: GatewayConfig) -> None:
         for backend in backends:
             await backend.close()
         tracing.shutdown()
+        screen.close()
 
 
 def _backend_pools(config: GatewayConfig, backend_tls: Any, token: str) -> tuple[Any, Any]:
@@ -234,10 +239,10 @@ async def _start_grpc(
     return grpc_server
 
 
-def _http_server(config: GatewayConfig, api: OpenAIApi, api_keys: tls.ApiKeys) -> uvicorn.Server:
+def _http_server(config: GatewayConfig, api: OpenAIApi, api_keys: tls.ApiKeys, screen: BodyScreen) -> uvicorn.Server:
     # /health answers probes and /metrics scrapers without a key; neither shows prompts or outputs.
     # The key is checked before the body is read: a caller without one costs nothing.
-    limited = http_limits.body_limits(api.app(), config.http_max_body_bytes, config.http_read_timeout_s)
+    limited = http_limits.body_limits(api.app(), config.http_max_body_bytes, config.http_read_timeout_s, screen)
     app = tls.http_api_key_middleware(limited, api_keys, open_paths=("/health", "/metrics"))
     server = uvicorn.Server(
         uvicorn.Config(

@@ -22,6 +22,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway.api.body_screen import BodyScreen
 from specd.heap import trim_heap
 
 Scope = MutableMapping[str, Any]
@@ -31,14 +32,14 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def error_body(message: str, code: str) -> bytes:
+def error_body(message: str, code: str, param: str | None = None) -> bytes:
     return json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+        {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
     ).encode()
 
 
-async def _refuse(send: Send, status: int, message: str, code: str) -> None:
-    body = error_body(message, code)
+async def _refuse(send: Send, status: int, message: str, code: str, param: str | None = None) -> None:
+    body = error_body(message, code, param)
     await send(
         {
             "type": "http.response.start",
@@ -64,12 +65,14 @@ class _Refused(Exception):
 TRIM_AFTER_BYTES = 1 << 20
 
 
-def body_limits(app: App, max_body_bytes: int, read_timeout_s: float) -> App:
+def body_limits(app: App, max_body_bytes: int, read_timeout_s: float, screen: BodyScreen | None = None) -> App:
     """ASGI middleware: read the whole body within the limits, then hand it to `app`.
 
     Reading it here (it is at most `max_body_bytes`) keeps the refusal out of the
     app: once the app has started on a request it cannot be told cleanly that
-    the rest of the body will never come.
+    the rest of the body will never come. A large body goes through `screen` first
+    (gateway.api.body_screen), so one the app would refuse is refused without the
+    event loop parsing it.
     """
 
     async def limited(scope: Scope, receive: Receive, send: Send) -> None:
@@ -88,6 +91,10 @@ def body_limits(app: App, max_body_bytes: int, read_timeout_s: float) -> App:
             await _refuse(send, 408, f"the request body did not arrive within {read_timeout_s:g} s", "request_timeout")
             return
         if body is None:  # the client went away mid-body
+            return
+        refusal = None if screen is None else await screen.refusal(scope.get("path", ""), body)
+        if refusal is not None:
+            await _refuse(send, 400, *refusal)
             return
         replayed = False
 

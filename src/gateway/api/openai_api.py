@@ -28,7 +28,7 @@ from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Requ
 from gateway.api.replies import error_response, invalid, message
 from gateway.api.responses_api import ResponsesApi
 from gateway.api.spec_metrics import speculative_decoding
-from gateway.api.validation import InvalidParameter, choices, generation_params
+from gateway.api.validation import InvalidParameter, choices, generation_params, validation_refusal
 from gateway.failures import GenerationError
 from gateway.round.scheduler import Delta, Failed, Finished, GenerationParams, Scheduler, _Sequence
 from specd.engine.params import TokenLogprob
@@ -98,24 +98,8 @@ class OpenAIApi:
 
     # -- errors ----------------------------------------------------------
     async def _invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON", "invalid_json")
-        if first.get("type") == "extra_forbidden":
-            name = ".".join(loc)
-            return error_response(
-                400,
-                f"unknown parameter {name!r}: specd refuses parameters it does not implement "
-                "rather than ignore them (docs/api.md lists every parameter)",
-                "unknown_parameter",
-                name,
-            )
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors
-        )
-        return error_response(400, message, "invalid_value", ".".join(loc) or None)
+        message, code, param = validation_refusal(exc.errors())
+        return error_response(400, message, code, param)
 
     async def _http_error(self, request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code in (404, 405) and exc.detail in ("Not Found", "Method Not Allowed"):

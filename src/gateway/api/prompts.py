@@ -49,6 +49,21 @@ def strings(value: Any) -> Iterable[str]:
             yield from strings(v)
 
 
+def size_problem(param: str, texts: Iterable[str], limit: int, max_context: int) -> InvalidParameter | None:
+    """The refusal for texts of more than `limit` bytes (max_context tokens of the longest token)."""
+    size = 0
+    for text in texts:
+        size += len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            return InvalidParameter(
+                param,
+                f"{param} is longer than this model's context window of {max_context} tokens could hold "
+                f"(over {limit} bytes)",
+                "context_length_exceeded",
+            )
+    return None
+
+
 @functools.lru_cache(maxsize=4)
 def prompts_for(tokenizer: Any, max_context: int) -> Prompts:
     """One Prompts per tokenizer: its bounds take a pass over the vocabulary."""
@@ -77,17 +92,9 @@ class Prompts:
 
     def check_size(self, param: str, texts: Iterable[str]) -> None:
         """Refuse, before any tokenising, text too long for the context window whatever its tokens."""
-        limit = self.max_context * self.max_token_bytes
-        size = 0
-        for text in texts:
-            size += len(text.encode("utf-8", "surrogatepass"))
-            if size > limit:
-                raise InvalidParameter(
-                    param,
-                    f"{param} is longer than this model's context window of {self.max_context} tokens could hold "
-                    f"(over {limit} bytes)",
-                    "context_length_exceeded",
-                )
+        problem = size_problem(param, texts, self.max_context * self.max_token_bytes, self.max_context)
+        if problem is not None:
+            raise problem
 
     def text_ids(self, text: str, param: str = "prompt") -> list[int]:
         """A completions or gRPC prompt's ids (special tokens parsed: see the module's docstring)."""

@@ -34,6 +34,28 @@ from specd.engine.ranges import (
 )
 
 
+def validation_refusal(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str, str | None]:
+    """The 400 (message, code, param) for a request body its pydantic model refused with `errors`:
+    the same words whether the route refused it or the worker that screens large bodies did
+    (gateway.api.body_screen)."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", "invalid_json", None
+    if first.get("type") == "extra_forbidden":
+        name = ".".join(loc)
+        return (
+            f"unknown parameter {name!r}: specd refuses parameters it does not implement "
+            "rather than ignore them (docs/api.md lists every parameter)",
+            "unknown_parameter",
+            name,
+        )
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors
+    )
+    return message, "invalid_value", ".".join(loc) or None
+
+
 class InvalidParameter(GenerationError):
     """A parameter outside its range; `param` names it, as OpenAI's error body does."""
 
@@ -190,6 +212,19 @@ def structured_output(raw: RequestedParams) -> dict[str, str]:
     return {"json_schema": json_schema(raw.response_format, raw.ignore_eos, raw.undeclared_keys)}
 
 
+def choices_problem(param: str, value: str | Sequence[str]) -> InvalidParameter | None:
+    """What is wrong with a guided_choice list's shape or size, before any grammar is built."""
+    if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
+        return InvalidParameter(param, "guided_choice must be a non-empty list of strings")
+    if len(value) > MAX_GUIDED_CHOICES or sum(map(len, value)) > MAX_GUIDED_CHOICE_CHARS:
+        return InvalidParameter(
+            param,
+            f"guided_choice takes at most {MAX_GUIDED_CHOICES} strings of {MAX_GUIDED_CHOICE_CHARS} characters "
+            f"in all; got {len(value)} of {sum(map(len, value))}",
+        )
+    return None
+
+
 def guided_grammar(param: str, value: str | Sequence[str], ignore_eos: bool) -> str:
     """The llguidance grammar of a guided_regex or a guided_choice; raises InvalidParameter."""
     if param == "guided_regex":
@@ -200,14 +235,8 @@ def guided_grammar(param: str, value: str | Sequence[str], ignore_eos: bool) -> 
         except (ValueError, TypeError) as exc:
             raise InvalidParameter(param, f"guided_regex is not a regular expression: {exc}") from None
     else:
-        if isinstance(value, str) or not value or not all(isinstance(c, str) for c in value):
-            raise InvalidParameter(param, "guided_choice must be a non-empty list of strings")
-        if len(value) > MAX_GUIDED_CHOICES or sum(map(len, value)) > MAX_GUIDED_CHOICE_CHARS:
-            raise InvalidParameter(
-                param,
-                f"guided_choice takes at most {MAX_GUIDED_CHOICES} strings of {MAX_GUIDED_CHOICE_CHARS} characters "
-                f"in all; got {len(value)} of {sum(map(len, value))}",
-            )
+        if (problem := choices_problem(param, value)) is not None:
+            raise problem
         grammar = choice_grammar(list(value))
     if ignore_eos:
         # The output ends where the grammar is complete; past it, no token is allowed.

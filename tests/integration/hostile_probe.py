@@ -1,0 +1,74 @@
+"""Hostile requests against a running gateway (issue 39, item 1): what the red-team probe sent, and a
+small request's latency and a stream's gaps measured idle and while they arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+import time
+
+import httpx
+import stack as st
+
+
+def small(model: str) -> dict:
+    return {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def hostile(model: str) -> list[tuple[str, dict]]:
+    """What the red-team probe of issue 39 sent: each stalled the gateway for seconds before."""
+    pick = [{"role": "user", "content": "pick"}]
+    return [
+        ("/v1/completions", {"model": model, "prompt": "word " * 1_200_000, "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "a"}] * 200_000}),
+        ("/v1/chat/completions", {"model": model, "messages": pick, "guided_choice": ["c"] * 100_000}),
+    ]
+
+
+async def latency(client: httpx.AsyncClient, model: str) -> float:
+    start = time.monotonic()
+    r = await client.post("/v1/completions", json=small(model))
+    assert r.status_code == 200, r.text
+    return time.monotonic() - start
+
+
+async def longest_gap(client: httpx.AsyncClient, model: str) -> float:
+    """The longest wait between two chunks of a 24-token stream."""
+    body = {**small(model), "max_tokens": 24, "stream": True}
+    arrivals = []
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    return max(b - a for a, b in itertools.pairwise(arrivals))
+
+
+async def measure(
+    url: str, attacks: list[tuple[str, dict]], model: str = st.MODEL
+) -> tuple[float, float, float, float, list[int]]:
+    """A small request's median latency and a stream's longest gap, idle and while each attack is
+    sent over and over by two clients; the attacks' statuses."""
+    bodies = [(path, json.dumps(body).encode()) for path, body in attacks]
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        await latency(client, model)  # warm
+        idle = statistics.median([await latency(client, model) for _ in range(5)])
+        idle_gap = await longest_gap(client, model)
+        statuses: list[int] = []
+        stop = asyncio.Event()
+
+        async def attacker(path: str, body: bytes) -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as own:
+                while not stop.is_set():
+                    statuses.append((await own.post(path, content=body, headers=headers)).status_code)
+
+        attackers = [asyncio.create_task(attacker(p, b)) for p, b in bodies * 2]
+        await asyncio.sleep(1.0)  # the attack under way
+        loaded = statistics.median([await latency(client, model) for _ in range(5)])
+        loaded_gap = await longest_gap(client, model)
+        stop.set()
+        await asyncio.gather(*attackers)
+    return idle, loaded, idle_gap, loaded_gap, statuses

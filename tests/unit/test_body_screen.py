@@ -1,0 +1,115 @@
+"""Large bodies are screened in a worker process: it refuses what the route would refuse, in the
+route's own words, and lets everything else through to the route."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+from api_harness import CHAT, COMPLETIONS, RefusingScheduler, body_for, http_post
+
+from gateway.api import body_screen
+from gateway.api.body_screen import MAX_JSON_VALUES, BodyScreen, screen
+from gateway.api.prompts import prompts_for
+from specd.engine.ranges import MAX_MESSAGES
+
+REFUSED = [
+    (CHAT, {"messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)}),
+    (CHAT, {"messages": [{"role": "critic", "content": "42"}]}),
+    (CHAT, {"frobnicate": 1}),
+    (COMPLETIONS, {"max_tokens": "many"}),
+    (COMPLETIONS, {"prompt": 3.5}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": "x"}),
+]
+
+
+def encoded(endpoint: str, fields: dict[str, Any]) -> bytes:
+    body = {"model": "m", "input": "hi"} | fields if endpoint == "/v1/responses" else body_for(endpoint, fields)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(("endpoint", "fields"), REFUSED)
+def test_the_screen_refuses_what_the_route_refuses_in_its_words(tok, endpoint, fields):
+    refusal = screen(endpoint, encoded(endpoint, fields))
+    assert refusal is not None
+    r, scheduler = http_post(tok, endpoint, json.loads(encoded(endpoint, fields)))
+    assert r.status_code == 400 and not scheduler.submitted
+    error = r.json()["error"]
+    assert refusal == (error["message"], error["code"], error["param"])
+
+
+def test_the_screen_lets_valid_bodies_through(tok):
+    long_chat = {"messages": [{"role": "user", "content": "a " * 50_000}] * 4}
+    assert screen(CHAT, encoded(CHAT, long_chat)) is None
+    assert screen(COMPLETIONS, encoded(COMPLETIONS, {"prompt": list(range(60_000))})) is None
+
+
+def test_bodies_that_are_not_json_or_too_many_values_are_refused():
+    assert screen(CHAT, b'{"model": "m", "messages": [') == ("the request body is not valid JSON", "invalid_json", None)
+    assert screen(CHAT, b"[" * 100_000 + b"]" * 100_000) is not None  # deep, not a crash
+    parts = [{"type": "text", "text": "a"}] * (MAX_JSON_VALUES // 3 + 1)
+    refusal = screen(CHAT, encoded(CHAT, {"messages": [{"role": "user", "content": parts}]}))
+    assert refusal is not None and refusal[1] == "request_too_large", refusal
+
+
+def test_small_bodies_and_unscreened_routes_never_reach_the_worker():
+    screener = BodyScreen(min_bytes=1000)
+    bad = encoded(CHAT, {"frobnicate": 1})
+    assert len(bad) < 1000
+    assert asyncio.run(screener.refusal(CHAT, bad)) is None
+    assert asyncio.run(screener.refusal("/v1/models", bad + b" " * 1000)) is None
+    assert screener._pool is None
+
+
+def test_the_worker_refuses_a_large_body_and_a_dead_worker_is_replaced():
+    screener = BodyScreen(min_bytes=1000)
+    flood = encoded(CHAT, {"messages": [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1)})
+
+    async def go() -> list[Any]:
+        first = await screener.refusal(CHAT, flood)
+        pool = screener._pool
+        assert pool is not None
+        for pid in list(pool._processes):  # the worker killed as an out-of-memory kill would
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        during = await screener.refusal(CHAT, flood)  # the route parses this one itself
+        after = await screener.refusal(CHAT, flood)
+        return [first, during, after]
+
+    try:
+        first, during, after = asyncio.run(go())
+    finally:
+        screener.close()
+    assert first is not None and "messages" in first[0]
+    assert during is None
+    assert after == first
+
+
+def test_the_worker_holds_the_models_of_every_screened_route():
+    assert set(body_screen.MODELS) == {COMPLETIONS, CHAT, "/v1/responses"}
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_as_the_route_refuses_it(tok):
+    prompts = prompts_for(tok, RefusingScheduler.max_context)
+    limit = (prompts.max_context * prompts.max_token_bytes, prompts.max_context)
+    for prompt in ("word " * (limit[0] // 5 + 1), ["word " * (limit[0] // 5 + 1)]):
+        body = encoded(COMPLETIONS, {"prompt": prompt})
+        refusal = screen(COMPLETIONS, body, limit)
+        r, _ = http_post(tok, COMPLETIONS, json.loads(body))
+        error = r.json()["error"]
+        assert refusal == (error["message"], error["code"], error["param"]), refusal
+        assert error["code"] == "context_length_exceeded"
+    assert screen(COMPLETIONS, encoded(COMPLETIONS, {"prompt": "word " * (limit[0] // 5 - 1)}), limit) is None
+
+
+def test_too_many_choices_are_refused_as_the_route_refuses_them(tok):
+    body = encoded(CHAT, {"guided_choice": ["c"] * 100_000})
+    refusal = screen(CHAT, body)
+    r, _ = http_post(tok, CHAT, json.loads(body))
+    error = r.json()["error"]
+    assert refusal == (error["message"], error["code"], error["param"]), refusal
+    assert screen(CHAT, encoded(CHAT, {"guided_choice": ["yes", "no"]})) is None
