@@ -7,10 +7,12 @@ from __future__ import annotations
 import time
 
 import grpc
+import httpx
 import pytest
 import schemathesis
 import stack as st
 from hypothesis import HealthCheck, Phase, given, settings
+from never_grammars import NEVER
 
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -226,3 +228,17 @@ def test_oversized_message_is_refused(log_dir):
             assert reply.results[0].error.code == 0
     finally:
         drafter.stop()
+
+
+@pytest.mark.parametrize(("fields", "param"), NEVER)
+def test_a_constraint_that_can_never_match_is_a_400_from_a_running_gateway(gateway_for, fields, param):
+    """Issue 39, item 7, over real processes: refused at admission with one line naming the parameter,
+    never a 500 from the round, never a native backtrace; the gateway serves on."""
+    url = st.base_url(gateway_for(4))
+    body = {"model": st.MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **fields}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "\n" not in error["message"] and ".rs:" not in error["message"], error
+    ok = httpx.post(url + "/v1/completions", json={"model": st.MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text

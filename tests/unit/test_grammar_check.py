@@ -5,26 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 from api_harness import CHAT, COMPLETIONS, body_for, grpc_generate, http_post
+from never_grammars import NEVER, NODE
 
 from specd.engine.grammar import one_line
-
-NODE = {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}, "required": ["child"]}
-ENDLESS = {"$defs": {"node": NODE}, "$ref": "#/$defs/node"}
-
-NEVER = [
-    (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"$ref": "#"}}}},
-        "response_format",
-    ),
-    ({"guided_regex": "[^\\x00-\\x{10FFFF}]"}, "guided_regex"),
-    ({"guided_regex": "[a&&b]"}, "guided_regex"),
-    ({"guided_choice": [f"c{i}" for i in range(30_000)]}, "guided_choice"),
-    # A node that must hold a node: it compiles and its first token is allowed, yet never closes.
-    (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": ENDLESS}}},
-        "response_format",
-    ),
-]
 
 
 @pytest.mark.parametrize(("fields", "param"), NEVER)
