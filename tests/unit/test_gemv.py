@@ -19,6 +19,7 @@ from specd.engine import fused_llama, gemv
 from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.quant import Int8WeightOnlyLinear
+from specd.engine.timing import best_times
 
 # (outputs, inputs): odd output counts, inputs with and without a partial last group of 8.
 SHAPES = [(37, 64), (37, 19), (5, 3), (129, 100), (8, 576)]
@@ -179,3 +180,10 @@ def test_the_body_calibrates_its_linears_once_for_every_layer(kernel: gemv.Gemv)
     assert chosen <= frozenset({1, 2, 3})
     assert fused.body.linears.kernel is gemv.load()
     assert all(layer.linears is fused.body.linears for layer in fused.body.layers)
+
+
+def test_best_times_alternates_the_candidates_after_one_untimed_call_each() -> None:
+    calls: list[str] = []
+    times = best_times([lambda: calls.append("a"), lambda: calls.append("b")], 2)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert len(times) == 2 and all(t >= 0 for t in times)

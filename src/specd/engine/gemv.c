@@ -1,10 +1,10 @@
 // y[r, n] = sum_k x[r, k] * w[n, k] (+ nothing else): a few rows of activations against nn.Linear's
 // row-major float32 weight, for the one-token steps and short verifies of a CPU decode.
 //
-// The product is bound by reading the weight, so each block of NB weight rows is streamed once
-// for up to 8 activation rows. Every output is accumulated the same way whatever the row count or
-// block width: eight lanes over k in order (the last, partial group of 8 through a masked load),
-// then the same horizontal sum. A row's outputs are therefore bitwise the same alone or in a
+// The product is bound by reading the weight, so each weight row is streamed once for up to 8
+// activation rows. Every output is accumulated the same way whatever the row count: eight lanes
+// over k in order (the last, partial group of 8 through a masked load), then the same horizontal
+// sum. A row's outputs are therefore bitwise the same alone or in a
 // batch, which keeps a verify's logits equal to the one-token steps' (greedy exactness).
 // Built by specd.engine.gemv with -mavx2 -mfma; no OpenMP (one thread: torch's own threads are
 // left alone).
@@ -22,10 +22,10 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
-// NB weight rows from n0 against R activation rows; `tail` masks the lanes of the last k group.
+// NB weight rows from n0 against R activation rows (NB is 1, below); `tail` masks the lanes of the last k group.
 // With more than one row the arithmetic between loads hides less of the memory latency, so the
-// next block's weights are prefetched (a line per 16 floats; a prefetch past the end never faults);
-// with one row the hardware prefetcher did better alone.
+// next rows are prefetched (a line per 16 floats; a prefetch past the end never faults); with one
+// row the hardware prefetcher did better alone.
 #define TILE(R, NB)                                                                                 \
     static void tile_##R##_##NB(const float *x, const float *w, float *y, int64_t N, int64_t K,   \
                                 int64_t n0, __m256i tail) {                                        \
@@ -56,17 +56,14 @@ static inline float hsum(__m256 v) {
             for (int j = 0; j < NB; j++) y[r * N + n0 + j] = hsum(acc[r][j]);                      \
     }
 
-// Block widths keep R * NB accumulators plus NB weight vectors near the 16 ymm registers.
-TILE(1, 8) TILE(2, 4) TILE(3, 4) TILE(4, 2) TILE(5, 2) TILE(6, 2) TILE(7, 1) TILE(8, 1)
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1)
+// One weight row at a time: the weight is then read as one sequential stream, which the hardware
+// prefetcher followed much better than several rows interleaved (the activation rows stay in L1).
+TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1) TILE(7, 1) TILE(8, 1)
 
 typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, __m256i);
 
-static const tile_fn wide[MAX_ROWS + 1] = {0, tile_1_8, tile_2_4, tile_3_4, tile_4_2,
-                                           tile_5_2, tile_6_2, tile_7_1, tile_8_1};
-static const int widths[MAX_ROWS + 1] = {0, 8, 4, 4, 2, 2, 2, 1, 1};
-static const tile_fn narrow[MAX_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1,
-                                             tile_5_1, tile_6_1, tile_7_1, tile_8_1};
+static const tile_fn tiles[MAX_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1,
+                                            tile_5_1, tile_6_1, tile_7_1, tile_8_1};
 
 // x [R, K], w [N, K], y [R, N], all contiguous float32. Rows are taken 8 at a time. Returns 0, or
 // -1 for a shape it does not take (nothing written).
@@ -79,10 +76,7 @@ int specd_gemv(const float *x, const float *w, float *y, int64_t R, int64_t N, i
         const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
         const float *xr = x + r0 * K;
         float *yr = y + r0 * N;
-        const int64_t nb = widths[rows];
-        int64_t n = 0;
-        for (; n + nb <= N; n += nb) wide[rows](xr, w, yr, N, K, n, tail);
-        for (; n < N; n++) narrow[rows](xr, w, yr, N, K, n, tail);
+        for (int64_t n = 0; n < N; n++) tiles[rows](xr, w, yr, N, K, n, tail);
     }
     return 0;
 }

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specd.engine.timing import best_time
+from specd.engine.timing import best_times
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class RowKernel:
             return kernel.linear(x, linear.weight, linear.bias)
         return linear.forward(x)
 
-    def calibrate(self, linears: Sequence[nn.Module], max_rows: int, repeats: int = 2) -> frozenset[int]:
+    def calibrate(self, linears: Sequence[nn.Module], max_rows: int, repeats: int = 3) -> frozenset[int]:
         """Time `linears` one after another (a forward's products, so the weights stream from memory
         as in a step) through torch and through the kernel for 1..max_rows rows, and keep the kernel
         for the row counts `choose_rows` picks; returns them."""
@@ -206,7 +206,8 @@ class RowKernel:
                     for m, x in zip(plain, inputs, strict=True):
                         gemv.linear(x, m.weight, m.bias)
 
-                timings[rows] = (best_time(run_torch, repeats), best_time(run_kernel, repeats))
+                torch_s, kernel_s = best_times([run_torch, run_kernel], repeats)
+                timings[rows] = (torch_s, kernel_s)
         self.kernel_rows = choose_rows(timings)
         log.info(
             "float32 linears: the gemv kernel for %s (torch / kernel ms by rows: %s)",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specd.engine import gemv
-from specd.engine.timing import best_time
+from specd.engine.timing import best_times
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,13 @@ class HeadProduct:
         with torch.inference_mode():
             for rows in range(1, max_rows + 1):
                 hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                timings[rows] = (
-                    best_time(lambda h=hidden: self.head(h), repeats),
-                    best_time(lambda h=hidden: self._transposed(h), repeats),
-                )
+                runs = [lambda h=hidden: self.head(h), lambda h=hidden: self._transposed(h)]
                 if kernel is not None:
-                    kernel_timings[rows] = best_time(
-                        lambda h=hidden, k=kernel: k.linear(h, weight, self.head.bias), repeats
-                    )
+                    runs.append(lambda h=hidden, k=kernel: k.linear(h, weight, self.head.bias))
+                times = best_times(runs, repeats)
+                timings[rows] = (times[0], times[1])
+                if kernel is not None:
+                    kernel_timings[rows] = times[2]
         transposed = choose_rows(timings)
         torch_best = {rows: timings[rows][rows in transposed] for rows in timings}
         self.kernel = kernel
