@@ -19,7 +19,7 @@ from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 
-HEAD_CALIBRATION_ROWS = 16
+CALIBRATION_ROWS = 16
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
@@ -37,9 +37,9 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_draft_tokens,
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
     )
-    # Rounds of a few sequences verify a few rows each, where the head's products differ most;
-    # from a couple of dozen rows on, the plain product is the matrix-matrix one.
-    lm.calibrate_head(HEAD_CALIBRATION_ROWS)
+    # Rounds of a few sequences verify a few rows each, where the products differ most; from a
+    # couple of dozen rows on, torch's plain product is the matrix-matrix one.
+    lm.calibrate_products(CALIBRATION_ROWS)
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
     cuda_graphs.enable(lm, config.cuda_graphs, min(config.max_draft_tokens, 8) + 1, "verifier", config.max_sequences)

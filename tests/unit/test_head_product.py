@@ -51,7 +51,8 @@ def test_calibration_measures_every_row_count_and_keeps_only_what_it_chose(caplo
         chosen = product.calibrate(6, repeats=1)
     assert chosen == product.transposed_rows
     assert chosen <= frozenset(range(1, 7))
-    assert "plain / transposed ms by rows: 1:" in caplog.text and " 6: " in caplog.text
+    assert product.kernel_rows <= frozenset(range(1, 7)) and not product.kernel_rows & chosen
+    assert "plain / transposed / kernel ms by rows: 1:" in caplog.text and " 6: " in caplog.text
 
 
 def test_a_head_that_is_not_a_plain_linear_layer_keeps_its_own_product():

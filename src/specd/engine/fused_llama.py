@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specd.engine import DECODER_CHOICES
+from specd.engine.gemv import RowKernel
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,10 @@ def _group_mask(mask: torch.Tensor | None, rep: int) -> torch.Tensor | None:
 class FusedLlamaLayer(nn.Module):
     """One decoder layer: attention then MLP, each behind an RMSNorm and a residual."""
 
-    def __init__(self, layer: Any, config: Any, index: int) -> None:
+    def __init__(self, layer: Any, config: Any, index: int, linears: RowKernel) -> None:
         super().__init__()
+        # The body's, shared by every layer: one measured choice of product for the whole model.
+        self.linears = linears
         attn, mlp = layer.self_attn, layer.mlp
         self.index = index
         self.heads = int(config.num_attention_heads)
@@ -118,11 +121,12 @@ class FusedLlamaLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
         """`sin` has its first half negated (`FusedLlamaBody.forward`). The products (and the layers,
-        in the body) are called through `.forward`: a one-token step makes about 150 such calls, and
-        nn.Module's call machinery (hooks, which nothing here registers) was a visible share of it."""
+        in the body) are called through `.forward` (`RowKernel` calls a product's): a one-token step
+        makes about 150 such calls, and nn.Module's call machinery (hooks, which nothing here
+        registers) was a visible share of it."""
         batch, length, _ = x.shape
         d, hq, hkv = self.head_dim, self.heads, self.kv_heads
-        qkv = self.qkv_proj.forward(_rms_norm(x, self.input_norm, self.eps)).view(batch, length, hq + 2 * hkv, d)
+        qkv = self.linears(self.qkv_proj, _rms_norm(x, self.input_norm, self.eps)).view(batch, length, hq + 2 * hkv, d)
         qk = qkv[:, :, : hq + hkv]
         half = d // 2
         # transformers' rotate_half(qk) * sin, with rotate_half's negation folded into `sin`.
@@ -133,9 +137,9 @@ class FusedLlamaLayer(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.index)
         attended = _grouped_attention(q, k, v, mask, self.scaling)
-        x = x + self.o_proj.forward(attended.transpose(1, 2).reshape(batch, length, hq * d))
-        gate, up = self.gate_up_proj.forward(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down_proj.forward(F.silu(gate) * up)
+        x = x + self.linears(self.o_proj, attended.transpose(1, 2).reshape(batch, length, hq * d))
+        gate, up = self.linears(self.gate_up_proj, _rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.linears(self.down_proj, F.silu(gate) * up)
 
 
 @dataclass
@@ -152,12 +156,24 @@ class FusedLlamaBody(nn.Module):
         super().__init__()
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
+        # Torch's products until `calibrate` measures the kernel's.
+        self.linears = RowKernel()
         self.layers = nn.ModuleList(
-            FusedLlamaLayer(layer, config, i) for i, layer in enumerate(base.layers[: config.num_hidden_layers])
+            FusedLlamaLayer(layer, config, i, self.linears)
+            for i, layer in enumerate(base.layers[: config.num_hidden_layers])
         )
         self.norm = base.norm.weight
         self.eps = float(config.rms_norm_eps)
         self.heads_per_kv_head = int(config.num_attention_heads) // int(config.num_key_value_heads)
+
+    def calibrate(self, max_rows: int) -> frozenset[int]:
+        """Choose the float32 linears' product for forwards of 1..max_rows tokens by timing every
+        layer's products (`specd.engine.gemv.RowKernel.calibrate`); the token counts it took the
+        kernel for."""
+        products = [
+            m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        return self.linears.calibrate(products, max_rows)
 
     def forward(
         self,

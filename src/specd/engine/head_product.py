@@ -10,6 +10,9 @@ service measures both at start-up for the row counts a verify round produces (on
 verified position) and uses the faster one for each. The two differ only in summation
 order (a few units in the last place); greedy exactness is relative to the same
 service's target-only output, whose single-row product is timed and chosen the same way.
+On a CPU with float32 weights a third product is timed too, `specd.engine.gemv`'s kernel,
+which reads W once for up to 8 rows and sums each logit in the same order whatever the
+row count.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from specd.engine.timing import best_time
+from specd.engine import gemv
+from specd.engine.timing import best_times
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +41,19 @@ class HeadProduct:
     def __init__(self, head: nn.Module) -> None:
         self.head = head
         self.transposed_rows: frozenset[int] = frozenset()
+        # Rows taken by `kernel` (set together by `calibrate`); they win over transposed_rows.
+        self.kernel_rows: frozenset[int] = frozenset()
+        self.kernel: gemv.Gemv | None = None
         # Only a plain linear layer has a weight to multiply from the other side.
         self.applies = type(head) is nn.Linear
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.applies and hidden.shape[0] in self.transposed_rows:
-            return self._transposed(hidden)
+        if self.applies:
+            rows = hidden.shape[0]
+            if rows in self.kernel_rows and self.kernel is not None and self.kernel.accepts(hidden, self.head.weight):
+                return self.kernel.linear(hidden, self.head.weight, self.head.bias)
+            if rows in self.transposed_rows:
+                return self._transposed(hidden)
         return self.head(hidden)
 
     def _transposed(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -53,24 +64,39 @@ class HeadProduct:
         return out
 
     def calibrate(self, max_rows: int, repeats: int = 2) -> frozenset[int]:
-        """Time both products for 1..max_rows rows (best of `repeats`, after one untimed run)
-        and use the transposed one where `choose_rows` says; returns those row counts."""
+        """Time the products for 1..max_rows rows (best of `repeats`, after one untimed run) and
+        use the transposed one where `choose_rows` says, then the kernel (where it runs) where it
+        beat the faster of those two by `choose_rows`'s margin; returns the transposed row counts."""
         if not self.applies or max_rows < 1:
             return frozenset()
         assert isinstance(self.head, nn.Linear)
         weight = self.head.weight
+        kernel = gemv.load() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
         timings: dict[int, tuple[float, float]] = {}
+        kernel_timings: dict[int, float] = {}
         with torch.inference_mode():
             for rows in range(1, max_rows + 1):
                 hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-                timings[rows] = (
-                    best_time(lambda h=hidden: self.head(h), repeats),
-                    best_time(lambda h=hidden: self._transposed(h), repeats),
-                )
-        self.transposed_rows = choose_rows(timings)
+                runs = [lambda h=hidden: self.head(h), lambda h=hidden: self._transposed(h)]
+                if kernel is not None:
+                    runs.append(lambda h=hidden, k=kernel: k.linear(h, weight, self.head.bias))
+                times = best_times(runs, repeats)
+                timings[rows] = (times[0], times[1])
+                if kernel is not None:
+                    kernel_timings[rows] = times[2]
+        transposed = choose_rows(timings)
+        torch_best = {rows: timings[rows][rows in transposed] for rows in timings}
+        self.kernel = kernel
+        self.kernel_rows = choose_rows({rows: (torch_best[rows], t) for rows, t in kernel_timings.items()})
+        self.transposed_rows = transposed - self.kernel_rows
         log.info(
-            "LM head: W·hᵀ for %s (plain / transposed ms by rows: %s)",
+            "LM head: W·hᵀ for %s, the gemv kernel for %s (plain / transposed / kernel ms by rows: %s)",
             f"rows {sorted(self.transposed_rows)}" if self.transposed_rows else "no row count",
-            ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in sorted(timings.items())),
+            f"rows {sorted(self.kernel_rows)}" if self.kernel_rows else "no row count",
+            ", ".join(
+                f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f} / "
+                + (f"{kernel_timings[rows] * 1e3:.1f}" if rows in kernel_timings else "-")
+                for rows, (a, b) in sorted(timings.items())
+            ),
         )
         return self.transposed_rows

@@ -381,7 +381,7 @@ class BatchedCausalLM:
         self._base = model.base_model
         self._cache_keyword = cache_keyword(self._base)
         self._head = model.get_output_embeddings()
-        # The head's product is chosen per row count where measured (`calibrate_head`).
+        # The head's product is chosen per row count where measured (`calibrate_products`).
         self.head_product = HeadProduct(self._head)
         # Above 0: the model reads a feature beside each token (Row.features).
         self.feature_size = int(getattr(model, "feature_size", 0))
@@ -430,12 +430,16 @@ class BatchedCausalLM:
                 self.cache.release(slot)
         return timed
 
-    def calibrate_head(self, max_rows: int) -> frozenset[int]:
-        """Measure the LM head's two products for 1..max_rows rows on the CPU, and use the faster
-        for each (`specd.engine.head_product`); on other devices the plain product stays."""
+    def calibrate_products(self, max_rows: int) -> None:
+        """On the CPU, measure the LM head's products for 1..max_rows rows and the decoder's linear
+        products for forwards of 1..max_rows tokens (where the model's forward can choose: the fused
+        one, `specd.engine.fused_llama`), and use the fastest for each; other devices keep torch's."""
         if self.device.type != "cpu":
-            return frozenset()
-        return self.head_product.calibrate(max_rows)
+            return
+        self.head_product.calibrate(max_rows)
+        calibrate = getattr(self._base, "calibrate", None)
+        if calibrate is not None:
+            calibrate(max_rows)
 
     def forward(self, rows: Sequence[Row], ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Feed each row's tokens; return per row float32 logits [n_wanted, vocab].

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def best_time(run: Callable[[], object], repeats: int) -> float:
@@ -15,3 +15,18 @@ def best_time(run: Callable[[], object], repeats: int) -> float:
         run()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def best_times(runs: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Seconds of the fastest of `repeats` calls of each of `runs`, after one untimed call of each.
+    The calls alternate, so load from elsewhere on the machine during the measurement falls on
+    every candidate alike rather than on whichever was being timed."""
+    for run in runs:
+        run()
+    best = [float("inf")] * len(runs)
+    for _ in range(max(1, repeats)):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best

@@ -1,0 +1,148 @@
+"""Time the embedded float32 target's one-token step and 5-position verify as the verifier builds it,
+with the gemv kernel where calibration chose it and with torch's products only (as before the
+kernel: the head's plain or transposed product by the same calibration), and compare the greedy
+tokens of the two on a few chat prompts.
+
+The two configurations alternate in short blocks within one process, so a neighbour's load on a
+shared machine falls on both alike. Run pinned to one core:
+
+    taskset -c 1 python scripts/bench_target_step.py --out /tmp/step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from specd.engine import checkpoints, fused_llama, gemv, models
+from specd.engine.head_product import HeadProduct
+from specd.engine.kvcache import BatchedCausalLM, Row
+
+CHATS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis to a child.",
+    "Give me a haiku about the sea.",
+]
+CONTEXT = 100
+# As verifier_service.server.CALIBRATION_ROWS.
+CALIBRATION_ROWS = 16
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.machine()
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of every decoder linear and the head: what a step reads (embedding rows aside)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return sum(t.numel() * t.element_size() for m in linears for t in m.parameters())
+
+
+def greedy(lm: BatchedCausalLM, ids: list[int], new: int) -> list[int]:
+    out: list[int] = []
+    logits = lm.forward([Row(0, 0, ids, len(ids) - 1)])[0]
+    for position in range(len(ids), len(ids) + new):
+        out.append(int(logits[-1].argmax()))
+        logits = lm.forward([Row(0, position, [out[-1]], 0)])[0]
+    lm.cache.release(0)
+    return out
+
+
+def block_ms(fn: Callable[[], object], runs: int) -> float:
+    """Median ms of `runs` calls."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--blocks", type=int, default=12)
+    parser.add_argument("--runs", type=int, default=8, help="steps per block")
+    parser.add_argument("--new", type=int, default=64)
+    args = parser.parse_args()
+    # The calibrations log what they measured and chose.
+    logging.basicConfig(level=logging.INFO)
+    torch.set_num_threads(1)
+    tok = checkpoints.load_tokenizer("embedded")
+    model = fused_llama.choose(models.load_model("embedded", torch.device("cpu"), torch.float32), "auto", "verifier")
+    lm = BatchedCausalLM(model, torch.device("cpu"), torch.float32)
+    lm.reserve(4, 512)
+    start = time.perf_counter()
+    lm.calibrate_products(CALIBRATION_ROWS)
+    calibration_s = time.perf_counter() - start
+    linears: gemv.RowKernel = model.base_model.linears
+    # The head as it was before the kernel: plain or transposed, chosen by the same calibration.
+    torch_head = HeadProduct(lm.head_product.head)
+    real_load = gemv.load
+    gemv.load = lambda: None  # type: ignore[assignment]
+    try:
+        torch_head.calibrate(CALIBRATION_ROWS)
+    finally:
+        gemv.load = real_load
+    configs = {"kernel": (lm.head_product, linears.kernel_rows), "torch": (torch_head, frozenset[int]())}
+
+    def use(name: str) -> None:
+        lm.head_product, linears.kernel_rows = configs[name]
+
+    lm.warm_up(9)
+    filler = tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 30), add_special_tokens=False)
+    context = filler[:CONTEXT]
+    lm.forward([Row(0, 0, context, len(context) - 1)])
+    samples: dict[str, dict[str, list[float]]] = {name: {"step": [], "verify5": []} for name in configs}
+    for block in range(args.blocks):
+        for name in configs if block % 2 == 0 else reversed(list(configs)):
+            use(name)
+            samples[name]["step"].append(block_ms(lambda: lm.forward([Row(0, CONTEXT, [context[7]], 0)]), args.runs))
+            samples[name]["verify5"].append(
+                block_ms(lambda: lm.forward([Row(0, CONTEXT, context[10:15], 0)]), args.runs)
+            )
+    lm.cache.release(0)
+    nbytes = weight_bytes(model)
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+        for c in CHATS
+    ]
+    result: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "calibration_s": calibration_s,
+        "weight_MB": nbytes / 1e6,
+        "kernel_rows_linears": sorted(linears.kernel_rows),
+        "kernel_rows_head": sorted(lm.head_product.kernel_rows),
+    }
+    for name in configs:
+        use(name)
+        for what, blocks in samples[name].items():
+            median, best = statistics.median(blocks), min(blocks)
+            result[f"{name}_{what}_ms"] = {"median": median, "best": best, "blocks": blocks}
+            result[f"{name}_{what}_GBps"] = {"median": nbytes / median / 1e6, "best": nbytes / best / 1e6}
+        result[f"{name}_greedy"] = [greedy(lm, ids, args.new) for ids in prompts]
+    result["greedy_same"] = [a == b for a, b in zip(result["kernel_greedy"], result["torch_greedy"], strict=True)]
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    print(json.dumps({k: v for k, v in result.items() if "greedy" not in k or k == "greedy_same"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The float32 few-row product kernel (specd.engine.gemv): it computes torch's product, a row's
+outputs do not depend on the rows beside it, it is used only where chosen, and where it cannot be
+built everything stays on torch's product."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tinymodels
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specd.engine import fused_llama, gemv
+from specd.engine.head_product import HeadProduct
+from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.quant import Int8WeightOnlyLinear
+from specd.engine.timing import best_times
+
+# (outputs, inputs): odd output counts, inputs with and without a partial last group of 8.
+SHAPES = [(37, 64), (37, 19), (5, 3), (129, 100), (8, 576)]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> gemv.Gemv:
+    loaded = gemv.load()
+    if loaded is None:
+        pytest.skip("the gemv kernel cannot be built here (no C compiler, or not Linux on x86-64 with AVX2/FMA)")
+    return loaded
+
+
+@pytest.fixture
+def fresh_load() -> Iterator[None]:
+    """`load` caches its answer per process; a test that changes what it finds gets its own."""
+    gemv.load.cache_clear()
+    yield
+    gemv.load.cache_clear()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("rows", range(1, 13))
+def test_the_kernel_computes_torch_s_product(kernel: gemv.Gemv, rows: int, n: int, k: int) -> None:
+    torch.manual_seed(rows * 1000 + n + k)
+    x, weight, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    assert kernel.accepts(x, weight)
+    want = x.double() @ weight.double().t()
+    torch.testing.assert_close(kernel.linear(x, weight).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    # Leading dimensions are kept, as F.linear keeps them.
+    assert kernel.linear(x.view(1, rows, k), weight).shape == (1, rows, n)
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 576), (50, 100), (19, 1536)])
+def test_a_row_s_outputs_are_bitwise_the_same_alone_or_in_any_batch(kernel: gemv.Gemv, n: int, k: int) -> None:
+    # The exactness the verifier relies on: a verify of R positions gives each position the bits a
+    # one-token step gives it. Over hundreds of inputs a different summation order differs in the
+    # last bits for some output, so a kernel whose order depended on R or on the block would fail.
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k)
+    x = torch.randn(12, k)
+    alone = torch.cat([kernel.linear(x[i : i + 1], weight) for i in range(12)])
+    for rows in range(1, 13):
+        torch.testing.assert_close(kernel.linear(x[:rows], weight), alone[:rows], rtol=0, atol=0)
+        # The same row at another place in the batch.
+        shifted = kernel.linear(x[12 - rows :], weight)
+        torch.testing.assert_close(shifted, alone[12 - rows :], rtol=0, atol=0)
+
+
+def test_only_float32_contiguous_cpu_tensors_without_autograd_are_accepted(kernel: gemv.Gemv) -> None:
+    x, weight = torch.randn(2, 16), torch.randn(8, 16)
+    assert kernel.accepts(x, weight)
+    assert not kernel.accepts(x.bfloat16(), weight.bfloat16())
+    assert not kernel.accepts(x, weight.t().contiguous().t())
+    assert not kernel.accepts(torch.randn(2, 8), weight)
+    assert not kernel.accepts(x, weight.requires_grad_())
+    with torch.no_grad():
+        assert kernel.accepts(x, weight)
+
+
+def test_choose_rows_takes_the_kernel_only_where_it_is_clearly_faster() -> None:
+    timings = {1: (10.0, 8.5), 2: (10.0, 9.5), 5: (20.0, 10.0), 9: (20.0, 25.0)}
+    assert gemv.choose_rows(timings) == frozenset({1, 5})
+    assert gemv.choose_rows(timings, margin=0.0) == frozenset({1, 2, 5})
+
+
+def test_the_row_kernel_uses_the_kernel_only_for_chosen_rows_and_plain_float32_linears(
+    kernel: gemv.Gemv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = gemv.Gemv.linear
+    monkeypatch.setattr(gemv.Gemv, "linear", lambda self, x, *a: calls.append(tuple(x.shape)) or real(self, x, *a))
+    products = gemv.RowKernel()
+    products.kernel, products.kernel_rows = kernel, frozenset({1, 3})
+    linear = nn.Linear(16, 24)
+    with torch.inference_mode():
+        for shape in [(1, 1, 16), (1, 3, 16), (3, 1, 16), (1, 2, 16)]:
+            x = torch.randn(shape)
+            torch.testing.assert_close(products(linear, x), linear(x), rtol=1e-5, atol=1e-5)
+        assert calls == [(1, 1, 16), (1, 3, 16), (3, 1, 16)]  # tokens, not sequences, count
+        calls.clear()
+        products(Int8WeightOnlyLinear(nn.Linear(64, 32)), torch.randn(1, 64))
+        products(copy.deepcopy(linear).bfloat16(), torch.randn(1, 16, dtype=torch.bfloat16))
+    assert calls == []
+
+
+def test_without_a_compiler_everything_stays_on_torch(
+    fresh_load: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(gemv, "COMPILERS", ("specd-no-such-compiler",))
+    monkeypatch.delenv("CC", raising=False)
+    with caplog.at_level(logging.INFO, logger="specd.engine.gemv"):
+        assert gemv.load() is None
+        assert gemv.load() is None
+    assert caplog.text.count("the gemv kernel is unavailable") == 1
+    linear = nn.Linear(16, 8)
+    products = gemv.RowKernel()
+    assert products.calibrate([linear], 4, repeats=1) == frozenset()
+    x = torch.randn(1, 2, 16)
+    torch.testing.assert_close(products(linear, x), linear(x))
+    head = HeadProduct(nn.Linear(16, 300))
+    head.calibrate(3, repeats=1)
+    assert head.kernel is None and head.kernel_rows == frozenset()
+
+
+def test_a_failed_build_falls_back_and_a_good_one_is_cached(
+    kernel: gemv.Gemv, fresh_load: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    broken = tmp_path / "gemv.c"
+    broken.write_text("this is not C\n", encoding="utf-8")
+    monkeypatch.setattr(gemv, "SOURCE", broken)
+    assert gemv.load() is None
+    assert not list((tmp_path / "cache" / "specd").glob("*.so"))
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gemv.load.cache_clear()
+    assert gemv.load() is not None
+    assert [p.name.startswith("gemv-") for p in (tmp_path / "cache" / "specd").iterdir()] == [True]
+
+
+def _greedy(lm: BatchedCausalLM, prompt: list[int], new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Target-only greedy steps, then one verify of the tokens it chose: tokens and both logits."""
+    tokens: list[int] = []
+    logits = lm.forward([Row(0, 0, prompt, len(prompt) - 1)])[0]
+    steps = [logits[-1]]
+    for position in range(len(prompt), len(prompt) + new):
+        tokens.append(int(logits[-1].argmax()))
+        logits = lm.forward([Row(0, position, [tokens[-1]], 0)])[0]
+        steps.append(logits[-1])
+    verify = lm.forward([Row(0, len(prompt), tokens[:5], 0)])[0]
+    lm.cache.release(0)
+    return tokens, [torch.stack(steps[1:6]), verify]
+
+
+def test_the_fused_forward_with_the_kernel_keeps_the_greedy_tokens(kernel: gemv.Gemv) -> None:
+    # hidden 72 and intermediate 100: down_proj's inputs end in a partial group of 8.
+    model = tinymodels.build_model(3, 120, 1, 2, hidden_size=72, intermediate_size=100)
+    fused = fused_llama.fuse(model)
+    lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32)
+    prompt = [5, 17, 33, 2, 90, 41, 8]
+    want, (want_steps, want_verify) = _greedy(lm, prompt, 24)
+    fused.body.linears.kernel, fused.body.linears.kernel_rows = kernel, frozenset(range(1, 64))
+    lm.head_product.kernel, lm.head_product.kernel_rows = kernel, frozenset(range(1, 64))
+    got, (steps, verify) = _greedy(lm, prompt, 24)
+    assert got == want
+    torch.testing.assert_close(steps, want_steps, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(verify, want_verify, rtol=1e-4, atol=1e-4)
+    # A verify of the first five tokens picks what the one-token steps picked after each.
+    assert torch.equal(verify.argmax(-1), steps.argmax(-1))
+    torch.testing.assert_close(verify, steps, rtol=1e-4, atol=1e-4)
+
+
+def test_the_body_calibrates_its_linears_once_for_every_layer(kernel: gemv.Gemv) -> None:
+    fused = fused_llama.fuse(tinymodels.build_model(0, 96, 1, 2))
+    chosen = fused.body.calibrate(3)
+    assert chosen <= frozenset({1, 2, 3})
+    assert fused.body.linears.kernel is gemv.load()
+    assert all(layer.linears is fused.body.linears for layer in fused.body.layers)
+
+
+def test_best_times_alternates_the_candidates_after_one_untimed_call_each() -> None:
+    calls: list[str] = []
+    times = best_times([lambda: calls.append("a"), lambda: calls.append("b")], 2)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert len(times) == 2 and all(t >= 0 for t in times)
