@@ -8,6 +8,7 @@ import itertools
 import json
 import statistics
 import time
+from dataclasses import dataclass
 
 import httpx
 import stack as st
@@ -34,29 +35,43 @@ async def latency(client: httpx.AsyncClient, model: str) -> float:
     return time.monotonic() - start
 
 
-async def longest_gap(client: httpx.AsyncClient, model: str) -> float:
-    """The longest wait between two chunks of a 24-token stream."""
+@dataclass(frozen=True)
+class Stream:
+    seconds: float  # from the request to the last chunk
+    longest_gap: float  # the longest wait between two chunks
+
+
+@dataclass(frozen=True)
+class Probe:
+    idle: float  # a small request's median latency, idle
+    loaded: float  # the same while the attack runs
+    idle_stream: Stream
+    loaded_stream: Stream
+    statuses: list[int]  # the attacks' replies
+
+
+async def stream(client: httpx.AsyncClient, model: str) -> Stream:
+    """A 24-token stream's time and longest gap."""
     body = {**small(model), "max_tokens": 24, "stream": True}
+    start = time.monotonic()
     arrivals = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.monotonic())
-    return max(b - a for a, b in itertools.pairwise(arrivals))
+    return Stream(arrivals[-1] - start, max(b - a for a, b in itertools.pairwise(arrivals)))
 
 
-async def measure(
-    url: str, attacks: list[tuple[str, dict]], model: str = st.MODEL
-) -> tuple[float, float, float, float, list[int]]:
-    """A small request's median latency and a stream's longest gap, idle and while each attack is
-    sent over and over by two clients; the attacks' statuses."""
+async def measure(url: str, attacks: list[tuple[str, dict]], model: str = st.MODEL) -> Probe:
+    """A small request's latency and a stream's, idle and while each attack is sent over and over
+    by two clients; the attacks' statuses."""
     bodies = [(path, json.dumps(body).encode()) for path, body in attacks]
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         await latency(client, model)  # warm
         idle = statistics.median([await latency(client, model) for _ in range(5)])
-        idle_gap = await longest_gap(client, model)
+        idle_stream = await stream(client, model)
         statuses: list[int] = []
         stop = asyncio.Event()
 
@@ -68,7 +83,16 @@ async def measure(
         attackers = [asyncio.create_task(attacker(p, b)) for p, b in bodies * 2]
         await asyncio.sleep(1.0)  # the attack under way
         loaded = statistics.median([await latency(client, model) for _ in range(5)])
-        loaded_gap = await longest_gap(client, model)
+        loaded_stream = await stream(client, model)
         stop.set()
         await asyncio.gather(*attackers)
-    return idle, loaded, idle_gap, loaded_gap, statuses
+    return Probe(idle, loaded, idle_stream, loaded_stream, statuses)
+
+
+def describe(probe: Probe) -> str:
+    return (
+        f"small request {probe.idle * 1000:.0f} ms idle, {probe.loaded * 1000:.0f} ms under attack; "
+        f"a 24-token stream {probe.idle_stream.seconds * 1000:.0f} ms idle (longest gap "
+        f"{probe.idle_stream.longest_gap * 1000:.0f}), {probe.loaded_stream.seconds * 1000:.0f} ms under attack "
+        f"(longest gap {probe.loaded_stream.longest_gap * 1000:.0f}); {len(probe.statuses)} refused"
+    )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import stack as st
-from hostile_probe import hostile, measure
+from hostile_probe import describe, hostile, measure
 
 
 def rss_mb(pid: int) -> float:
@@ -22,21 +22,15 @@ def rss_mb(pid: int) -> float:
 def test_a_small_request_stays_fast_while_hostile_requests_arrive(gateway_for, attack):
     gateway = gateway_for(0)
     before = rss_mb(gateway.proc.pid)
-    idle, loaded, idle_gap, loaded_gap, statuses = asyncio.run(
-        measure(st.base_url(gateway), [hostile(st.MODEL)[attack]])
-    )
+    probe = asyncio.run(measure(st.base_url(gateway), [hostile(st.MODEL)[attack]]))
     time.sleep(0.5)  # the last trims
     after = rss_mb(gateway.proc.pid)
-    print(
-        f"small request: {idle * 1000:.0f} ms idle, {loaded * 1000:.0f} ms under attack; a stream's longest gap "
-        f"{idle_gap * 1000:.0f} ms idle, {loaded_gap * 1000:.0f} ms under attack; {len(statuses)} refused; "
-        f"gateway RSS {before:.0f} -> {after:.0f} MB"
-    )
-    assert statuses and set(statuses) == {400}, sorted(set(statuses))
+    print(f"{describe(probe)}; gateway RSS {before:.0f} -> {after:.0f} MB")
+    assert probe.statuses and set(probe.statuses) == {400}, sorted(set(probe.statuses))
     # Within 2x idle, plus a fifth of a second: idle values here are tens of milliseconds, where two shared
     # cores' scheduling alone moves a gap by that much (test_real_model holds the embedded stack to 2x
     # with no slack). Before, the gateway stalled 3.5-4.3 s here.
-    assert loaded < 2 * idle + 0.2, (idle, loaded)
-    assert loaded_gap < 2 * idle_gap + 0.2, (idle_gap, loaded_gap)
+    assert probe.loaded < 2 * probe.idle + 0.2, probe
+    assert probe.loaded_stream.longest_gap < 2 * probe.idle_stream.longest_gap + 0.2, probe
     # Large bodies' memory goes back (the heap is trimmed after each): before, RSS stayed at +780 MB.
     assert after < before + 150, (before, after)

@@ -5,6 +5,7 @@ process (HF forwards in float32)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,7 @@ import openai
 import pytest
 import stack as st
 import torch
+from hostile_probe import describe, hostile, measure
 from target_reference import penalized_greedy, raw_logprobs
 
 from gateway.api.choices import choice_seed
@@ -228,3 +230,15 @@ def test_seeded_sampling_is_the_same_whatever_k_and_concurrency(client):
     assert reply.choices[0].text == target_only[0]
     other = {**request, "seed": choice_seed(request["seed"], 1)}
     assert reply.choices[1].text == sample(other, 0)
+
+
+@pytest.mark.parametrize("attack", [0, 1, 2])
+def test_a_small_request_stays_within_twice_idle_while_hostile_requests_arrive(up, attack):
+    """Issue 39, item 1, on the stack README starts: while two clients send one of the red-team's
+    requests over and over (megabytes of prompt, 200,000 messages, 100,000 choices), a small greedy
+    request's latency and a 24-token stream's stay within twice their idle values."""
+    probe = asyncio.run(measure(up, [hostile(NAME)[attack]], NAME))
+    print(describe(probe))
+    assert probe.statuses and set(probe.statuses) == {400}, sorted(set(probe.statuses))
+    assert probe.loaded < 2 * probe.idle, probe
+    assert probe.loaded_stream.seconds < 2 * probe.idle_stream.seconds, probe

@@ -15,10 +15,12 @@ costs more than it saves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
 import multiprocessing
+import os
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -44,6 +46,8 @@ MODELS = {
     "/v1/chat/completions": ("gateway.api.protocol", "ChatCompletionRequest"),
     "/v1/responses": ("gateway.api.responses_api", "ResponsesRequest"),
 }
+# How much the worker yields the CPU (os.nice) to the services' steps and the gateway's loop.
+WORKER_NICENESS = 10
 Refusal = tuple[str, str, str | None]  # message, code, param: a 400 as OpenAI's error body has it
 
 
@@ -98,6 +102,13 @@ def _prompt_problem(request: Any, text_limit: tuple[int, int] | None) -> Invalid
     return problem
 
 
+def _start_worker() -> None:
+    # Screening is the background work: when cores are short, the services' steps and the loop go first.
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICENESS)
+    _warm()
+
+
 def _warm() -> None:
     for module, _ in MODELS.values():
         importlib.import_module(module)
@@ -115,7 +126,7 @@ class BodyScreen:
         if self._pool is None:
             # spawn, not fork: the gateway's gRPC threads must not be copied mid-call.
             context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_warm)
+            self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_start_worker)
         return self._pool
 
     def start(self) -> None:
