@@ -112,9 +112,9 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
     """
     ordered = sorted(set(cpus))
     half = ordered[: (len(ordered) + 1) // 2]
-    # "fused": what the verifier runs by default (specd.engine.fused_llama); a cache of transformers'
-    # forward, timed by earlier releases, is measured again.
-    key = json.dumps([cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused"])
+    # "fused", "gemv": what the verifier runs by default (specd.engine.fused_llama, with its one-row
+    # products chosen as the verifier chooses them); a cache of an older forward is measured again.
+    key = json.dumps([cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused", "gemv"])
     path = cache / f"placement-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json" if cache else None
     if path is not None and path.exists():
         try:
@@ -143,6 +143,7 @@ def _step_seconds(model: str, dtype: str, cpus: str) -> float:
     # The verifier's default forward (its --decoder auto).
     lm = BatchedCausalLM(fused_llama.choose(load_model(model, cpu, torch_dtype), "auto", "timing"), cpu, torch_dtype)
     lm.reserve(1, 64)
+    lm.calibrate_products(1)  # the one-row products the verifier would choose on these cores
     with torch.inference_mode():
         lm.forward([Row(0, 0, [0] * 16, 15)])
         times = []
