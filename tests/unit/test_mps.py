@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -138,6 +139,11 @@ def test_specd_up_passes_the_gpu_flags_to_both_services(tmp_path: Path, monkeypa
     monkeypatch.setattr(cli.signal, "signal", lambda *_: None)  # pytest keeps its own handlers
     model = str(tmp_path / "model")
     argv = ["--target-model", model, "--drafter", "model", "--quantize", "none"]
+    # Free ports: a `specd up` already running on the defaults must not fail this test at the port check.
+    for name in ("http", "grpc", "drafter", "verifier", "drafter-metrics", "verifier-metrics"):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            argv += [f"--{name}-port", str(probe.getsockname()[1])]
     argv += [
         "--drafter-device",
         "cuda",
