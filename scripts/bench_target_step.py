@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 from specd.engine import checkpoints, fused_llama, gemv, models
 from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.placement import cpu_model
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -35,14 +35,6 @@ CHATS = [
 CONTEXT = 100
 # As verifier_service.server.CALIBRATION_ROWS.
 CALIBRATION_ROWS = 16
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.machine()
 
 
 def weight_bytes(model: Any) -> int:

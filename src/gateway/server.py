@@ -70,7 +70,7 @@ async def run(config: GatewayConfig) -> None:
     if config.grpc_port:
         grpc_server = await _start_grpc(config, scheduler, tokenizer, model_name, api_keys, api_tls)
     # The route's own bound on a prompt's bytes, so the worker refuses what the route would.
-    screen = BodyScreen(text_limit=(api.prompts.max_context * api.prompts.max_token_bytes, api.prompts.max_context))
+    screen = BodyScreen(text_limit=api.prompts.text_limit)
     screen.start()
     server = _http_server(config, api, api_keys, screen)
     _drain_on_signals(config, scheduler, server, grpc_server)

@@ -81,12 +81,6 @@ def test_only_float32_contiguous_cpu_tensors_without_autograd_are_accepted(kerne
         assert kernel.accepts(x, weight)
 
 
-def test_choose_rows_takes_the_kernel_only_where_it_is_clearly_faster() -> None:
-    timings = {1: (10.0, 8.5), 2: (10.0, 9.5), 5: (20.0, 10.0), 9: (20.0, 25.0)}
-    assert gemv.choose_rows(timings) == frozenset({1, 5})
-    assert gemv.choose_rows(timings, margin=0.0) == frozenset({1, 2, 5})
-
-
 def test_the_row_kernel_uses_the_kernel_only_for_chosen_rows_and_plain_float32_linears(
     kernel: gemv.Gemv, monkeypatch: pytest.MonkeyPatch
 ) -> None:

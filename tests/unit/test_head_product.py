@@ -4,11 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from specd.engine.head_product import HeadProduct, choose_rows
+from specd.engine.head_product import HeadProduct
 from specd.engine.quant import Int8WeightOnlyLinear
+from specd.engine.timing import choose_rows
 
 
-def test_choose_rows_takes_the_transposed_product_only_where_it_is_clearly_faster():
+def test_choose_rows_takes_a_candidate_product_only_where_it_is_clearly_faster():
     timings = {1: (10.0, 10.5), 2: (22.0, 5.5), 3: (33.0, 8.0), 4: (17.0, 16.0), 16: (24.0, 27.0)}
     assert choose_rows(timings) == frozenset({2, 3})
     assert choose_rows(timings, margin=0.0) == frozenset({2, 3, 4})

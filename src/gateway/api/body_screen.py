@@ -95,11 +95,11 @@ def _prompt_problem(request: Any, text_limit: tuple[int, int] | None) -> Invalid
     if text_limit is None or not isinstance(request, CompletionRequest):
         return None
     problem = request.prompt_problem()
-    prompt = request.prompt
+    if problem is not None:
+        return problem
+    prompt = request.prompt  # a string, or a non-empty list (prompt_problem refuses an empty one)
     text = prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt[0], str) else None
-    if problem is None and text is not None:
-        problem = size_problem("prompt", (text,), *text_limit)
-    return problem
+    return None if text is None else size_problem("prompt", (text,), *text_limit)
 
 
 def _start_worker() -> None:
@@ -146,6 +146,10 @@ class BodyScreen:
             # by the route, as it would be without a screen.
             log.warning("the body-screening worker died; starting another")
             self._pool = None
+            return None
+        except Exception:
+            # The screen only spares the loop; the route stays the judge of a body the screen failed on.
+            log.exception("screening a %d-byte body for %s failed; the route parses it", len(body), path)
             return None
 
     def close(self) -> None:

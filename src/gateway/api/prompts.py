@@ -90,9 +90,14 @@ class Prompts:
         alternatives = sorted(self._as_text, key=len, reverse=True)
         self._special = re.compile("|".join(re.escape(s) for s in alternatives))
 
+    @property
+    def text_limit(self) -> tuple[int, int]:
+        """(bytes, max_context): no text of more bytes than max_context tokens of the longest token fits."""
+        return self.max_context * self.max_token_bytes, self.max_context
+
     def check_size(self, param: str, texts: Iterable[str]) -> None:
         """Refuse, before any tokenising, text too long for the context window whatever its tokens."""
-        problem = size_problem(param, texts, self.max_context * self.max_token_bytes, self.max_context)
+        problem = size_problem(param, texts, *self.text_limit)
         if problem is not None:
             raise problem
 

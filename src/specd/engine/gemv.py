@@ -24,14 +24,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specd.engine.timing import best_times
+from specd.engine.timing import best_times, choose_rows
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ COMPILERS = ("cc", "gcc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 # The CPU features the flags above let the compiler use.
 NEEDED_FEATURES = frozenset({"avx2", "fma"})
-# The kernel is taken for a row count only where it was faster than torch by more than this share.
-MARGIN = 0.1
 
 
 class Gemv:
@@ -157,12 +155,6 @@ def load() -> Gemv | None:
             reason = f"it could not be built or loaded ({e})"
     log.info("float32 products stay torch's: the gemv kernel is unavailable (%s)", reason)
     return None
-
-
-def choose_rows(timings: Mapping[int, tuple[float, float]], margin: float = MARGIN) -> frozenset[int]:
-    """From {rows: (torch seconds, kernel seconds)}, the row counts where the kernel was faster by
-    more than `margin` (a tie keeps torch)."""
-    return frozenset(rows for rows, (base, kernel) in timings.items() if kernel < base * (1.0 - margin))
 
 
 class RowKernel:

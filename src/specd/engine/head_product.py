@@ -18,21 +18,14 @@ row count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from specd.engine import gemv
-from specd.engine.timing import best_times
+from specd.engine.timing import best_times, choose_rows
 
 log = logging.getLogger(__name__)
-
-
-def choose_rows(timings: Mapping[int, tuple[float, float]], margin: float = 0.1) -> frozenset[int]:
-    """From {rows: (plain seconds, transposed seconds)}, the row counts where the transposed
-    product was faster by more than `margin` (a tie keeps the plain one)."""
-    return frozenset(rows for rows, (plain, transposed) in timings.items() if transposed < plain * (1.0 - margin))
 
 
 class HeadProduct:

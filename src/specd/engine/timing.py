@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+# A candidate kernel is taken for a row count only where it was faster than the incumbent by more than this share.
+MARGIN = 0.1
+
+
+def choose_rows(timings: Mapping[int, tuple[float, float]], margin: float = MARGIN) -> frozenset[int]:
+    """From {rows: (incumbent seconds, candidate seconds)}, the row counts where the candidate was
+    faster by more than `margin` (a tie keeps the incumbent)."""
+    return frozenset(rows for rows, (incumbent, candidate) in timings.items() if candidate < incumbent * (1.0 - margin))
 
 
 def best_time(run: Callable[[], object], repeats: int) -> float:
