@@ -1,7 +1,8 @@
-"""Time the embedded float32 target's one-token step and 5-position verify as the verifier builds it,
-with the gemv kernel where calibration chose it and with torch's products only (as before the
-kernel: the head's plain or transposed product by the same calibration), and compare the greedy
-tokens of the two on a few chat prompts.
+"""Time the embedded float32 target's one-token step and 5-position verify as the verifier builds it
+("blocks": the gemv kernel where calibration chose it, reading the weights' exact Q4_1 / Q8_0
+blocks), with the kernel on the float32 weights ("kernel"), and with torch's products only ("torch",
+as before the kernel: the head's plain or transposed product by the same calibration), and compare
+the greedy tokens of the three on a few chat prompts.
 
 The two configurations alternate in short blocks within one process, so a neighbour's load on a
 shared machine falls on both alike. Run pinned to one core:
@@ -89,10 +90,20 @@ def main() -> None:
         torch_head.calibrate(CALIBRATION_ROWS)
     finally:
         gemv.load = real_load
-    configs = {"kernel": (lm.head_product, linears.kernel_rows), "torch": (torch_head, frozenset[int]())}
+    configs = {
+        "blocks": (lm.head_product, linears.kernel_rows),
+        "kernel": (lm.head_product, linears.kernel_rows),
+        "torch": (torch_head, frozenset[int]()),
+    }
+    products = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    held = {m: m.__dict__.get(gemv.BLOCKS_ATTRIBUTE) for m in products}
+    head_blocks = lm.head_product.blocks
 
     def use(name: str) -> None:
         lm.head_product, linears.kernel_rows = configs[name]
+        for m in products:
+            m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name == "blocks" else None
+        lm.head_product.blocks = head_blocks if name == "blocks" else None
 
     lm.warm_up(9)
     filler = tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 30), add_special_tokens=False)
@@ -130,7 +141,13 @@ def main() -> None:
             result[f"{name}_{what}_ms"] = {"median": median, "best": best, "blocks": blocks}
             result[f"{name}_{what}_GBps"] = {"median": nbytes / median / 1e6, "best": nbytes / best / 1e6}
         result[f"{name}_greedy"] = [greedy(lm, ids, args.new) for ids in prompts]
-    result["greedy_same"] = [a == b for a, b in zip(result["kernel_greedy"], result["torch_greedy"], strict=True)]
+    result["greedy_same"] = [
+        a == b == c
+        for a, b, c in zip(result["blocks_greedy"], result["kernel_greedy"], result["torch_greedy"], strict=True)
+    ]
+    result["blocks_MB"] = sum(b.nbytes for b in held.values() if b is not None) / 1e6 + (
+        head_blocks.nbytes / 1e6 if head_blocks is not None else 0
+    )
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
     print(json.dumps({k: v for k, v in result.items() if "greedy" not in k or k == "greedy_same"}, indent=1))

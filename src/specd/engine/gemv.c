@@ -1,17 +1,29 @@
-// y[r, n] = sum_k x[r, k] * w[n, k] (+ nothing else): a few rows of activations against nn.Linear's
-// row-major float32 weight, for the one-token steps and short verifies of a CPU decode.
+// y[r, n] = sum_k x[r, k] * w[n, k]: a few rows of activations against a linear layer's weight, for
+// the one-token steps and short verifies of a CPU decode. Built by specd.engine.gemv with -mavx2
+// -mfma -ffp-contract=off; no OpenMP (one thread: torch's own threads are left alone).
 //
-// The product is bound by reading the weight, so each weight row is streamed once for up to 8
-// activation rows. Every output is accumulated the same way whatever the row count: eight lanes
-// over k in order (the last, partial group of 8 through a masked load), then the same horizontal
-// sum. A row's outputs are therefore bitwise the same alone or in a
-// batch, which keeps a verify's logits equal to the one-token steps' (greedy exactness).
-// Built by specd.engine.gemv with -mavx2 -mfma; no OpenMP (one thread: torch's own threads are
-// left alone).
+// Exactness. Every output is summed the same way whatever the row count, and whatever form the
+// weight is held in: the k group of 8 starting at k is multiplied and added into accumulator
+// (k / 8) % 4 (eight lanes each, in order of k; the last, partial group through a masked load),
+// then the four are folded as (a0 + a1) + (a2 + a3) and summed horizontally. A row's outputs are
+// therefore bitwise the same alone or in a batch, which keeps a verify's logits equal to the
+// one-token steps' (greedy exactness). Four chains, not one, so that a row's multiply-adds do not
+// wait on each other's latency.
+//
+// Weight forms. specd_gemv reads nn.Linear's row-major float32 weight. specd_gemv_q4 and
+// specd_gemv_q8 read it as blocks of 32 inputs, GGUF's Q4_1 (w = d * q + m, q in 0..15) and Q8_0
+// (w = d * q, q in -127..127) layouts, which a float32 model loaded from such a GGUF holds exactly.
+// Each weight is rebuilt with the float32 operations that made the float32 copy (a multiply, then
+// an add: never fused, hence -ffp-contract=off), so their outputs are bitwise specd_gemv's on the
+// float32 copy, from an eighth (Q4_1) or about a quarter (Q8_0) of the bytes.
 #include <immintrin.h>
 #include <stdint.h>
 
 #define MAX_ROWS 8
+#define CHAINS 4
+// Activation rows summed at once against one weight row: 3 x CHAINS accumulators and the weight
+// fit the 16 vector registers.
+#define SUB_ROWS 3
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -22,61 +34,137 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
-// NB weight rows from n0 against R activation rows (NB is 1, below); `tail` masks the lanes of the last k group.
-// With more than one row the arithmetic between loads hides less of the memory latency, so the
-// next rows are prefetched (a line per 16 floats; a prefetch past the end never faults); with one
-// row the hardware prefetcher did better alone.
-#define TILE(R, NB)                                                                                 \
-    static void tile_##R##_##NB(const float *x, const float *w, float *y, int64_t N, int64_t K,   \
-                                int64_t n0, __m256i tail) {                                        \
-        __m256 acc[R][NB];                                                                          \
-        for (int r = 0; r < R; r++)                                                                 \
-            for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();                           \
-        const int64_t full = K & ~(int64_t)7;                                                       \
-        for (int64_t k = 0; k < full; k += 8) {                                                     \
-            __m256 wv[NB];                                                                          \
-            for (int j = 0; j < NB; j++) wv[j] = _mm256_loadu_ps(w + (n0 + j) * K + k);            \
-            if (R > 1 && (k & 15) == 0)                                                             \
-                for (int j = 0; j < NB; j++)                                                        \
-                    _mm_prefetch((const char *)(w + (n0 + NB + j) * K + k), _MM_HINT_T0);           \
-            for (int r = 0; r < R; r++) {                                                           \
-                __m256 xv = _mm256_loadu_ps(x + r * K + k);                                         \
-                for (int j = 0; j < NB; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);     \
-            }                                                                                       \
-        }                                                                                           \
-        if (full < K) {                                                                             \
-            __m256 wv[NB];                                                                          \
-            for (int j = 0; j < NB; j++) wv[j] = _mm256_maskload_ps(w + (n0 + j) * K + full, tail); \
-            for (int r = 0; r < R; r++) {                                                           \
-                __m256 xv = _mm256_maskload_ps(x + r * K + full, tail);                             \
-                for (int j = 0; j < NB; j++) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);     \
-            }                                                                                       \
-        }                                                                                           \
-        for (int r = 0; r < R; r++)                                                                 \
-            for (int j = 0; j < NB; j++) y[r * N + n0 + j] = hsum(acc[r][j]);                      \
+static inline float fold(const __m256 acc[CHAINS]) {
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+// R activation rows (x, K apart) against one float32 weight row wn; outputs N apart from y.
+// With more than one row the arithmetic between loads hides less of the memory latency, so the next
+// weight row is prefetched (a line per 16 floats; a prefetch never faults); with one row the
+// hardware prefetcher did better alone.
+#define DOT(R)                                                                                       \
+    static void dot_##R(const float *x, const float *wn, float *y, int64_t N, int64_t K, __m256i tail, \
+                        int prefetch) {                                                              \
+        __m256 acc[R][CHAINS];                                                                       \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int c = 0; c < CHAINS; c++) acc[r][c] = _mm256_setzero_ps();                        \
+        const int64_t whole = K & ~(int64_t)31, full = K & ~(int64_t)7;                              \
+        for (int64_t k = 0; k < whole; k += 32) {                                                    \
+            if (prefetch) {                                                                          \
+                _mm_prefetch((const char *)(wn + K + k), _MM_HINT_T0);                               \
+                _mm_prefetch((const char *)(wn + K + k + 16), _MM_HINT_T0);                          \
+            }                                                                                        \
+            for (int c = 0; c < CHAINS; c++) {                                                       \
+                const __m256 wv = _mm256_loadu_ps(wn + k + 8 * c);                                   \
+                for (int r = 0; r < R; r++)                                                          \
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * c), wv, acc[r][c]); \
+            }                                                                                        \
+        }                                                                                            \
+        /* The last groups of 8 (fewer than 4) and the masked tail, each into its own chain. */      \
+        for (int c = 0; c < CHAINS; c++) {                                                           \
+            const int64_t k = whole + 8 * c;                                                         \
+            if (k >= K) break;                                                                       \
+            const __m256i mask = k < full ? _mm256_set1_epi32(-1) : tail;                            \
+            const __m256 wv = _mm256_maskload_ps(wn + k, mask);                                      \
+            for (int r = 0; r < R; r++)                                                              \
+                acc[r][c] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * K + k, mask), wv, acc[r][c]); \
+        }                                                                                            \
+        for (int r = 0; r < R; r++) y[r * N] = fold(acc[r]);                                         \
     }
 
-// One weight row at a time: the weight is then read as one sequential stream, which the hardware
-// prefetcher followed much better than several rows interleaved (the activation rows stay in L1).
-TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1) TILE(5, 1) TILE(6, 1) TILE(7, 1) TILE(8, 1)
+DOT(1) DOT(2) DOT(3)
 
-typedef void (*tile_fn)(const float *, const float *, float *, int64_t, int64_t, int64_t, __m256i);
+typedef void (*dot_fn)(const float *, const float *, float *, int64_t, int64_t, __m256i, int);
+static const dot_fn dots[SUB_ROWS + 1] = {0, dot_1, dot_2, dot_3};
 
-static const tile_fn tiles[MAX_ROWS + 1] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1,
-                                            tile_5_1, tile_6_1, tile_7_1, tile_8_1};
+// `rows` activation rows against weight row wn, SUB_ROWS at a time (after the first pass the
+// weight row is in L1).
+static void dot_rows(const float *x, const float *wn, float *y, int64_t rows, int64_t N, int64_t K,
+                     __m256i tail, int prefetch) {
+    for (int64_t r = 0; r < rows; r += SUB_ROWS) {
+        const int64_t take = rows - r < SUB_ROWS ? rows - r : SUB_ROWS;
+        dots[take](x + r * K, wn, y + r * N, N, K, tail, prefetch && r == 0);
+    }
+}
 
-// x [R, K], w [N, K], y [R, N], all contiguous float32. Rows are taken 8 at a time. Returns 0, or
-// -1 for a shape it does not take (nothing written).
-int specd_gemv(const float *x, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
-    if (R < 1 || N < 1 || K < 1) return -1;
+static __m256i tail_mask(int64_t K) {
     int32_t lanes[8];
     for (int i = 0; i < 8; i++) lanes[i] = i < (K & 7) ? -1 : 0;
-    const __m256i tail = _mm256_loadu_si256((const __m256i *)lanes);
+    return _mm256_loadu_si256((const __m256i *)lanes);
+}
+
+// x [R, K], w [N, K], y [R, N], all contiguous float32. Rows are taken MAX_ROWS at a time, each
+// weight row streamed once for them. Returns 0, or -1 for a shape it does not take (nothing written).
+int specd_gemv(const float *x, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
+    if (R < 1 || N < 1 || K < 1) return -1;
+    const __m256i tail = tail_mask(K);
     for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
         const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
-        const float *xr = x + r0 * K;
-        float *yr = y + r0 * N;
-        for (int64_t n = 0; n < N; n++) tiles[rows](xr, w, yr, N, K, n, tail);
+        for (int64_t n = 0; n < N; n++) dot_rows(x + r0 * K, w + n * K, y + r0 * N + n, rows, N, K, tail, rows > 1);
     }
     return 0;
 }
+
+// Q4_1 blocks: 16 bytes per 32 inputs (byte b: q[b] in the low nibble, q[b + 16] in the high one)
+// and a (d, m) float pair per block.
+static inline void q4_block(const uint8_t *q, const float *dm, __m256 w[4]) {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)q);
+    const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    const __m256 d = _mm256_set1_ps(dm[0]), m = _mm256_set1_ps(dm[1]);
+    const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), d), m);
+}
+
+// Q8_0 blocks: 32 signed bytes per 32 inputs and a float d per block.
+static inline void q8_block(const uint8_t *q, const float *d, __m256 w[4]) {
+    const __m256 scale = _mm256_set1_ps(d[0]);
+    for (int i = 0; i < 4; i++) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
+        w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+    }
+}
+
+// R activation rows (x, K apart) against one weight row held as blocks (qn, sn); outputs N apart
+// from y. Each block is rebuilt in registers, then summed as DOT sums a float32 row.
+#define BLOCK_DOT(KIND, QBYTES, SCALES, R)                                                           \
+    static void KIND##_dot_##R(const float *x, const uint8_t *qn, const float *sn, float *y, int64_t N, \
+                               int64_t K) {                                                          \
+        __m256 acc[R][CHAINS];                                                                       \
+        for (int r = 0; r < R; r++)                                                                  \
+            for (int c = 0; c < CHAINS; c++) acc[r][c] = _mm256_setzero_ps();                        \
+        for (int64_t b = 0; b < K / 32; b++) {                                                       \
+            __m256 w[4];                                                                             \
+            KIND##_block(qn + b * QBYTES, sn + b * SCALES, w);                                       \
+            for (int c = 0; c < CHAINS; c++)                                                         \
+                for (int r = 0; r < R; r++)                                                          \
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + b * 32 + 8 * c), w[c], acc[r][c]); \
+        }                                                                                            \
+        for (int r = 0; r < R; r++) y[r * N] = fold(acc[r]);                                         \
+    }
+
+// Both block forms, by their block's bytes and floats. Rows are taken SUB_ROWS at a time against
+// each weight row (whose blocks are in L1 after the first pass).
+#define BLOCKS(KIND, QBYTES, SCALES)                                                                 \
+    BLOCK_DOT(KIND, QBYTES, SCALES, 1) BLOCK_DOT(KIND, QBYTES, SCALES, 2) BLOCK_DOT(KIND, QBYTES, SCALES, 3) \
+    typedef void (*KIND##_fn)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t); \
+    static const KIND##_fn KIND##_dots[SUB_ROWS + 1] = {0, KIND##_dot_1, KIND##_dot_2, KIND##_dot_3}; \
+    int specd_gemv_##KIND(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, \
+                          int64_t K) {                                                               \
+        if (R < 1 || N < 1 || K < 32 || K % 32) return -1;                                           \
+        const int64_t blocks = K / 32;                                                               \
+        for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {                                               \
+            const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;                              \
+            for (int64_t n = 0; n < N; n++)                                                          \
+                for (int64_t r = 0; r < rows; r += SUB_ROWS) {                                       \
+                    const int64_t take = rows - r < SUB_ROWS ? rows - r : SUB_ROWS;                  \
+                    KIND##_dots[take](x + (r0 + r) * K, q + n * blocks * QBYTES, s + n * blocks * SCALES, \
+                                      y + (r0 + r) * N + n, N, K);                                   \
+                }                                                                                    \
+        }                                                                                            \
+        return 0;                                                                                    \
+    }
+
+BLOCKS(q4, 16, 2)
+BLOCKS(q8, 32, 1)

@@ -8,7 +8,12 @@ first use, caches the library per user under the source's hash, and calls it thr
 (which releases the GIL for the call).
 
 Each output is summed in the same order whatever the number of rows, so a row's result is
-bitwise the same alone or in a batch (`gemv.c` says how). Whether the kernel is used at all, and
+bitwise the same alone or in a batch (`gemv.c` says how).
+
+A float32 weight loaded from a GGUF's Q4_1 or Q8_0 tensor holds only the values those 4- and 8-bit
+blocks give. `as_blocks` finds such a weight's blocks, checks that they rebuild every float32
+weight bit for bit, and the kernel then reads the blocks instead: the same products, bitwise, from
+an eighth or about a quarter of the bytes a step streams. Whether the kernel is used at all, and
 for which row counts, is measured per model (`RowKernel.calibrate`): where it is not faster, or
 cannot be built (no compiler, no AVX2/FMA, not Linux on x86-64), torch's product runs as before.
 """
@@ -25,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,9 +44,80 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("gemv.c")
 # Tried in order; `CC` from the environment first where set.
 COMPILERS = ("cc", "gcc")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+# No contraction of a multiply and an add into one fused step: the blocks' weights must be rebuilt
+# with the float32 roundings that made the float32 copy.
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
 # The CPU features the flags above let the compiler use.
 NEEDED_FEATURES = frozenset({"avx2", "fma"})
+
+
+BLOCK = 32
+# Rows of a weight examined at once by `as_blocks` (bounds its temporaries).
+CHUNK_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A float32 weight [N, K] held exactly as blocks of 32 inputs, in `gemv.c`'s layouts: kind "q4"
+    (Q4_1: 16 bytes and a (d, m) float pair per block) or "q8" (Q8_0: 32 signed bytes and d)."""
+
+    kind: str
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def _q4_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q4_1 blocks for groups [n, blocks, 32] that rebuild them exactly, else None. The smallest
+    weight of a block is its m (q = 0) and d is a float16 value, as llama.cpp stores them."""
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    d = ((high - low) / 15).half().float()
+    if not torch.isfinite(d).all():
+        return None
+    safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+    q = torch.where(d[..., None] > 0, torch.round((groups - low[..., None]) / safe), 0).clamp(0, 15)
+    if not torch.equal((d[..., None] * q + low[..., None]).view(torch.int32), groups.view(torch.int32)):
+        return None
+    q = q.to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(groups.shape[0], -1), torch.stack([d, low], dim=-1)
+
+
+def _q8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q8_0 blocks for groups [n, blocks, 32] that rebuild them exactly, else None: d is a float16
+    value with the block's largest magnitude at q = ±127."""
+    d = (groups.abs().amax(dim=-1) / 127).half().float()
+    if not torch.isfinite(d).all():
+        return None
+    safe = torch.where(d > 0, d, torch.ones_like(d))[..., None]
+    q = torch.where(d[..., None] > 0, torch.round(groups / safe), 0).clamp(-127, 127)
+    if not torch.equal((d[..., None] * q).view(torch.int32), groups.view(torch.int32)):
+        return None
+    return q.to(torch.int8).view(torch.uint8).reshape(groups.shape[0], -1), d
+
+
+def as_blocks(weight: torch.Tensor) -> Blocks | None:
+    """The weight's Q4_1 or Q8_0 blocks where they rebuild every float32 weight bit for bit
+    (a model loaded from such a GGUF); None for any other weight."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
+        return None
+    n, k = weight.shape
+    for kind, chunk_fn in (("q4", _q4_chunk), ("q8", _q8_chunk)):
+        parts = []
+        with torch.no_grad():
+            for start in range(0, n, CHUNK_ROWS):
+                groups = weight[start : start + CHUNK_ROWS].detach().reshape(-1, k // BLOCK, BLOCK)
+                part = chunk_fn(groups)
+                if part is None:
+                    break
+                parts.append(part)
+            else:
+                q = torch.cat([p[0] for p in parts]).contiguous()
+                return Blocks(kind, q, torch.cat([p[1] for p in parts]).contiguous())
+    return None
 
 
 class Gemv:
@@ -48,8 +125,12 @@ class Gemv:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.specd_gemv
+        self._blocks = {"q4": library.specd_gemv_q4, "q8": library.specd_gemv_q8}
+        for fn in (self._fn, *self._blocks.values()):
+            fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        self._fn.restype = ctypes.c_int
+        for fn in self._blocks.values():
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gemv:
         # A loaded library is process-wide state: a copied model shares it (ctypes pointers do not copy).
@@ -70,12 +151,21 @@ class Gemv:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] · weight [N, K]ᵀ (+ bias): [..., N]. The caller checked `accepts`."""
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: Blocks | None = None
+    ) -> torch.Tensor:
+        """x [..., K] · weight [N, K]ᵀ (+ bias): [..., N], read from `blocks` (`as_blocks(weight)`)
+        where given: the same outputs, bitwise. The caller checked `accepts`."""
         n, k = weight.shape
         flat = x.reshape(-1, k).contiguous()
         out = torch.empty(flat.shape[0], n, dtype=torch.float32)
-        if self._fn(flat.data_ptr(), weight.data_ptr(), out.data_ptr(), flat.shape[0], n, k) != 0:
+        if blocks is not None:
+            status = self._blocks[blocks.kind](
+                flat.data_ptr(), blocks.q.data_ptr(), blocks.scales.data_ptr(), out.data_ptr(), flat.shape[0], n, k
+            )
+        else:
+            status = self._fn(flat.data_ptr(), weight.data_ptr(), out.data_ptr(), flat.shape[0], n, k)
+        if status != 0:
             raise RuntimeError(f"the gemv kernel refused shapes {tuple(flat.shape)} x {tuple(weight.shape)}")
         if bias is not None:
             out += bias
@@ -157,9 +247,15 @@ def load() -> Gemv | None:
     return None
 
 
+# The attribute of an nn.Linear holding its weight's `Blocks` (set by `RowKernel.calibrate`; a plain
+# attribute, so a copy of the model keeps it and its state dict does not).
+BLOCKS_ATTRIBUTE = "gemv_blocks"
+
+
 class RowKernel:
     """The linear products of one model, through the kernel for the row counts (tokens in a forward)
-    where `calibrate` measured it faster; torch's otherwise, and for any layer but a float32 nn.Linear."""
+    where `calibrate` measured it faster; torch's otherwise, and for any layer but a float32 nn.Linear.
+    A layer whose weight has exact blocks (`as_blocks`) is read from them."""
 
     def __init__(self) -> None:
         self.kernel: Gemv | None = None
@@ -173,7 +269,7 @@ class RowKernel:
             and type(linear) is nn.Linear
             and kernel.accepts(x, linear.weight)
         ):
-            return kernel.linear(x, linear.weight, linear.bias)
+            return kernel.linear(x, linear.weight, linear.bias, linear.__dict__.get(BLOCKS_ATTRIBUTE))
         return linear.forward(x)
 
     def calibrate(self, linears: Sequence[nn.Module], max_rows: int, repeats: int = 3) -> frozenset[int]:
@@ -185,6 +281,7 @@ class RowKernel:
         self.kernel, self.kernel_rows = kernel, frozenset()
         if kernel is None:
             return self.kernel_rows
+        held = attach_blocks(plain)
         timings: dict[int, tuple[float, float]] = {}
         with torch.inference_mode():
             for rows in range(1, max_rows + 1):
@@ -196,14 +293,27 @@ class RowKernel:
 
                 def run_kernel(inputs: list[torch.Tensor] = inputs, gemv: Gemv = kernel) -> None:
                     for m, x in zip(plain, inputs, strict=True):
-                        gemv.linear(x, m.weight, m.bias)
+                        gemv.linear(x, m.weight, m.bias, m.__dict__.get(BLOCKS_ATTRIBUTE))
 
                 torch_s, kernel_s = best_times([run_torch, run_kernel], repeats)
                 timings[rows] = (torch_s, kernel_s)
         self.kernel_rows = choose_rows(timings)
         log.info(
-            "float32 linears: the gemv kernel for %s (torch / kernel ms by rows: %s)",
+            "float32 linears: the gemv kernel for %s, %d of %d layers read from exact 4- or 8-bit blocks "
+            "(torch / kernel ms by rows: %s)",
             f"rows {sorted(self.kernel_rows)}" if self.kernel_rows else "no row count",
+            held,
+            len(plain),
             ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in sorted(timings.items())),
         )
         return self.kernel_rows
+
+
+def attach_blocks(linears: Sequence[nn.Linear]) -> int:
+    """Give each layer whose weight has exact blocks (`as_blocks`) its `Blocks`, once; how many have them."""
+    held = 0
+    for m in linears:
+        if BLOCKS_ATTRIBUTE not in m.__dict__:
+            m.__dict__[BLOCKS_ATTRIBUTE] = as_blocks(m.weight)
+        held += m.__dict__[BLOCKS_ATTRIBUTE] is not None
+    return held

@@ -12,7 +12,7 @@ order (a few units in the last place); greedy exactness is relative to the same
 service's target-only output, whose single-row product is timed and chosen the same way.
 On a CPU with float32 weights a third product is timed too, `specd.engine.gemv`'s kernel,
 which reads W once for up to 8 rows and sums each logit in the same order whatever the
-row count.
+row count, from W's exact 8-bit blocks where it has them (a GGUF's Q8_0 embedding tied to the head).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class HeadProduct:
         # Rows taken by `kernel` (set together by `calibrate`); they win over transposed_rows.
         self.kernel_rows: frozenset[int] = frozenset()
         self.kernel: gemv.Gemv | None = None
+        self.blocks: gemv.Blocks | None = None
         # Only a plain linear layer has a weight to multiply from the other side.
         self.applies = type(head) is nn.Linear
 
@@ -44,7 +45,7 @@ class HeadProduct:
         if self.applies:
             rows = hidden.shape[0]
             if rows in self.kernel_rows and self.kernel is not None and self.kernel.accepts(hidden, self.head.weight):
-                return self.kernel.linear(hidden, self.head.weight, self.head.bias)
+                return self.kernel.linear(hidden, self.head.weight, self.head.bias, self.blocks)
             if rows in self.transposed_rows:
                 return self._transposed(hidden)
         return self.head(hidden)
@@ -65,6 +66,7 @@ class HeadProduct:
         assert isinstance(self.head, nn.Linear)
         weight = self.head.weight
         kernel = gemv.load() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        blocks = gemv.as_blocks(weight) if kernel is not None else None
         timings: dict[int, tuple[float, float]] = {}
         kernel_timings: dict[int, float] = {}
         with torch.inference_mode():
@@ -72,20 +74,21 @@ class HeadProduct:
                 hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 runs = [lambda h=hidden: self.head(h), lambda h=hidden: self._transposed(h)]
                 if kernel is not None:
-                    runs.append(lambda h=hidden, k=kernel: k.linear(h, weight, self.head.bias))
+                    runs.append(lambda h=hidden, k=kernel: k.linear(h, weight, self.head.bias, blocks))
                 times = best_times(runs, repeats)
                 timings[rows] = (times[0], times[1])
                 if kernel is not None:
                     kernel_timings[rows] = times[2]
         transposed = choose_rows(timings)
         torch_best = {rows: timings[rows][rows in transposed] for rows in timings}
-        self.kernel = kernel
+        self.kernel, self.blocks = kernel, blocks
         self.kernel_rows = choose_rows({rows: (torch_best[rows], t) for rows, t in kernel_timings.items()})
         self.transposed_rows = transposed - self.kernel_rows
         log.info(
-            "LM head: W·hᵀ for %s, the gemv kernel for %s (plain / transposed / kernel ms by rows: %s)",
+            "LM head: W·hᵀ for %s, the gemv kernel for %s%s (plain / transposed / kernel ms by rows: %s)",
             f"rows {sorted(self.transposed_rows)}" if self.transposed_rows else "no row count",
             f"rows {sorted(self.kernel_rows)}" if self.kernel_rows else "no row count",
+            f" from W's exact {blocks.kind} blocks" if blocks is not None else "",
             ", ".join(
                 f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f} / "
                 + (f"{kernel_timings[rows] * 1e3:.1f}" if rows in kernel_timings else "-")
