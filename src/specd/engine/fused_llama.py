@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from specd.engine import DECODER_CHOICES
 from specd.engine.gemv import RowKernel
+from specd.engine.native_layer import NativeLayers
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,8 @@ class FusedLlamaBody(nn.Module):
         self.norm = base.norm.weight
         self.eps = float(config.rms_norm_eps)
         self.heads_per_kv_head = int(config.num_attention_heads) // int(config.num_key_value_heads)
+        # The layers in one C call each (specd.engine.native_layer), made by `calibrate` where they apply.
+        self.native: NativeLayers | None = None
 
     def calibrate(self, max_rows: int) -> frozenset[int]:
         """Choose the float32 linears' product for forwards of 1..max_rows tokens by timing every
@@ -173,7 +176,29 @@ class FusedLlamaBody(nn.Module):
         products = [
             m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
-        return self.linears.calibrate(products, max_rows)
+        chosen = self.linears.calibrate(products, max_rows)
+        self.native = NativeLayers.build(self, self.linears.kernel) if chosen else None
+        if self.native is not None:
+            log.info("the decoder layers run in one native call each for forwards of %s tokens", sorted(chosen))
+        return chosen
+
+    def native_forward(
+        self, ids: torch.Tensor, slots: list[int], positions: list[int], cache: Any
+    ) -> torch.Tensor | None:
+        """The last hidden states [tokens, hidden] of tokens `ids` [tokens] at (`slots`, `positions`),
+        every layer in one native call (`specd.engine.native_layer`), with their keys and values
+        written to `cache`; None where the native layers do not take this forward (not built, a
+        token count the kernel was not chosen for, a cache they cannot address)."""
+        native = self.native
+        if native is None or len(positions) not in self.linears.kernel_rows:
+            return None
+        with torch.inference_mode():
+            x = self.embed_tokens(ids).float().contiguous()
+            cos, sin = self.rotary_emb(x[None], position_ids=torch.tensor(positions)[None, :])
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            out = native.forward(x, cos[0].float().contiguous(), sin[0].float().contiguous(), slots, positions, cache)
+            return None if out is None else _rms_norm(out, self.norm, self.eps)
 
     def forward(
         self,

@@ -42,6 +42,8 @@ from specd.engine.timing import best_times, choose_rows
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
+# Built into the same library: one decoder layer in one call (specd.engine.native_layer).
+LAYER_SOURCE = Path(__file__).with_name("layer.c")
 # Tried in order; `CC` from the environment first where set.
 COMPILERS = ("cc", "gcc")
 # No contraction of a multiply and an add into one fused step: the blocks' weights must be rebuilt
@@ -124,6 +126,7 @@ class Gemv:
     """The loaded kernel: `linear` is F.linear for the tensors `accepts`."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library
         self._fn = library.specd_gemv
         self._blocks = {"q4": library.specd_gemv_q4, "q8": library.specd_gemv_q8}
         for fn in (self._fn, *self._blocks.values()):
@@ -209,8 +212,8 @@ def cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     """The library for this source and these flags, compiled once per user (raises on failure)."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    sources = [SOURCE, LAYER_SOURCE]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
     if target.exists():
         return target
@@ -220,7 +223,11 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE)], check=True, capture_output=True, text=True, timeout=120
+            [compiler, *FLAGS, "-o", partial, *map(str, sources), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         os.replace(partial, target)
     finally:

@@ -242,13 +242,8 @@ class SlotKVCache(Cache):
         # What else a model passes (`cache_kwargs` positionally before transformers 5.24,
         # `kwargs=` since) is for caches that rotate or quantize; this one needs none of it.
         out = []
-        for store, new in ((self.keys, key_states), (self.values, value_states)):
-            buf = store[layer_idx]
-            if buf is None:
-                shape = (self.max_slots + int(self.scratch), new.shape[1], self.position_room, new.shape[3])
-                buf, region = self._allocate(shape, new.dtype)
-                store[layer_idx] = buf
-                (self._key_regions if store is self.keys else self._value_regions)[layer_idx] = region
+        tensors = self.layer_tensors(layer_idx, key_states.shape[1], key_states.shape[3], key_states.dtype)
+        for buf, new in zip(tensors, (key_states, value_states), strict=True):
             if self._static is not None:
                 out.append(self._static_update(buf, new))
                 continue
@@ -267,6 +262,18 @@ class SlotKVCache(Cache):
             else:
                 out.append(buf[:, :, : self._kv_len].index_select(0, self._rows))
         return out[0], out[1]
+
+    def layer_tensors(
+        self, layer_idx: int, heads: int, dim: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value tensors [slots, heads, positions, dim], made at first use."""
+        for store, regions in ((self.keys, self._key_regions), (self.values, self._value_regions)):
+            if store[layer_idx] is None:
+                shape = (self.max_slots + int(self.scratch), heads, self.position_room, dim)
+                store[layer_idx], regions[layer_idx] = self._allocate(shape, dtype)
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        assert keys is not None and values is not None
+        return keys, values
 
     def set_static(
         self,
@@ -517,6 +524,11 @@ class BatchedCausalLM:
             )
             if hidden is not None:
                 return order, rows, hidden.clone() if keep else hidden, self._wanted(rows, hidden)
+        native = self._native(
+            rows, None if device_ids is None else device_ids.index_select(0, to_device(order, device_ids.device))
+        )
+        if native is not None:
+            return order, rows, native, self._wanted(rows, native)
         num_new = max(len(r.tokens) for r in rows)
         lengths = [r.start for r in rows]
         self.cache.prepare([r.slot for r in rows], lengths, [len(r.tokens) for r in rows])
@@ -556,6 +568,30 @@ class BatchedCausalLM:
                 **extra,
             ).last_hidden_state
         return order, rows, hidden, self._wanted(rows, hidden)
+
+    def _native(self, rows: Sequence[Row], device_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """The hidden states [rows, positions, hidden] of the forward through the model's native
+        layers (`FusedLlamaBody.native_forward`), or None where it has none or they decline.
+        `device_ids`: one token per row, in the rows' order, fed instead of their tokens."""
+        native = getattr(self._base, "native_forward", None)
+        if native is None or self.feature_size:
+            return None
+        slots = [r.slot for r in rows for _ in r.tokens]
+        positions = [r.start + j for r in rows for j in range(len(r.tokens))]
+        ids = device_ids if device_ids is not None else torch.tensor([t for r in rows for t in r.tokens])
+        flat = native(ids, slots, positions, self.cache)
+        if flat is None:
+            return None
+        self.cache.note_written([r.slot for r in rows], [r.start + len(r.tokens) for r in rows])
+        counts = [len(r.tokens) for r in rows]
+        if all(n == counts[0] for n in counts):
+            return flat.view(len(rows), counts[0], flat.shape[-1])
+        hidden = flat.new_zeros(len(rows), max(counts), flat.shape[-1])
+        start = 0
+        for i, n in enumerate(counts):
+            hidden[i, :n] = flat[start : start + n]
+            start += n
+        return hidden
 
     def _wanted(self, rows: Sequence[Row], hidden: torch.Tensor) -> torch.Tensor:
         """The hidden states [wanted, hidden] of each row's positions from its `logits_from` on."""

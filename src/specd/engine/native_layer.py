@@ -1,0 +1,177 @@
+"""The fused Llama forward's decoder layers in one C call each (`layer.c`), for a few tokens on the CPU.
+
+A one-token step of the fused forward makes a few hundred torch calls per layer around its four
+products (norms, rotation, the cache write, attention, SiLU, residuals); on one core their fixed
+cost is about as large as reading the weights. `layer.c` does a layer's whole work for the tokens
+of one forward in one call, with the products through the gemv kernel (from exact blocks where a
+layer has them). Each token is computed alone, so its hidden state is bitwise the same in a
+one-token step and in a verify of several positions, which keeps greedy speculation identical to
+target-only.
+
+Used by `FusedLlamaBody` for forwards whose token count the kernel was calibrated to take, when
+every product is a float32 nn.Linear without bias on the CPU and the cache holds float32; anything
+else keeps the torch forward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from specd.engine import gemv
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("weight", ctypes.c_void_p), ("scales", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Product),
+        ("o", _Product),
+        ("gate_up", _Product),
+        ("down", _Product),
+    ]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [
+        ("tokens", ctypes.c_int64),
+        ("keys", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("cache_keys", ctypes.c_void_p),
+        ("cache_values", ctypes.c_void_p),
+        ("slot_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("position_stride", ctypes.c_int64),
+        ("work", ctypes.c_void_p),
+    ]
+
+
+KINDS = {None: 0, "q4": 1, "q8": 2}
+# layer.c's bound on a head's width (its rotation buffer).
+MAX_HEAD_DIM = 512
+
+
+def _product(linear: nn.Module) -> _Product | None:
+    if type(linear) is not nn.Linear or linear.bias is not None:
+        return None
+    weight = linear.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    blocks: gemv.Blocks | None = linear.__dict__.get(gemv.BLOCKS_ATTRIBUTE)
+    if blocks is None:
+        return _Product(0, weight.data_ptr(), None)
+    return _Product(KINDS[blocks.kind], blocks.q.data_ptr(), blocks.scales.data_ptr())
+
+
+class NativeLayers:
+    """The C layers of one fused body (`build` says whether it can have them)."""
+
+    def __init__(self, kernel: gemv.Gemv, layers: list[_Layer], keep: list[Any]) -> None:
+        self._run = kernel.library.specd_layer
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._run.restype = ctypes.c_int
+        self._work = kernel.library.specd_layer_work
+        self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        self._work.restype = ctypes.c_int64
+        self.layers = layers
+        # The tensors the structures point into, kept alive with them.
+        self._keep = keep
+
+    @classmethod
+    def build(cls, body: Any, kernel: gemv.Gemv | None) -> NativeLayers | None:
+        """For `body`'s FusedLlamaLayers with the kernel loaded; None where a layer is not of the
+        form layer.c computes (a product with a bias or not float32, a head too wide or odd)."""
+        if kernel is None or not hasattr(kernel.library, "specd_layer"):
+            return None
+        layers, keep = [], []
+        for layer in body.layers:
+            products = [_product(m) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            norms = [layer.input_norm.detach().float().contiguous(), layer.post_norm.detach().float().contiguous()]
+            d = layer.head_dim
+            if any(p is None for p in products) or d % 8 or d > MAX_HEAD_DIM or layer.heads % layer.kv_heads:
+                return None
+            qkv, o, gate_up, down = products
+            layers.append(
+                _Layer(
+                    layer.o_proj.out_features,
+                    layer.heads,
+                    layer.kv_heads,
+                    d,
+                    layer.down_proj.in_features,
+                    layer.eps,
+                    layer.scaling,
+                    norms[0].data_ptr(),
+                    norms[1].data_ptr(),
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                )
+            )
+            keep.append((norms, layer))
+        return cls(kernel, layers, keep)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: Sequence[int],
+        positions: Sequence[int],
+        cache: Any,
+    ) -> torch.Tensor | None:
+        """Run every layer on x [tokens, hidden] (float32, updated in place and returned), the tokens
+        at (`slots`, `positions`) of `cache`; cos and sin [tokens, head_dim] as FusedLlamaLayer takes
+        them. None (x untouched) where the cache's tensors are not float32 [slots, heads, positions,
+        dim] with unit stride on the last."""
+        tokens = x.shape[0]
+        first = self.layers[0]
+        kv = [cache.layer_tensors(i, first.kv_heads, first.head_dim, torch.float32) for i in range(len(self.layers))]
+        if any(
+            t.dtype != torch.float32 or t.stride(3) != 1 or t.stride() != kv[0][0].stride() for pair in kv for t in pair
+        ):
+            return None
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        position_t = torch.tensor(positions, dtype=torch.int64)
+        keys = max(positions) + 1
+        work = torch.empty(self._work(ctypes.byref(first), tokens, keys), dtype=torch.float32)
+        stride = kv[0][0].stride()
+        batch = _Batch(
+            tokens,
+            keys,
+            x.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slot_t.data_ptr(),
+            position_t.data_ptr(),
+            None,
+            None,
+            stride[0],
+            stride[1],
+            stride[2],
+            work.data_ptr(),
+        )
+        for layer, (k, v) in zip(self.layers, kv, strict=True):
+            batch.cache_keys, batch.cache_values = k.data_ptr(), v.data_ptr()
+            if self._run(ctypes.byref(layer), ctypes.byref(batch)) != 0:
+                raise RuntimeError("the native decoder layer refused a shape it was built for")
+        return x
