@@ -22,6 +22,7 @@ models it takes (anything else keeps transformers' forward); `choose` is the ser
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -183,22 +184,38 @@ class FusedLlamaBody(nn.Module):
         return chosen
 
     def native_forward(
-        self, ids: torch.Tensor, slots: list[int], positions: list[int], cache: Any
+        self, tokens: list[list[int]] | torch.Tensor, slots: list[int], starts: list[int], cache: Any
     ) -> torch.Tensor | None:
-        """The last hidden states [tokens, hidden] of tokens `ids` [tokens] at (`slots`, `positions`),
-        every layer in one native call (`specd.engine.native_layer`), with their keys and values
-        written to `cache`; None where the native layers do not take this forward (not built, a
-        token count the kernel was not chosen for, a cache they cannot address)."""
+        """The last hidden states [rows, positions, hidden] of rows feeding `tokens` (per row, or one
+        id per row as a tensor) at `starts` of `slots`, every layer in one native call
+        (`specd.engine.native_layer`), their keys and values written to `cache`; None where the
+        native layers do not take this forward (not built, a token count the kernel was not chosen
+        for, a cache they cannot address)."""
+        counts = [1] * len(slots) if isinstance(tokens, torch.Tensor) else [len(t) for t in tokens]
         native = self.native
-        if native is None or len(positions) not in self.linears.kernel_rows:
+        if native is None or sum(counts) not in self.linears.kernel_rows:
             return None
+        ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([t for row in tokens for t in row])
+        token_slots = [s for s, n in zip(slots, counts, strict=True) for _ in range(n)]
+        positions = [p + j for p, n in zip(starts, counts, strict=True) for j in range(n)]
         with torch.inference_mode():
             x = self.embed_tokens(ids).float().contiguous()
             cos, sin = self.rotary_emb(x[None], position_ids=torch.tensor(positions)[None, :])
             half = sin.shape[-1] // 2
             sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            out = native.forward(x, cos[0].float().contiguous(), sin[0].float().contiguous(), slots, positions, cache)
-            return None if out is None else _rms_norm(out, self.norm, self.eps)
+            out = native.forward(
+                x, cos[0].float().contiguous(), sin[0].float().contiguous(), token_slots, positions, cache
+            )
+            if out is None:
+                return None
+            flat = _rms_norm(out, self.norm, self.eps)
+        if all(n == counts[0] for n in counts):
+            return flat.view(len(counts), counts[0], flat.shape[-1])
+        hidden = flat.new_zeros(len(counts), max(counts), flat.shape[-1])
+        offsets = list(itertools.accumulate(counts, initial=0))
+        for i, n in enumerate(counts):
+            hidden[i, :n] = flat[offsets[i] : offsets[i] + n]
+        return hidden
 
     def forward(
         self,

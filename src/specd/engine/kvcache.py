@@ -570,27 +570,16 @@ class BatchedCausalLM:
         return order, rows, hidden, self._wanted(rows, hidden)
 
     def _native(self, rows: Sequence[Row], device_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """The hidden states [rows, positions, hidden] of the forward through the model's native
-        layers (`FusedLlamaBody.native_forward`), or None where it has none or they decline.
+        """The hidden states [rows, positions, hidden] through the model's native layers
+        (`FusedLlamaBody.native_forward`), or None where it has none or they decline.
         `device_ids`: one token per row, in the rows' order, fed instead of their tokens."""
         native = getattr(self._base, "native_forward", None)
         if native is None or self.feature_size:
             return None
-        slots = [r.slot for r in rows for _ in r.tokens]
-        positions = [r.start + j for r in rows for j in range(len(r.tokens))]
-        ids = device_ids if device_ids is not None else torch.tensor([t for r in rows for t in r.tokens])
-        flat = native(ids, slots, positions, self.cache)
-        if flat is None:
-            return None
-        self.cache.note_written([r.slot for r in rows], [r.start + len(r.tokens) for r in rows])
-        counts = [len(r.tokens) for r in rows]
-        if all(n == counts[0] for n in counts):
-            return flat.view(len(rows), counts[0], flat.shape[-1])
-        hidden = flat.new_zeros(len(rows), max(counts), flat.shape[-1])
-        start = 0
-        for i, n in enumerate(counts):
-            hidden[i, :n] = flat[start : start + n]
-            start += n
+        tokens = [r.tokens for r in rows] if device_ids is None else device_ids
+        hidden = native(tokens, [r.slot for r in rows], [r.start for r in rows], self.cache)
+        if hidden is not None:
+            self.cache.note_written([r.slot for r in rows], [r.start + len(r.tokens) for r in rows])
         return hidden
 
     def _wanted(self, rows: Sequence[Row], hidden: torch.Tensor) -> torch.Tensor:
