@@ -264,3 +264,37 @@ def test_the_body_reads_exact_blocks_and_keeps_its_tokens(kernel: gemv.Gemv) -> 
 def _body_products(fused: nn.Module) -> Iterator[nn.Linear]:
     for layer in fused.body.layers:
         yield from (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+def test_threads_share_a_product_s_rows_without_changing_a_bit(kernel: gemv.Gemv, rows: int) -> None:
+    # Large enough to be split (gemv.c's SPLIT_WEIGHTS), with an odd number of weight rows.
+    weight, x = _q4_weight(1031, 576, rows), torch.randn(rows, 576)
+    blocks = gemv.as_blocks(weight)
+    try:
+        assert kernel.set_threads(1) == 1
+        alone = [kernel.linear(x, weight), kernel.linear(x, weight, None, blocks)]
+        assert kernel.set_threads(3) == 3
+        for _ in range(20):
+            assert torch.equal(kernel.linear(x, weight), alone[0])
+            assert torch.equal(kernel.linear(x, weight, None, blocks), alone[1])
+    finally:
+        kernel.set_threads(torch.get_num_threads())
+
+
+def test_products_called_from_several_threads_at_once_are_each_right(kernel: gemv.Gemv) -> None:
+    # One caller shares its product with the helpers; another at the same time runs its own alone.
+    import concurrent.futures
+
+    weight = _q4_weight(2048, 576, 9)
+    blocks = gemv.as_blocks(weight)
+    inputs = [torch.randn(1 + i % 4, 576) for i in range(64)]
+    kernel.set_threads(1)
+    want = [kernel.linear(x, weight, None, blocks) for x in inputs]
+    try:
+        kernel.set_threads(2)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda x: kernel.linear(x, weight, None, blocks), inputs))
+    finally:
+        kernel.set_threads(torch.get_num_threads())
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

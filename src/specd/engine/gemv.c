@@ -1,6 +1,10 @@
 // y[r, n] = sum_k x[r, k] * w[n, k]: a few rows of activations against a linear layer's weight, for
 // the one-token steps and short verifies of a CPU decode. Built by specd.engine.gemv with -mavx2
-// -mfma -ffp-contract=off; no OpenMP (one thread: torch's own threads are left alone).
+// -mfma -ffp-contract=off -pthread.
+//
+// Threads. specd_set_threads(n) shares each product's weight rows among n threads (the caller and
+// n - 1 helpers, which spin briefly between products and then sleep): a weight row's outputs are
+// computed by one thread with the same code whichever it is, so the results do not depend on n.
 //
 // Exactness. Every output is summed the same way whatever the row count, and whatever form the
 // weight is held in: the k group of 8 starting at k is multiplied and added into accumulator
@@ -17,6 +21,9 @@
 // an add: never fused, hence -ffp-contract=off), so their outputs are bitwise specd_gemv's on the
 // float32 copy, from an eighth (Q4_1) or about a quarter (Q8_0) of the bytes.
 #include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define MAX_ROWS 8
@@ -93,15 +100,143 @@ static __m256i tail_mask(int64_t K) {
     return _mm256_loadu_si256((const __m256i *)lanes);
 }
 
+// -- the helpers ------------------------------------------------------------------------------
+// A product's weight rows are taken in chunks from a shared counter by the caller and whichever
+// helpers are running, so a helper the scheduler has put aside delays nothing but its own chunk.
+// Each product is a record in a ring; a helper announces itself on the record (refs) and checks its
+// generation before reading it, and the caller invalidates a record, then waits for its readers to
+// leave, before reusing it (Dekker's pattern: both sides write, then read the other's variable).
+#define MAX_THREADS 64
+#define RING 64
+// A product smaller than this (weights) is not split: waking a helper would cost more.
+#define SPLIT_WEIGHTS (1 << 16)
+// Pauses a thread spins before it sleeps (helpers) or yields its core (a caller waiting for a chunk).
+#define SPINS 20000
+
+typedef void (*range_fn)(const void *job, int64_t n0, int64_t n1);
+
+typedef struct {
+    _Atomic int64_t generation, refs, next, done;
+    range_fn fn;
+    const void *job;
+    int64_t rows, chunk;
+} Record;
+
+static int threads = 1, started = 0;
+static Record ring[RING];
+static _Atomic int64_t generation;
+static _Atomic int sleepers;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+// Held while a product is split: a second caller at the same time runs its product alone.
+static atomic_flag busy = ATOMIC_FLAG_INIT;
+
+static void take_chunks(Record *r) {
+    int64_t n0;
+    while ((n0 = atomic_fetch_add(&r->next, r->chunk)) < r->rows) {
+        const int64_t n1 = n0 + r->chunk < r->rows ? n0 + r->chunk : r->rows;
+        r->fn(r->job, n0, n1);
+        atomic_fetch_add(&r->done, n1 - n0);
+    }
+}
+
+static void *helper(void *unused) {
+    (void)unused;
+    int64_t seen = 0;
+    for (;;) {
+        int64_t now;
+        for (int spin = 0; (now = atomic_load(&generation)) == seen; spin++) {
+            if (spin < SPINS) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&lock);
+            atomic_fetch_add(&sleepers, 1);
+            while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &lock);
+            atomic_fetch_sub(&sleepers, 1);
+            pthread_mutex_unlock(&lock);
+            spin = 0;
+        }
+        seen = now;
+        Record *r = &ring[now % RING];
+        atomic_fetch_add(&r->refs, 1);
+        if (atomic_load(&r->generation) == now) take_chunks(r);
+        atomic_fetch_sub(&r->refs, 1);
+    }
+    return NULL;
+}
+
+// Threads for the products from now on (1..MAX_THREADS); helpers are started once and kept, idle
+// ones asleep. Returns the number in use.
+int specd_set_threads(int n) {
+    n = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
+    for (; started < n - 1; started++) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper, NULL) != 0) break;
+        pthread_detach(t);
+    }
+    threads = n < started + 1 ? n : started + 1;
+    return threads;
+}
+
+static void wait_until(_Atomic int64_t *value, int64_t want, int equal) {
+    for (int spin = 0; (atomic_load(value) == want) != equal; spin++)
+        if (spin < SPINS) _mm_pause();
+        else sched_yield();
+}
+
+// fn over rows [0, N), shared with the helpers where the product is large enough.
+static void run_rows(range_fn fn, const void *args, int64_t N, int64_t weights) {
+    if (threads == 1 || weights < SPLIT_WEIGHTS || N < 2 * threads || atomic_flag_test_and_set(&busy)) {
+        fn(args, 0, N);
+        return;
+    }
+    const int64_t now = atomic_load(&generation) + 1;
+    Record *r = &ring[now % RING];
+    atomic_store(&r->generation, -1);
+    wait_until(&r->refs, 0, 1);
+    r->fn = fn, r->job = args, r->rows = N;
+    r->chunk = N / (4 * threads) > 8 ? N / (4 * threads) : 8;
+    atomic_store(&r->next, 0);
+    atomic_store(&r->done, 0);
+    atomic_store(&r->generation, now);
+    atomic_store(&generation, now);
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&lock);
+        pthread_cond_broadcast(&wake);
+        pthread_mutex_unlock(&lock);
+    }
+    take_chunks(r);
+    wait_until(&r->done, N, 1);
+    atomic_flag_clear(&busy);
+}
+
+// -- the products -------------------------------------------------------------------------------
+typedef struct {
+    const float *x;
+    const void *w;
+    const float *s;
+    float *y;
+    int64_t R, N, K;
+} Product;
+
+static void float_rows(const void *job_args, int64_t n0, int64_t n1) {
+    const Product *p = job_args;
+    const __m256i tail = tail_mask(p->K);
+    const float *w = p->w;
+    for (int64_t r0 = 0; r0 < p->R; r0 += MAX_ROWS) {
+        const int64_t rows = p->R - r0 < MAX_ROWS ? p->R - r0 : MAX_ROWS;
+        for (int64_t n = n0; n < n1; n++)
+            dot_rows(p->x + r0 * p->K, w + n * p->K, p->y + r0 * p->N + n, rows, p->N, p->K, tail, rows > 1);
+    }
+}
+
 // x [R, K], w [N, K], y [R, N], all contiguous float32. Rows are taken MAX_ROWS at a time, each
 // weight row streamed once for them. Returns 0, or -1 for a shape it does not take (nothing written).
 int specd_gemv(const float *x, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
     if (R < 1 || N < 1 || K < 1) return -1;
-    const __m256i tail = tail_mask(K);
-    for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {
-        const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
-        for (int64_t n = 0; n < N; n++) dot_rows(x + r0 * K, w + n * K, y + r0 * N + n, rows, N, K, tail, rows > 1);
-    }
+    const Product p = {x, w, NULL, y, R, N, K};
+    run_rows(float_rows, &p, N, N * K);
     return 0;
 }
 
@@ -150,19 +285,25 @@ static inline void q8_block(const uint8_t *q, const float *d, __m256 w[4]) {
     BLOCK_DOT(KIND, QBYTES, SCALES, 1) BLOCK_DOT(KIND, QBYTES, SCALES, 2) BLOCK_DOT(KIND, QBYTES, SCALES, 3) \
     typedef void (*KIND##_fn)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t); \
     static const KIND##_fn KIND##_dots[SUB_ROWS + 1] = {0, KIND##_dot_1, KIND##_dot_2, KIND##_dot_3}; \
+    static void KIND##_rows(const void *job_args, int64_t n0, int64_t n1) {                          \
+        const Product *p = job_args;                                                                 \
+        const int64_t blocks = p->K / 32;                                                            \
+        const uint8_t *q = p->w;                                                                     \
+        for (int64_t r0 = 0; r0 < p->R; r0 += MAX_ROWS) {                                            \
+            const int64_t rows = p->R - r0 < MAX_ROWS ? p->R - r0 : MAX_ROWS;                        \
+            for (int64_t n = n0; n < n1; n++)                                                        \
+                for (int64_t r = 0; r < rows; r += SUB_ROWS) {                                       \
+                    const int64_t take = rows - r < SUB_ROWS ? rows - r : SUB_ROWS;                  \
+                    KIND##_dots[take](p->x + (r0 + r) * p->K, q + n * blocks * QBYTES, p->s + n * blocks * SCALES, \
+                                      p->y + (r0 + r) * p->N + n, p->N, p->K);                       \
+                }                                                                                    \
+        }                                                                                            \
+    }                                                                                                \
     int specd_gemv_##KIND(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, \
                           int64_t K) {                                                               \
         if (R < 1 || N < 1 || K < 32 || K % 32) return -1;                                           \
-        const int64_t blocks = K / 32;                                                               \
-        for (int64_t r0 = 0; r0 < R; r0 += MAX_ROWS) {                                               \
-            const int64_t rows = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;                              \
-            for (int64_t n = 0; n < N; n++)                                                          \
-                for (int64_t r = 0; r < rows; r += SUB_ROWS) {                                       \
-                    const int64_t take = rows - r < SUB_ROWS ? rows - r : SUB_ROWS;                  \
-                    KIND##_dots[take](x + (r0 + r) * K, q + n * blocks * QBYTES, s + n * blocks * SCALES, \
-                                      y + (r0 + r) * N + n, N, K);                                   \
-                }                                                                                    \
-        }                                                                                            \
+        const Product p = {x, q, s, y, R, N, K};                                                     \
+        run_rows(KIND##_rows, &p, N, N * K);                                                         \
         return 0;                                                                                    \
     }
 

@@ -48,7 +48,7 @@ LAYER_SOURCE = Path(__file__).with_name("layer.c")
 COMPILERS = ("cc", "gcc")
 # No contraction of a multiply and an add into one fused step: the blocks' weights must be rebuilt
 # with the float32 roundings that made the float32 copy.
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 # The CPU features the flags above let the compiler use.
 NEEDED_FEATURES = frozenset({"avx2", "fma"})
 
@@ -134,6 +134,15 @@ class Gemv:
         self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         for fn in self._blocks.values():
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        self._threads = library.specd_set_threads
+        self._threads.argtypes = [ctypes.c_int]
+        self._threads.restype = ctypes.c_int
+
+    def set_threads(self, n: int) -> int:
+        """Split each product's weight rows among `n` threads from now on (the results do not depend
+        on it); returns the number in use. The services pass torch's thread count, which their
+        placement set."""
+        return int(self._threads(n))
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gemv:
         # A loaded library is process-wide state: a copied model shares it (ctypes pointers do not copy).
@@ -288,6 +297,7 @@ class RowKernel:
         self.kernel, self.kernel_rows = kernel, frozenset()
         if kernel is None:
             return self.kernel_rows
+        kernel.set_threads(torch.get_num_threads())
         held = attach_blocks(plain)
         timings: dict[int, tuple[float, float]] = {}
         with torch.inference_mode():
@@ -306,8 +316,9 @@ class RowKernel:
                 timings[rows] = (torch_s, kernel_s)
         self.kernel_rows = choose_rows(timings)
         log.info(
-            "float32 linears: the gemv kernel for %s, %d of %d layers read from exact 4- or 8-bit blocks "
-            "(torch / kernel ms by rows: %s)",
+            "float32 linears: the gemv kernel (%d threads) for %s, %d of %d layers read from exact 4- or 8-bit "
+            "blocks (torch / kernel ms by rows: %s)",
+            torch.get_num_threads(),
             f"rows {sorted(self.kernel_rows)}" if self.kernel_rows else "no row count",
             held,
             len(plain),

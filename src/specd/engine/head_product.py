@@ -67,6 +67,8 @@ class HeadProduct:
         weight = self.head.weight
         kernel = gemv.load() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
         blocks = gemv.as_blocks(weight) if kernel is not None else None
+        if kernel is not None:
+            kernel.set_threads(torch.get_num_threads())
         timings: dict[int, tuple[float, float]] = {}
         kernel_timings: dict[int, float] = {}
         with torch.inference_mode():
