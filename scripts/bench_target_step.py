@@ -6,9 +6,10 @@ as before the kernel: the head's plain or transposed product by the same calibra
 the greedy tokens of the three on a few chat prompts.
 
 The two configurations alternate in short blocks within one process, so a neighbour's load on a
-shared machine falls on both alike. Run pinned to one core:
+shared machine falls on both alike. Run pinned to one core, or on two:
 
     taskset -c 1 python scripts/bench_target_step.py --out /tmp/step.json
+    python scripts/bench_target_step.py --threads 2 --out /tmp/step-2.json
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--runs", type=int, default=8, help="steps per block")
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch's threads, and the kernel's")
     args = parser.parse_args()
     # The calibrations log what they measured and chose.
     logging.basicConfig(level=logging.INFO)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     tok = checkpoints.load_tokenizer("embedded")
     model = fused_llama.choose(models.load_model("embedded", torch.device("cpu"), torch.float32), "auto", "verifier")
     lm = BatchedCausalLM(model, torch.device("cpu"), torch.float32)
@@ -132,6 +134,7 @@ def main() -> None:
     ]
     result: dict[str, Any] = {
         "cpu": cpu_model(),
+        "threads": args.threads,
         "torch": torch.__version__,
         "calibration_s": calibration_s,
         "weight_MB": nbytes / 1e6,
