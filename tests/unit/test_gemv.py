@@ -298,3 +298,24 @@ def test_products_called_from_several_threads_at_once_are_each_right(kernel: gem
     finally:
         kernel.set_threads(torch.get_num_threads())
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_forked_child_runs_its_products_alone(kernel: gemv.Gemv) -> None:
+    # The helpers are threads of the parent: a child of fork must not wait for them.
+    import multiprocessing
+
+    weight = _q4_weight(2048, 576, 4)
+    x = torch.randn(3, 576)
+    kernel.set_threads(2)
+    try:
+        want = kernel.linear(x, weight)
+        context = multiprocessing.get_context("fork")
+        parent, child = context.Pipe()
+        process = context.Process(target=lambda: child.send(kernel.linear(x, weight).tolist()))
+        process.start()
+        assert parent.poll(60), "the forked child's product did not finish"
+        got = torch.tensor(parent.recv())
+        process.join(10)
+    finally:
+        kernel.set_threads(torch.get_num_threads())
+    assert torch.equal(got, want)

@@ -166,9 +166,21 @@ static void *helper(void *unused) {
     return NULL;
 }
 
+static void register_fork_handler(void);
+
+// A child of fork has none of the helpers: it runs its products alone until told otherwise.
+static void forked(void) {
+    started = 0;
+    threads = 1;
+    for (int i = 0; i < RING; i++) atomic_store(&ring[i].refs, 0);
+    atomic_flag_clear(&busy);
+}
+
 // Threads for the products from now on (1..MAX_THREADS); helpers are started once and kept, idle
 // ones asleep. Returns the number in use.
 int specd_set_threads(int n) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
     n = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
     for (; started < n - 1; started++) {
         pthread_t t;
@@ -178,6 +190,8 @@ int specd_set_threads(int n) {
     threads = n < started + 1 ? n : started + 1;
     return threads;
 }
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, forked); }
 
 static void wait_until(_Atomic int64_t *value, int64_t want, int equal) {
     for (int spin = 0; (atomic_load(value) == want) != equal; spin++)
