@@ -79,3 +79,14 @@ def make_ngram(vocab_size) -> Callable[..., NgramDrafter]:
 def grammars(tok, tiny_target) -> GrammarCompiler:
     """Grammar compilation for the tiny models' vocabulary (structured-output tests)."""
     return GrammarCompiler(tok, int(tiny_target.config.vocab_size))
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """The gemv kernel (specd.engine.gemv), built and loaded; skips where it cannot be."""
+    from specd.engine import gemv
+
+    loaded = gemv.load()
+    if loaded is None:
+        pytest.skip("the gemv kernel cannot be built here (no C compiler, or not Linux on x86-64 with AVX2/FMA)")
+    return loaded

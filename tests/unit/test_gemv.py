@@ -25,14 +25,6 @@ from specd.engine.timing import best_times
 SHAPES = [(37, 64), (37, 19), (5, 3), (129, 100), (8, 576)]
 
 
-@pytest.fixture(scope="module")
-def kernel() -> gemv.Gemv:
-    loaded = gemv.load()
-    if loaded is None:
-        pytest.skip("the gemv kernel cannot be built here (no C compiler, or not Linux on x86-64 with AVX2/FMA)")
-    return loaded
-
-
 @pytest.fixture
 def fresh_load() -> Iterator[None]:
     """`load` caches its answer per process; a test that changes what it finds gets its own."""

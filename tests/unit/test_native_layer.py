@@ -4,7 +4,6 @@ torch forward wherever the native layers do not apply."""
 
 from __future__ import annotations
 
-import pytest
 import tinymodels
 import torch
 from torch import nn
@@ -14,14 +13,6 @@ from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.native_layer import NativeLayers
 
 ROWS = frozenset(range(1, 9))
-
-
-@pytest.fixture(scope="module")
-def kernel() -> gemv.Gemv:
-    loaded = gemv.load()
-    if loaded is None:
-        pytest.skip("the gemv kernel cannot be built here (no C compiler, or not Linux on x86-64 with AVX2/FMA)")
-    return loaded
 
 
 def _lm(kernel: gemv.Gemv, seed: int = 3, **overrides: object) -> BatchedCausalLM:
