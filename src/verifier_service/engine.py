@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+from specd.engine.cpus import one_thread
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
@@ -142,6 +143,20 @@ class VerifierEngine:
         end = time.time_ns()
         timing.forward_ns += end - start
         timing.phases.append(("forward", start, end))
+        with one_thread() if self.lm.device.type == "cpu" else contextlib.nullcontext():
+            self._judge(live, rows, logits, hidden, results)
+        timing.phases.append(("rejection_sampling", end, time.time_ns()))
+        return results, timing
+
+    def _judge(
+        self,
+        live: list[tuple[int, SequenceState, VerifyTask, torch.Tensor | None]],
+        rows: list[Row],
+        logits: list[torch.Tensor],
+        hidden: list[torch.Tensor],
+        results: list[VerifyResult],
+    ) -> None:
+        """The round's verdicts from the target's logits, committed into `results`."""
         # Penalties, bias and the grammar's mask shape p; the logprobs below stay the raw model's.
         adjusted = [
             state.penalized(rows, task.draft_tokens) for rows, (_, state, task, _) in zip(logits, live, strict=True)
@@ -159,8 +174,6 @@ class VerifierEngine:
             own.update(self._coupled_tokens(live, dists))
         drawn = self._drawn_verdicts(live, dists, own, results)
         self._commit_verdicts(live, logits, hidden, rows, adjusted, dists, own, drawn, consumed, results)
-        timing.phases.append(("rejection_sampling", end, time.time_ns()))
-        return results, timing
 
     def _admit(
         self, tasks: Sequence[VerifyTask], results: list[VerifyResult]
