@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import torch
 
-from specd.engine.cpus import one_thread
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
@@ -143,7 +142,7 @@ class VerifierEngine:
         end = time.time_ns()
         timing.forward_ns += end - start
         timing.phases.append(("forward", start, end))
-        with one_thread() if self.lm.device.type == "cpu" else contextlib.nullcontext():
+        with _one_torch_thread() if self.lm.device.type == "cpu" else contextlib.nullcontext():
             self._judge(live, rows, logits, hidden, results)
         timing.phases.append(("rejection_sampling", end, time.time_ns()))
         return results, timing
@@ -402,3 +401,20 @@ def _by_block(rows: T, sizes: dict[int, int]) -> dict[int, T]:
         out[n] = rows[start : start + size]
         start += size
     return out
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Run torch's work in the block on the calling thread alone. For a round's small operations
+    on the logits (softmax, top-k over the vocabulary) after a CPU forward: spread over torch's
+    threads, they leave its idle workers spinning into the next forward, whose products then share
+    the cores with them."""
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -581,3 +581,20 @@ def test_greedy_drafts_are_read_back_once_a_round_and_match_the_step_by_step_loo
         assert tokens == want and [len(t) for t in tokens] == [4, 1, 3]
         assert fed == want_fed
         assert device_reads == 1 and step_reads == max(ks.values())
+
+
+def test_the_verifier_judges_a_round_on_one_torch_thread(make_verifier, make_drafter, prompts, monkeypatch):
+    # Its logits work spread over torch's threads would leave them spinning into the next forward.
+    import verifier_service.engine as engine
+
+    seen: list[int] = []
+    real = engine.probabilities
+    monkeypatch.setattr(engine, "probabilities", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_sampled(make_verifier, make_drafter, prompts, {"p0": 5}, {"p0": 3})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
-
-import torch
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -36,20 +32,3 @@ def pin(spec: str) -> set[int]:
         raise ValueError(f"--cpus {spec!r} names CPUs this process may not use (it may use {sorted(available)})")
     os.sched_setaffinity(0, cpus)
     return cpus
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch's work in the block on the calling thread alone. For a round's small operations
-    on the logits (softmax, top-k over the vocabulary) after a CPU forward: spread over torch's
-    threads, they leave its idle workers spinning into the next forward, whose products then share
-    the cores with them."""
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -518,22 +518,20 @@ class BatchedCausalLM:
         for r in rows:
             # Before anything is written: a row past the bound is the caller's error, never growth.
             self.cache.check_row(r.slot, r.start, len(r.tokens))
+        if device_ids is not None:
+            device_ids = device_ids.index_select(0, to_device(order, device_ids.device))  # in the rows' order
         if self.static is not None:
-            hidden = self.static.run(
-                rows, None if device_ids is None else device_ids.index_select(0, to_device(order, device_ids.device))
-            )
+            hidden = self.static.run(rows, device_ids)
             if hidden is not None:
                 return order, rows, hidden.clone() if keep else hidden, self._wanted(rows, hidden)
-        native = self._native(
-            rows, None if device_ids is None else device_ids.index_select(0, to_device(order, device_ids.device))
-        )
+        native = self._native(rows, device_ids)
         if native is not None:
             return order, rows, native, self._wanted(rows, native)
         num_new = max(len(r.tokens) for r in rows)
         lengths = [r.start for r in rows]
         self.cache.prepare([r.slot for r in rows], lengths, [len(r.tokens) for r in rows])
         if device_ids is not None:
-            ids = device_ids.index_select(0, to_device(order, device_ids.device))[:, None]
+            ids = device_ids[:, None]
         else:
             ids = torch.zeros((len(rows), num_new), dtype=torch.long)
             for i, r in enumerate(rows):
