@@ -1,12 +1,14 @@
-"""Time the embedded float32 target's one-token step and 5-position verify as the verifier builds it
-("native": each decoder layer in one C call, its products through the gemv kernel reading the
-weights' exact Q4_1 / Q8_0 blocks), with the same products but torch's calls between them
-("blocks"), with the kernel on the float32 weights ("kernel"), and with torch's products only ("torch",
-as before the kernel: the head's plain or transposed product by the same calibration), and compare
-the greedy tokens of the three on a few chat prompts.
+"""Time the embedded float32 target's one-token step, a 5-position verify and a batched step of 8
+sequences as the verifier builds them ("native": each decoder layer in one C call, its products
+through the gemv kernel reading the weights' exact Q4_1 / Q8_0 blocks, in 16-lane AVX-512 form
+where the CPU has it), the same with the 8-lane AVX2 products ("native-avx2"), with the same
+products but torch's calls between them ("blocks"), with the kernel on the float32 weights
+("kernel"), and with torch's products only ("torch", as before the kernel: the head's plain or
+transposed product by the same calibration), and compare the greedy tokens of them all on a few
+chat prompts.
 
-The two configurations alternate in short blocks within one process, so a neighbour's load on a
-shared machine falls on both alike. Run pinned to one core, or on two:
+The configurations alternate in short blocks within one process, so a neighbour's load on a
+shared machine falls on all alike. Run pinned to one core, or on two:
 
     taskset -c 1 python scripts/bench_target_step.py --out /tmp/step.json
     python scripts/bench_target_step.py --threads 2 --out /tmp/step-2.json
@@ -38,6 +40,8 @@ CHATS = [
 CONTEXT = 100
 # As verifier_service.server.CALIBRATION_ROWS.
 CALIBRATION_ROWS = 16
+# Sequences in the batched step (one token each), as at 8 clients.
+BATCH = 8
 
 
 def weight_bytes(model: Any) -> int:
@@ -80,7 +84,7 @@ def main() -> None:
     tok = checkpoints.load_tokenizer("embedded")
     model = fused_llama.choose(models.load_model("embedded", torch.device("cpu"), torch.float32), "auto", "verifier")
     lm = BatchedCausalLM(model, torch.device("cpu"), torch.float32)
-    lm.reserve(4, 512)
+    lm.reserve(BATCH, 512)
     start = time.perf_counter()
     lm.calibrate_products(CALIBRATION_ROWS)
     calibration_s = time.perf_counter() - start
@@ -95,6 +99,7 @@ def main() -> None:
         gemv.load = real_load
     configs = {
         "native": (lm.head_product, linears.kernel_rows),
+        "native-avx2": (lm.head_product, linears.kernel_rows),
         "blocks": (lm.head_product, linears.kernel_rows),
         "kernel": (lm.head_product, linears.kernel_rows),
         "torch": (torch_head, frozenset[int]()),
@@ -104,18 +109,26 @@ def main() -> None:
     head_blocks = lm.head_product.blocks
     native = model.base_model.native
 
+    kernel = gemv.load()
+    assert kernel is not None, "no gemv kernel on this machine"
+
     def use(name: str) -> None:
         lm.head_product, linears.kernel_rows = configs[name]
         for m in products:
-            m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name in ("native", "blocks") else None
-        lm.head_product.blocks = head_blocks if name in ("native", "blocks") else None
-        model.base_model.native = native if name == "native" else None
+            m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name in ("native", "native-avx2", "blocks") else None
+        lm.head_product.blocks = head_blocks if name in ("native", "native-avx2", "blocks") else None
+        model.base_model.native = native if name.startswith("native") else None
+        kernel.set_wide(name != "native-avx2")
 
     lm.warm_up(9)
     filler = tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 30), add_special_tokens=False)
     context = filler[:CONTEXT]
-    lm.forward([Row(0, 0, context, len(context) - 1)])
-    samples: dict[str, dict[str, list[float]]] = {name: {"step": [], "verify5": []} for name in configs}
+    for slot in range(BATCH):
+        lm.forward([Row(slot, 0, context, len(context) - 1)])
+    batch = [Row(slot, CONTEXT, [context[slot]], 0) for slot in range(BATCH)]
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"step": [], "verify5": [], f"batch{BATCH}": []} for name in configs
+    }
     for block in range(args.blocks):
         for name in configs if block % 2 == 0 else reversed(list(configs)):
             use(name)
@@ -123,7 +136,9 @@ def main() -> None:
             samples[name]["verify5"].append(
                 block_ms(lambda: lm.forward([Row(0, CONTEXT, context[10:15], 0)]), args.runs)
             )
-    lm.cache.release(0)
+            samples[name][f"batch{BATCH}"].append(block_ms(lambda: lm.forward(batch), args.runs))
+    for slot in range(BATCH):
+        lm.cache.release(slot)
     nbytes = weight_bytes(model)
     prompts = [
         tok.encode(

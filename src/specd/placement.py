@@ -112,11 +112,12 @@ def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | No
     """
     ordered = sorted(set(cpus))
     half = ordered[: (len(ordered) + 1) // 2]
-    # "fused", "gemv", "native": what the verifier runs by default (specd.engine.fused_llama, its
+    # "fused", "gemv", "native", "avx512": what the verifier runs by default (specd.engine.fused_llama, its
     # one-row products chosen as the verifier chooses them and split among its threads, its layers in
-    # native calls); a cache of an older forward is measured again.
+    # native calls, its block products in AVX-512 form where the CPU has it); a cache of an older
+    # forward is measured again.
     key = json.dumps(
-        [cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused", "gemv", "native"]
+        [cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused", "gemv", "native", "avx512"]
     )
     path = cache / f"placement-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json" if cache else None
     if path is not None and path.exists():

@@ -196,11 +196,25 @@ def _q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
     return (d * q).reshape(n, k)
 
 
+@pytest.fixture(params=[False, True], ids=["avx2", "avx512"])
+def block_form(kernel: gemv.Gemv, request: pytest.FixtureRequest) -> Iterator[gemv.Gemv]:
+    """The kernel with its 8-lane (AVX2) or 16-lane (AVX-512F) block products; the latter skips on
+    a CPU without AVX-512F. The default (16-lane where the CPU has it) is restored after."""
+    used = kernel.set_wide(request.param)
+    try:
+        if used != request.param:
+            pytest.skip("this CPU has no AVX-512F")
+        yield kernel
+    finally:
+        kernel.set_wide(True)
+
+
 @pytest.mark.parametrize(("kind", "make"), [("q4", _q4_weight), ("q8", _q8_weight)])
 @pytest.mark.parametrize(("n", "k"), [(37, 576), (5, 32), (64, 1536)])
 def test_exact_blocks_give_the_float32_kernel_s_outputs_bit_for_bit(
-    kernel: gemv.Gemv, kind: str, make: object, n: int, k: int
+    block_form: gemv.Gemv, kind: str, make: object, n: int, k: int
 ) -> None:
+    kernel = block_form
     assert callable(make)
     weight = make(n, k, n + k)
     blocks = gemv.as_blocks(weight)
@@ -208,12 +222,13 @@ def test_exact_blocks_give_the_float32_kernel_s_outputs_bit_for_bit(
     # An eighth (Q4_1) or a quarter (Q8_0) of float32's bytes, and float32 scales per 32 weights.
     assert blocks.nbytes <= 4 * weight.numel() * (0.1875 if kind == "q4" else 0.28125)
     torch.manual_seed(k)
-    x = torch.randn(12, k)
-    for rows in range(1, 13):
+    # Past 8 rows: the 16-lane form takes 8 rows per pass over a weight row, the 8-lane form 3.
+    x = torch.randn(19, k)
+    for rows in range(1, 20):
         want = kernel.linear(x[:rows], weight)
         torch.testing.assert_close(kernel.linear(x[:rows], weight, None, blocks), want, rtol=0, atol=0)
     # And a row alone is the same bits as in a batch, read from blocks too.
-    alone = torch.cat([kernel.linear(x[i : i + 1], weight, None, blocks) for i in range(12)])
+    alone = torch.cat([kernel.linear(x[i : i + 1], weight, None, blocks) for i in range(19)])
     torch.testing.assert_close(kernel.linear(x, weight, None, blocks), alone, rtol=0, atol=0)
 
 

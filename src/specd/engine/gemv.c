@@ -275,6 +275,102 @@ static inline void q8_block(const uint8_t *q, const float *d, __m256 w[4]) {
     }
 }
 
+// -- the AVX-512 forms of the block products ---------------------------------------------------
+// A 16-lane register holds two of the four chains side by side: inputs k..k+15 of a block of 32 are
+// the k groups of chains 0 and 1, k+16..k+31 those of chains 2 and 3. Its multiply-adds are the
+// lane-wise fused ones of the 8-lane form, and its halves are folded in the same order, so its
+// outputs are bitwise the 8-lane form's, with half the instructions and two registers per row
+// instead of four: up to WIDE_ROWS rows share each block's rebuild. Chosen at run time where the CPU has
+// AVX-512F (specd_set_wide).
+#define WIDE __attribute__((target("avx512f")))
+#define WIDE_ROWS 8
+// Weight rows taken through every pass of activation rows before the next ones: their blocks stay
+// in L1 or L2 between passes.
+#define WIDE_TILE 16
+
+// Activation rows per pass over a weight row: as many as fit about 12 KiB (measured better than
+// filling L1 or the registers).
+static inline int64_t wide_pass(int64_t K) {
+    const int64_t fit = 3072 / K;
+    return fit < 1 ? 1 : fit > WIDE_ROWS ? WIDE_ROWS : fit;
+}
+
+// -1: not yet decided; 0: the 8-lane form; 1: the 16-lane form.
+static int wide = -1;
+
+WIDE static inline __m256 upper(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+WIDE static inline float fold_wide(__m512 chains01, __m512 chains23) {
+    const __m256 a0 = _mm512_castps512_ps256(chains01), a1 = upper(chains01);
+    const __m256 a2 = _mm512_castps512_ps256(chains23), a3 = upper(chains23);
+    return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+// The block's 16 possible weights are rebuilt once (d * q + m for q = 0..15, the same float32
+// operations as the 8-lane form's per weight) and each input's nibble picks its own.
+WIDE static inline void q4_wide_block(const uint8_t *q, const float *dm, __m512 w[2]) {
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(dm[0])), _mm512_set1_ps(dm[1]));
+    // A byte widened to 32 bits: its low nibble is the index (the permutation reads 4 bits).
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+    w[0] = _mm512_permutexvar_ps(bytes, table);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
+WIDE static inline void q8_wide_block(const uint8_t *q, const float *d, __m512 w[2]) {
+    const __m512 scale = _mm512_set1_ps(d[0]);
+    for (int i = 0; i < 2; i++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * i));
+        w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), scale);
+    }
+}
+
+#define WIDE_DOT(KIND, QBYTES, SCALES, R)                                                            \
+    WIDE static void KIND##_wide_dot_##R(const float *x, const uint8_t *qn, const float *sn, float *y, \
+                                         int64_t N, int64_t K) {                                     \
+        __m512 acc[R][2];                                                                            \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                    \
+        for (int64_t b = 0; b < K / 32; b++) {                                                       \
+            __m512 w[2];                                                                             \
+            KIND##_wide_block(qn + b * QBYTES, sn + b * SCALES, w);                                  \
+            for (int h = 0; h < 2; h++)                                                              \
+                for (int r = 0; r < R; r++)                                                          \
+                    acc[r][h] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + b * 32 + 16 * h), w[h], acc[r][h]); \
+        }                                                                                            \
+        for (int r = 0; r < R; r++) y[r * N] = fold_wide(acc[r][0], acc[r][1]);                      \
+    }
+
+#define WIDE_BLOCKS(KIND, QBYTES, SCALES)                                                            \
+    WIDE_DOT(KIND, QBYTES, SCALES, 1) WIDE_DOT(KIND, QBYTES, SCALES, 2) WIDE_DOT(KIND, QBYTES, SCALES, 3) \
+    WIDE_DOT(KIND, QBYTES, SCALES, 4) WIDE_DOT(KIND, QBYTES, SCALES, 5) WIDE_DOT(KIND, QBYTES, SCALES, 6) \
+    WIDE_DOT(KIND, QBYTES, SCALES, 7) WIDE_DOT(KIND, QBYTES, SCALES, 8)                              \
+    static const KIND##_fn KIND##_wide_dots[WIDE_ROWS + 1] = {                                       \
+        0, KIND##_wide_dot_1, KIND##_wide_dot_2, KIND##_wide_dot_3, KIND##_wide_dot_4,               \
+        KIND##_wide_dot_5, KIND##_wide_dot_6, KIND##_wide_dot_7, KIND##_wide_dot_8};                 \
+    static void KIND##_wide_rows(const void *job_args, int64_t n0, int64_t n1) {                     \
+        const Product *p = job_args;                                                                 \
+        const int64_t blocks = p->K / 32;                                                            \
+        const uint8_t *q = p->w;                                                                     \
+        const int64_t pass = wide_pass(p->K);                                                        \
+        for (int64_t t = n0; t < n1; t += WIDE_TILE) {                                               \
+            const int64_t t1 = t + WIDE_TILE < n1 ? t + WIDE_TILE : n1;                              \
+            for (int64_t r = 0; r < p->R; r += pass) {                                               \
+                const int64_t take = p->R - r < pass ? p->R - r : pass;                              \
+                for (int64_t n = t; n < t1; n++)                                                     \
+                    KIND##_wide_dots[take](p->x + r * p->K, q + n * blocks * QBYTES, p->s + n * blocks * SCALES, \
+                                           p->y + r * p->N + n, p->N, p->K);                         \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+// Use the 16-lane block products from now on where `on` and the CPU has AVX-512F; returns 1 if they
+// are used. The outputs are the same either way (a test compares them).
+int specd_set_wide(int on) {
+    __builtin_cpu_init();
+    wide = on && __builtin_cpu_supports("avx512f");
+    return wide;
+}
+
 // R activation rows (x, K apart) against one weight row held as blocks (qn, sn); outputs N apart
 // from y. Each block is rebuilt in registers, then summed as DOT sums a float32 row.
 #define BLOCK_DOT(KIND, QBYTES, SCALES, R)                                                           \
@@ -303,21 +399,20 @@ static inline void q8_block(const uint8_t *q, const float *d, __m256 w[4]) {
         const Product *p = job_args;                                                                 \
         const int64_t blocks = p->K / 32;                                                            \
         const uint8_t *q = p->w;                                                                     \
-        for (int64_t r0 = 0; r0 < p->R; r0 += MAX_ROWS) {                                            \
-            const int64_t rows = p->R - r0 < MAX_ROWS ? p->R - r0 : MAX_ROWS;                        \
-            for (int64_t n = n0; n < n1; n++)                                                        \
-                for (int64_t r = 0; r < rows; r += SUB_ROWS) {                                       \
-                    const int64_t take = rows - r < SUB_ROWS ? rows - r : SUB_ROWS;                  \
-                    KIND##_dots[take](p->x + (r0 + r) * p->K, q + n * blocks * QBYTES, p->s + n * blocks * SCALES, \
-                                      p->y + (r0 + r) * p->N + n, p->N, p->K);                       \
-                }                                                                                    \
-        }                                                                                            \
+        for (int64_t n = n0; n < n1; n++)                                                            \
+            for (int64_t r = 0; r < p->R; r += SUB_ROWS) {                                           \
+                const int64_t take = p->R - r < SUB_ROWS ? p->R - r : SUB_ROWS;                      \
+                KIND##_dots[take](p->x + r * p->K, q + n * blocks * QBYTES, p->s + n * blocks * SCALES, \
+                                  p->y + r * p->N + n, p->N, p->K);                                  \
+            }                                                                                        \
     }                                                                                                \
+    WIDE_BLOCKS(KIND, QBYTES, SCALES)                                                                \
     int specd_gemv_##KIND(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, \
                           int64_t K) {                                                               \
         if (R < 1 || N < 1 || K < 32 || K % 32) return -1;                                           \
+        if (wide < 0) specd_set_wide(1);                                                             \
         const Product p = {x, q, s, y, R, N, K};                                                     \
-        run_rows(KIND##_rows, &p, N, N * K);                                                         \
+        run_rows(wide > 0 ? KIND##_wide_rows : KIND##_rows, &p, N, N * K);                           \
         return 0;                                                                                    \
     }
 

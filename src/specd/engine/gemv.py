@@ -137,12 +137,20 @@ class Gemv:
         self._threads = library.specd_set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = ctypes.c_int
+        self._wide = library.specd_set_wide
+        self._wide.argtypes = [ctypes.c_int]
+        self._wide.restype = ctypes.c_int
 
     def set_threads(self, n: int) -> int:
         """Split each product's weight rows among `n` threads from now on (the results do not depend
         on it); returns the number in use. The services pass torch's thread count, which their
         placement set."""
         return int(self._threads(n))
+
+    def set_wide(self, on: bool) -> bool:
+        """Use the 16-lane (AVX-512F) block products from now on where `on` and the CPU has them
+        (the default); returns whether they are used. The outputs are bitwise the same either way."""
+        return bool(self._wide(int(on)))
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gemv:
         # A loaded library is process-wide state: a copied model shares it (ctypes pointers do not copy).
