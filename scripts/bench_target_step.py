@@ -39,7 +39,7 @@ CHATS = [
 ]
 CONTEXT = 100
 # As verifier_service.server.CALIBRATION_ROWS.
-CALIBRATION_ROWS = 16
+CALIBRATION_ROWS = 64
 # Sequences in the batched step (one token each), as at 8 clients.
 BATCH = 8
 

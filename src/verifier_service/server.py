@@ -19,7 +19,8 @@ from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 
-CALIBRATION_ROWS = 16
+# The largest forward (tokens) whose products are timed at start-up; past it torch's run.
+CALIBRATION_ROWS = 64
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
@@ -37,8 +38,9 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_draft_tokens,
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
     )
-    # Rounds of a few sequences verify a few rows each, where the products differ most; from a
-    # couple of dozen rows on, torch's plain product is the matrix-matrix one.
+    # Rounds of a few sequences verify a few rows each, where the products differ most; a step of
+    # a few dozen sequences can still be cheaper through the kernel's blocks than torch's float32
+    # matrix-matrix product on a CPU of few cores, so the calibration goes that far.
     lm.calibrate_products(CALIBRATION_ROWS)
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.

@@ -6,7 +6,7 @@ from torch import nn
 
 from specd.engine.head_product import HeadProduct
 from specd.engine.quant import Int8WeightOnlyLinear
-from specd.engine.timing import choose_rows
+from specd.engine.timing import calibration_rows, choose_rows
 
 
 def test_choose_rows_takes_a_candidate_product_only_where_it_is_clearly_faster():
@@ -14,6 +14,19 @@ def test_choose_rows_takes_a_candidate_product_only_where_it_is_clearly_faster()
     assert choose_rows(timings) == frozenset({2, 3})
     assert choose_rows(timings, margin=0.0) == frozenset({2, 3, 4})
     assert choose_rows({}) == frozenset()
+
+
+def test_counts_between_timed_ones_take_the_verdict_of_the_next_one_above():
+    timings = {1: (10.0, 12.0), 2: (10.0, 5.0), 8: (30.0, 10.0), 16: (40.0, 45.0), 32: (90.0, 50.0)}
+    assert choose_rows(timings) == frozenset({2, 3, 4, 5, 6, 7, 8, *range(17, 33)})
+
+
+def test_calibration_times_every_count_to_16_then_fewer():
+    assert calibration_rows(5) == [1, 2, 3, 4, 5]
+    assert calibration_rows(16) == list(range(1, 17))
+    assert calibration_rows(64) == [*range(1, 17), 24, 32, 48, 64]
+    assert calibration_rows(100) == [*range(1, 17), 24, 32, 48, 64, 96, 100]
+    assert calibration_rows(0) == []
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -171,7 +171,7 @@ class FusedLlamaBody(nn.Module):
         self.native: NativeLayers | None = None
 
     def calibrate(self, max_rows: int) -> frozenset[int]:
-        """Choose the float32 linears' product for forwards of 1..max_rows tokens by timing every
+        """Choose the float32 linears' product for forwards of up to max_rows tokens by timing every
         layer's products (`specd.engine.gemv.RowKernel.calibrate`); the token counts it took the
         kernel for."""
         products = [

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specd.engine.timing import best_times, choose_rows
+from specd.engine.timing import best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
 
@@ -298,8 +298,8 @@ class RowKernel:
 
     def calibrate(self, linears: Sequence[nn.Module], max_rows: int, repeats: int = 3) -> frozenset[int]:
         """Time `linears` one after another (a forward's products, so the weights stream from memory
-        as in a step) through torch and through the kernel for 1..max_rows rows, and keep the kernel
-        for the row counts `choose_rows` picks; returns them."""
+        as in a step) through torch and through the kernel for the row counts `calibration_rows`
+        gives up to `max_rows`, and keep the kernel for those `choose_rows` picks; returns them."""
         plain = [m for m in linears if type(m) is nn.Linear and m.weight.dtype == torch.float32]
         kernel = load() if plain and max_rows > 0 and all(m.weight.device.type == "cpu" for m in plain) else None
         self.kernel, self.kernel_rows = kernel, frozenset()
@@ -309,7 +309,7 @@ class RowKernel:
         held = attach_blocks(plain)
         timings: dict[int, tuple[float, float]] = {}
         with torch.inference_mode():
-            for rows in range(1, max_rows + 1):
+            for rows in calibration_rows(max_rows):
                 inputs = [torch.randn(rows, m.in_features) for m in plain]
 
                 def run_torch(inputs: list[torch.Tensor] = inputs) -> None:

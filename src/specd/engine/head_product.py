@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specd.engine import gemv
-from specd.engine.timing import best_times, choose_rows
+from specd.engine.timing import best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +58,10 @@ class HeadProduct:
         return out
 
     def calibrate(self, max_rows: int, repeats: int = 2) -> frozenset[int]:
-        """Time the products for 1..max_rows rows (best of `repeats`, after one untimed run) and
-        use the transposed one where `choose_rows` says, then the kernel (where it runs) where it
-        beat the faster of those two by `choose_rows`'s margin; returns the transposed row counts."""
+        """Time the products for the row counts `calibration_rows` gives up to `max_rows` (best of
+        `repeats`, after one untimed run) and use the transposed one where `choose_rows` says, then
+        the kernel (where it runs) where it beat the faster of those two by `choose_rows`'s margin;
+        returns the transposed row counts."""
         if not self.applies or max_rows < 1:
             return frozenset()
         assert isinstance(self.head, nn.Linear)
@@ -72,7 +73,7 @@ class HeadProduct:
         timings: dict[int, tuple[float, float]] = {}
         kernel_timings: dict[int, float] = {}
         with torch.inference_mode():
-            for rows in range(1, max_rows + 1):
+            for rows in calibration_rows(max_rows):
                 hidden = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
                 runs = [lambda h=hidden: self.head(h), lambda h=hidden: self._transposed(h)]
                 if kernel is not None:

@@ -438,8 +438,8 @@ class BatchedCausalLM:
         return timed
 
     def calibrate_products(self, max_rows: int) -> None:
-        """On the CPU, measure the LM head's products for 1..max_rows rows and the decoder's linear
-        products for forwards of 1..max_rows tokens (where the model's forward can choose: the fused
+        """On the CPU, measure the LM head's products for up to max_rows rows and the decoder's linear
+        products for forwards of up to max_rows tokens (where the model's forward can choose: the fused
         one, `specd.engine.fused_llama`), and use the fastest for each; other devices keep torch's."""
         if self.device.type != "cpu":
             return

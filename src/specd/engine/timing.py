@@ -9,10 +9,28 @@ from collections.abc import Callable, Mapping, Sequence
 MARGIN = 0.1
 
 
+def calibration_rows(max_rows: int) -> list[int]:
+    """The row counts a calibration times, up to `max_rows`: every one to 16 (one-token steps and
+    short verifies, where the choice changes fastest), then 24 and 32, then every 16 to 64, then
+    every 32; and `max_rows` itself."""
+    rows = list(range(1, min(max_rows, 16) + 1))
+    while rows and rows[-1] < max_rows:
+        last = rows[-1]
+        rows.append(min(max_rows, last + (8 if last < 32 else 16 if last < 64 else 32)))
+    return rows
+
+
 def choose_rows(timings: Mapping[int, tuple[float, float]], margin: float = MARGIN) -> frozenset[int]:
     """From {rows: (incumbent seconds, candidate seconds)}, the row counts where the candidate was
-    faster by more than `margin` (a tie keeps the incumbent)."""
-    return frozenset(rows for rows, (incumbent, candidate) in timings.items() if candidate < incumbent * (1.0 - margin))
+    faster by more than `margin` (a tie keeps the incumbent). A count between the timed ones takes
+    the verdict of the next timed count above it."""
+    won = sorted(rows for rows, (incumbent, candidate) in timings.items() if candidate < incumbent * (1.0 - margin))
+    timed = sorted(timings)
+    chosen: set[int] = set()
+    for below, rows in zip([0, *timed], timed, strict=False):
+        if rows in won:
+            chosen.update(range(below + 1, rows + 1))
+    return frozenset(chosen)
 
 
 def best_time(run: Callable[[], object], repeats: int) -> float:
