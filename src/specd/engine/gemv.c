@@ -280,8 +280,8 @@ static inline void q8_block(const uint8_t *q, const float *d, __m256 w[4]) {
 // the k groups of chains 0 and 1, k+16..k+31 those of chains 2 and 3. Its multiply-adds are the
 // lane-wise fused ones of the 8-lane form, and its halves are folded in the same order, so its
 // outputs are bitwise the 8-lane form's, with half the instructions and two registers per row
-// instead of four: up to WIDE_ROWS rows share each block's rebuild. Chosen at run time where the CPU has
-// AVX-512F (specd_set_wide).
+// instead of four: up to WIDE_ROWS rows share each block's rebuild. Chosen when the library loads
+// where the CPU has AVX-512F (specd_set_wide changes it).
 #define WIDE __attribute__((target("avx512f")))
 #define WIDE_ROWS 8
 // Weight rows taken through every pass of activation rows before the next ones: their blocks stay
@@ -295,8 +295,8 @@ static inline int64_t wide_pass(int64_t K) {
     return fit < 1 ? 1 : fit > WIDE_ROWS ? WIDE_ROWS : fit;
 }
 
-// -1: not yet decided; 0: the 8-lane form; 1: the 16-lane form.
-static int wide = -1;
+// 0: the 8-lane form; 1: the 16-lane form.
+static _Atomic int wide;
 
 WIDE static inline __m256 upper(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
@@ -367,9 +367,11 @@ WIDE static inline void q8_wide_block(const uint8_t *q, const float *d, __m512 w
 // are used. The outputs are the same either way (a test compares them).
 int specd_set_wide(int on) {
     __builtin_cpu_init();
-    wide = on && __builtin_cpu_supports("avx512f");
-    return wide;
+    atomic_store(&wide, on && __builtin_cpu_supports("avx512f"));
+    return atomic_load(&wide);
 }
+
+__attribute__((constructor)) static void choose_form(void) { specd_set_wide(1); }
 
 // R activation rows (x, K apart) against one weight row held as blocks (qn, sn); outputs N apart
 // from y. Each block is rebuilt in registers, then summed as DOT sums a float32 row.
@@ -410,9 +412,8 @@ int specd_set_wide(int on) {
     int specd_gemv_##KIND(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, \
                           int64_t K) {                                                               \
         if (R < 1 || N < 1 || K < 32 || K % 32) return -1;                                           \
-        if (wide < 0) specd_set_wide(1);                                                             \
         const Product p = {x, q, s, y, R, N, K};                                                     \
-        run_rows(wide > 0 ? KIND##_wide_rows : KIND##_rows, &p, N, N * K);                           \
+        run_rows(atomic_load(&wide) ? KIND##_wide_rows : KIND##_rows, &p, N, N * K);                           \
         return 0;                                                                                    \
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -24,11 +25,11 @@ def choose_rows(timings: Mapping[int, tuple[float, float]], margin: float = MARG
     """From {rows: (incumbent seconds, candidate seconds)}, the row counts where the candidate was
     faster by more than `margin` (a tie keeps the incumbent). A count between the timed ones takes
     the verdict of the next timed count above it."""
-    won = sorted(rows for rows, (incumbent, candidate) in timings.items() if candidate < incumbent * (1.0 - margin))
     timed = sorted(timings)
     chosen: set[int] = set()
-    for below, rows in zip([0, *timed], timed, strict=False):
-        if rows in won:
+    for below, rows in itertools.pairwise([0, *timed]):
+        incumbent, candidate = timings[rows]
+        if candidate < incumbent * (1.0 - margin):
             chosen.update(range(below + 1, rows + 1))
     return frozenset(chosen)
 
