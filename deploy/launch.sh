@@ -69,7 +69,7 @@ cmd=(
   --drafter-device "$drafter_device"
   --verifier-device "$verifier_device"
   # The target stays float32 (greedy output exactly the target's) unless told otherwise.
-  --drafter-dtype "${SPECD_DRAFTER_DTYPE:-bfloat16}"
+  --drafter-dtype "${SPECD_DRAFTER_DTYPE:-auto}"
   --verifier-dtype "${SPECD_VERIFIER_DTYPE:-float32}"
   --quantize "${SPECD_DRAFTER_QUANTIZE:-auto}"
   --num-speculative-tokens "${SPECD_GATEWAY_NUM_SPECULATIVE_TOKENS:-4}"

@@ -29,6 +29,7 @@ import torch
 from specd.engine import checkpoints, fused_llama, gemv, models
 from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.timing import CALIBRATION_ROWS
 from specd.placement import cpu_model
 
 CHATS = [
@@ -38,8 +39,6 @@ CHATS = [
     "Give me a haiku about the sea.",
 ]
 CONTEXT = 100
-# As verifier_service.server.CALIBRATION_ROWS.
-CALIBRATION_ROWS = 64
 # Sequences in the batched step (one token each), as at 8 clients.
 BATCH = 8
 

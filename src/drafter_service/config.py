@@ -18,13 +18,19 @@ class DrafterConfig(ModelServiceConfig):
         "draft model: a local HF directory, a drafter from specd distill, a .gguf file, 'embedded' (the target "
         "itself), or 'embedded-drafter' (the drafter distilled for it)",
     )
-    dtype: str = field("bfloat16", "activation dtype of the draft model", DTYPE_CHOICES)
+    dtype: str = field(
+        "auto",
+        "activation dtype of the draft model; auto: float32 for an unquantized model on the CPU (a distilled "
+        "drafter, or the target's own 4-bit blocks read through the CPU kernel), else bfloat16",
+        ["auto", *DTYPE_CHOICES],
+    )
     drafter: str = field("model", "proposer: a draft model, or model-free n-gram prompt lookup", ["model", "ngram"])
     quantize: str = field(
         "auto",
-        "weight quantization (CPU): int8 or int4 weight-only, none, or auto: on the CPU int4 where the "
-        "weights are 4-bit already (a Q4_1 GGUF, the embedded target: its inner layers are exact), else int8; "
-        "none for a distilled drafter or on a GPU",
+        "weight quantization (CPU): int8 or int4 weight-only, none, or auto: on the CPU, where the weights "
+        "are 4-bit already (a Q4_1 GGUF, the embedded target), none with float32 activations, their exact "
+        "blocks read through the CPU kernel (int4 where --dtype is bfloat16 or the kernel cannot be built), "
+        "else int8; none for a distilled drafter or on a GPU",
         ["auto", "int8", "int4", "none"],
     )
     int8_wide_rows: int = field(

@@ -7,15 +7,17 @@ import logging
 from collections.abc import Sequence
 
 import grpc
+import torch
 
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.engine import checkpoints, cuda_graphs, fused_llama, models
+from specd.engine import checkpoints, cuda_graphs, fused_llama, gemv, models
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM, Row
-from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows
+from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows, weights_are_int4
+from specd.engine.timing import CALIBRATION_ROWS
 from specd.heap import trim_heap
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
@@ -39,30 +41,7 @@ DRAFT_GRAPH_BLOCK = 4
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
     if config.drafter == "ngram":
         return _ngram_engine(config)
-    quantization = config.quantization
-    if config.quantize == "auto" and checkpoints.is_distilled(checkpoints.materialize(config.model)):
-        quantization = "none"  # a distilled drafter is already small; quantizing would cost agreement
-        if config.int8_wide_rows != -1:
-            raise ValueError("int8_wide_rows applies to a quantized drafter; this distilled drafter is not quantized")
-    if quantization != "none" and models.parse_device(config.device).type != "cpu":
-        raise ValueError(f"--quantize {quantization} uses a CPU kernel; use --quantize none on GPUs")
-    # A quantized copy is made from float32 weights: rounded to bfloat16 first, 4-bit weights
-    # would no longer be 4-bit, and the int4 copy of a Q4_1 target would lose its exactness.
-    load_dtype = "float32" if quantization != "none" else config.dtype
-    loaded = models.load_for_serving(
-        config.model, config.device, load_dtype, config.threads, config.cpus, config.load_format
-    )
-    loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
-    if quantization != "none":
-        kind = "auto" if quantization == "auto-cpu" else quantization
-        quantization = quantize_copy(loaded.model, kind, keep_wide=config.int8_wide_rows != 0)
-        log.info("the drafter is an %s weight-only copy", quantization)
-        dtype = models.parse_dtype(config.dtype)
-        loaded.model.to(dtype)
-        loaded = dataclasses.replace(loaded, dtype=dtype)
-        # The float32 layers just replaced (and the fused forward's concatenated copies) were freed
-        # into the C heap, which would otherwise keep them resident for the life of the service.
-        trim_heap()
+    loaded, quantization = _load_weights(config)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
     engine = ModelDrafter(
@@ -78,6 +57,10 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         calibrate_wide_rows(loaded.model, lambda rows: _prefill_once(lm, rows))
     elif quantization != "none":
         set_wide_rows(loaded.model, config.int8_wide_rows)
+    else:
+        # Where the float32 products of a CPU forward are faster through the kernel (from the exact
+        # 4-bit blocks of a Q4_1 model, say), they run there, as the verifier's do.
+        lm.calibrate_products(CALIBRATION_ROWS)
     lm.warm_up(2)
     # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
     cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", config.max_sequences)
@@ -95,7 +78,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         tokenizer=fingerprint_pb(loaded.fingerprint),
         max_context=engine.max_context,
         device=str(loaded.device),
-        dtype=config.dtype,
+        dtype=str(loaded.dtype).removeprefix("torch."),
         model_vocab_size=lm.vocab_size,
         hidden_size=lm.hidden_size,
         max_sequences=config.max_sequences,
@@ -103,6 +86,55 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         step_timings=[common_pb2.StepTiming(sequences=n, forward_ns=ns) for n, ns in step_timings],
     )
     return engine, info
+
+
+def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:
+    """The draft model as it will run, and its quantization: int8, int4 or none."""
+    quantization = config.quantization
+    distilled = checkpoints.is_distilled(checkpoints.materialize(config.model))
+    if config.quantize == "auto" and distilled:
+        quantization = "none"  # a distilled drafter is already small; quantizing would cost agreement
+    if quantization != "none" and models.parse_device(config.device).type != "cpu":
+        raise ValueError(f"--quantize {quantization} uses a CPU kernel; use --quantize none on GPUs")
+    # A quantized copy is made from float32 weights: rounded to bfloat16 first, 4-bit weights
+    # would no longer be 4-bit, and the int4 copy of a Q4_1 target would lose its exactness.
+    load_dtype = "float32" if quantization != "none" else activation_dtype(config.dtype, config.device, "none")
+    loaded = models.load_for_serving(
+        config.model, config.device, load_dtype, config.threads, config.cpus, config.load_format
+    )
+    loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
+    if quantization == "auto-cpu" and reads_blocks(config.dtype, loaded.model):
+        quantization = "none"
+        log.info("the drafter computes in float32 from its weights' exact 4-bit blocks, through the CPU kernel")
+    if quantization == "none" and config.int8_wide_rows != -1:
+        raise ValueError("int8_wide_rows applies to a quantized drafter; this drafter is not quantized")
+    if quantization == "none":
+        return loaded, quantization
+    kind = "auto" if quantization == "auto-cpu" else quantization
+    quantization = quantize_copy(loaded.model, kind, keep_wide=config.int8_wide_rows != 0)
+    log.info("the drafter is an %s weight-only copy", quantization)
+    dtype = models.parse_dtype(activation_dtype(config.dtype, config.device, quantization))
+    loaded.model.to(dtype)
+    # The float32 layers just replaced (and the fused forward's concatenated copies) were freed
+    # into the C heap, which would otherwise keep them resident for the life of the service.
+    trim_heap()
+    return dataclasses.replace(loaded, dtype=dtype), quantization
+
+
+def activation_dtype(dtype: str, device: str, quantization: str) -> str:
+    """`--dtype`, with auto resolved: float32 for an unquantized model on the CPU (the float32
+    kernel's products, a distilled drafter's agreement), else bfloat16."""
+    if dtype != "auto":
+        return dtype
+    on_cpu = torch.device(device).type == "cpu"
+    return "float32" if on_cpu and quantization == "none" else "bfloat16"
+
+
+def reads_blocks(dtype: str, model: torch.nn.Module) -> bool:
+    """Whether `--quantize auto` should leave a float32 CPU model unquantized: its weights are
+    4-bit already (a Q4_1 GGUF's), so the float32 kernel reads the same blocks an int4 copy would,
+    in one native call per layer and with the target's own float32 arithmetic."""
+    return dtype in ("auto", "float32") and gemv.load() is not None and weights_are_int4(model)
 
 
 def _ngram_engine(config: DrafterConfig) -> tuple[NgramDrafter, common_pb2.ModelInfo]:

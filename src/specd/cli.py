@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
+from specd.engine import DTYPE_CHOICES
+
 if TYPE_CHECKING:
     from specd.mps import SharedGpu
     from specd.placement import CpuPlacement
@@ -133,14 +135,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="both services' (see specd verifier --help)",
     )
-    p.add_argument("--drafter-dtype", default=None, help="default: float32 for a distilled drafter, else bfloat16")
+    p.add_argument(
+        "--drafter-dtype",
+        choices=["auto", *DTYPE_CHOICES],
+        default="auto",
+        help="auto: float32 for an unquantized drafter on the CPU (distilled, or the target's own 4-bit blocks "
+        "through the CPU kernel), else bfloat16 (see specd drafter --help)",
+    )
     p.add_argument("--verifier-dtype", default="float32")
     p.add_argument(
         "--quantize",
         choices=["auto", "int8", "int4", "none"],
         default="auto",
-        help="draft model weights; auto: on the CPU int4 where the target is 4-bit already (the embedded one), "
-        "else int8 (see specd drafter --help)",
+        help="draft model weights; auto: on the CPU, where the target is 4-bit already (the embedded one), its "
+        "exact blocks read through the CPU kernel in float32, else int8 (see specd drafter --help)",
     )
 
 
@@ -446,7 +454,6 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
 def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[str]]:
     """Each child's `specd` command line: verifier, drafter (unless none), gateway."""
     drafter, draft_model, quantize = plan.drafter, plan.draft_model, plan.quantize
-    drafter_dtype = args.drafter_dtype or ("float32" if drafter == "distilled" else "bfloat16")
     server_tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key] if args.tls_cert else []
     backend_tls = [*server_tls, "--tls-client-ca", args.tls_ca] if args.tls_client_cert else server_tls
     tracing = ["--trace-file", args.trace_file, "--otlp-endpoint", args.otlp_endpoint]
@@ -476,7 +483,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "--drafter", "ngram" if drafter == "ngram" else "model",
             "--model", draft_model,
             "--device", args.drafter_device,
-            "--dtype", drafter_dtype,
+            "--dtype", args.drafter_dtype,
             "--quantize", quantize,
             "--metrics-port", str(args.drafter_metrics_port),
             "--threads", str(args.drafter_threads),

@@ -10,6 +10,7 @@ import grpc
 from specd.engine import cuda_graphs, fused_llama, models
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.timing import CALIBRATION_ROWS
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
@@ -18,9 +19,6 @@ from specd.rpc.tracing import Tracing
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
-
-# The largest forward (tokens) whose products are timed at start-up; past it torch's run.
-CALIBRATION_ROWS = 64
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:

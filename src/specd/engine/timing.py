@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 # A candidate kernel is taken for a row count only where it was faster than the incumbent by more than this share.
 MARGIN = 0.1
+# The largest forward (tokens) whose float32 products the services time at start-up; past it torch's run.
+CALIBRATION_ROWS = 64
 
 
 def calibration_rows(max_rows: int) -> list[int]:
