@@ -404,20 +404,22 @@ class Scheduler:
             return
         chunks = open_chunks(batch, self.active, "prefill_pending", self.prefill_chunk_tokens, scores_prompts=True)
         self._verifier_prefill_spent = sum(chunks.values())
-        # Where the two services work at once, the sequences that will draft open on the drafter
-        # beside their open on the verifier (`_early_joins`), and draft from their second round.
-        # Otherwise only the verifier opens them here; they join the drafter after their first
-        # round, once the policy wants drafts from them (see decide), so the drafter's
-        # prefill never competes with the verifier's.
+        # The sequences that will draft open on the drafter at their admission (`_early_joins`)
+        # and draft from their second round: beside their open on the verifier where the two
+        # services work at once, else right after it, so the drafter's prefill never competes
+        # with the verifier's. Prompts the drafter cannot prefill by then join in later rounds.
         prefilled = sum(chunks.get(s.id, len(s.tokens) - 1) for s in batch)
         early, early_chunks = self._early_joins(batch, prefilled)
         for s in early:
             s.drafter.want()
             s.joined_for_auto = speculation(s, self.limits) == "auto"
-        join = asyncio.create_task(self.exchange.join(early, [], True, early_chunks)) if early else None
+        beside = early and self.drafter_overlap
+        join = asyncio.create_task(self.exchange.join(early, [], True, early_chunks)) if beside else None
         results = await self._open(batch, chunks, prefilled, join, early)
         if results is None:
             return
+        if early and not beside:
+            await self.exchange.join(early, [], True, early_chunks)
         await settle(join)  # its failures are the drafter's, handled there: the sequences go on
         refused = [s for s, r in zip(batch, results, strict=True) if not await self._opened(s, r, chunks, early)]
         self.metrics.running.set(len(self.active))
@@ -473,13 +475,13 @@ class Scheduler:
         return True
 
     def _early_joins(self, batch: list[_Sequence], prefilled: int) -> tuple[list[_Sequence], dict[str, int]]:
-        """The sequences to open on the drafter beside their verifier open, and what each prefills
-        there: only where the two services work at once (`drafter_overlap`), and only as much
-        prompt as the drafter is measured to prefill in the time the verifier's open of
-        `prefilled` tokens takes, so the first token waits for nothing more. The rest is
-        prefilled beside the verifies; until both opens have been timed (by sequences joining
-        after their first round), none joins early."""
-        if not self.drafter_overlap or self.drafter is None or self.k_limit <= 0:
+        """The sequences to open on the drafter at their verifier open, and what each prefills
+        there: as much prompt as the drafter is measured to prefill in the time the verifier's
+        open of `prefilled` tokens takes (beside it, the first token waits for nothing more;
+        after it, on shared cores, at most about as long again). The rest is prefilled in the
+        rounds; until both opens have been timed (by sequences joining after their first
+        round), none joins early."""
+        if self.drafter is None or self.k_limit <= 0:
             return [], {}
         if self.drafter_link is not None and not self.drafter_link.up:
             return [], {}
