@@ -91,8 +91,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
 def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:
     """The draft model as it will run, and its quantization: int8, int4 or none."""
     quantization = config.quantization
-    distilled = checkpoints.is_distilled(checkpoints.materialize(config.model))
-    if config.quantize == "auto" and distilled:
+    if config.quantize == "auto" and checkpoints.is_distilled(checkpoints.materialize(config.model)):
         quantization = "none"  # a distilled drafter is already small; quantizing would cost agreement
     if quantization != "none" and models.parse_device(config.device).type != "cpu":
         raise ValueError(f"--quantize {quantization} uses a CPU kernel; use --quantize none on GPUs")

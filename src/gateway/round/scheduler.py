@@ -413,7 +413,7 @@ class Scheduler:
         for s in early:
             s.drafter.want()
             s.joined_for_auto = speculation(s, self.limits) == "auto"
-        beside = early and self.drafter_overlap
+        beside = bool(early) and self.drafter_overlap
         join = asyncio.create_task(self.exchange.join(early, [], True, early_chunks)) if beside else None
         results = await self._open(batch, chunks, prefilled, join, early)
         if results is None:
