@@ -638,12 +638,13 @@ GPU_FIRST = [
 ]
 # The other unit files run in this many pytest processes at once (a GPU host has the cores).
 UNIT_GROUPS = 6
+INTEGRATION_GROUPS = 6
 
 
-def unit_groups(first: list[str], groups: int = UNIT_GROUPS) -> list[list[str]]:
-    """The unit test files not in `first`, dealt largest first into `groups` lists of similar size."""
+def file_groups(skip: list[str], groups: int = UNIT_GROUPS, folder: str = "unit") -> list[list[str]]:
+    """The test files of tests/`folder` not in `skip`, dealt largest first into `groups` lists of similar size."""
     files = sorted(
-        (p for p in (ROOT / "tests" / "unit").glob("test_*.py") if str(p.relative_to(ROOT)) not in first),
+        (p for p in (ROOT / "tests" / folder).glob("test_*.py") if str(p.relative_to(ROOT)) not in skip),
         key=lambda p: -p.stat().st_size,
     )
     out: list[list[str]] = [[] for _ in range(groups)]
@@ -663,6 +664,7 @@ NOT_ON_DEVICE = {
     "tests/unit/test_benchmarks_doc.py": "documents, rendered on the CPU",
     "tests/unit/test_config_docs.py": "documents, rendered on the CPU",
     "tests/integration/test_bad_input.py": "schemathesis is not carried",
+    "tests/integration/test_clients.py": "the client SDKs it drives (openai-agents, langchain-openai) are not carried",
     "tests/integration/test_real_model.py": "the embedded GGUF cannot travel",
 }
 
@@ -681,9 +683,11 @@ def tests_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[s
     if REPORT:
         REPORT.data["cuda_tests"] = out
         REPORT.write()
-    runs = {f"unit_{i}": ([*common, *group], {}) for i, group in enumerate(unit_groups([*first, *NOT_ON_DEVICE]))}
+    runs = {f"unit_{i}": ([*common, *group], {}) for i, group in enumerate(file_groups([*first, *NOT_ON_DEVICE]))}
+    # Each integration test starts its own processes on free ports: files in parallel groups.
     both = {"SPECD_VERIFIER_DEVICE": device, "SPECD_DRAFTER_DEVICE": device}
-    runs["integration"] = ([*common, "tests/integration"], both)
+    for i, group in enumerate(file_groups(list(NOT_ON_DEVICE), INTEGRATION_GROUPS, "integration")):
+        runs[f"integration_{i}"] = ([*common, *group], both)
     out.update(run_pytests(runs, env, deadline - time.monotonic() - 3, logs))
     totals = {k: 0 for k in ("passed", "failed", "skipped", "error")}
     failing: list[str] = []

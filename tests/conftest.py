@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import tinymodels
+
+# The tests start their own services, each with the backend token it needs or none: a token an
+# operator exported for `specd up` in this shell would make every test's own call to a service
+# UNAUTHENTICATED.
+for name in ("SPECD_BACKEND_TOKEN", *(f"SPECD_{s}_BACKEND_TOKEN_FILE" for s in ("DRAFTER", "VERIFIER", "GATEWAY"))):
+    os.environ.pop(name, None)
 
 
 @pytest.fixture(scope="session")
