@@ -2,7 +2,7 @@
 """README's GPU tables from scripts/gpu_check.py's JSON files (markdown on stdout).
 
 python3 scripts/gpu_table.py docs/bench/gpu-*.json
-python3 scripts/gpu_table.py --readme README.md docs/bench/gpu-*.json   # rewrites README's GPU tables
+python3 scripts/gpu_table.py --readme FILE docs/bench/gpu-*.json   # rewrites FILE's GPU tables (README: the latest run)
 """
 
 from __future__ import annotations
@@ -76,15 +76,19 @@ def service_rows(report: dict[str, Any]) -> list[str]:
 
 
 def tests_line(report: dict[str, Any]) -> str:
-    tests = report.get("cuda_tests", {})
-    parts = []
-    for part, r in tests.items():
+    """The CUDA tests' counts, the parallel groups of one kind (unit_0, unit_1, ...) added up."""
+    kinds: dict[str, dict[str, Any]] = {}
+    for part, r in report.get("cuda_tests", {}).items():
         if isinstance(r, dict) and "passed" in r and part != "total":
-            cut = ", cut short" if r.get("timed_out") else ""
-            parts.append(
-                f"{part}: {r['passed']} passed, {r['failed'] + r.get('error', 0)} failed, {r['skipped']} skipped{cut}"
-            )
-    return "; ".join(parts)
+            kind = kinds.setdefault(part.split("_")[0], {"passed": 0, "failed": 0, "skipped": 0, "cut": False})
+            kind["passed"] += r["passed"]
+            kind["failed"] += r["failed"] + r.get("error", 0)
+            kind["skipped"] += r["skipped"]
+            kind["cut"] = kind["cut"] or bool(r.get("timed_out"))
+    return "; ".join(
+        f"{kind}: {k['passed']} passed, {k['failed']} failed, {k['skipped']} skipped{', cut short' if k['cut'] else ''}"
+        for kind, k in kinds.items()
+    )
 
 
 def render(reports: list[dict[str, Any]]) -> str:
@@ -114,7 +118,8 @@ def render(reports: list[dict[str, Any]]) -> str:
     for r in reports:
         line = tests_line(r)
         if line:
-            out += ["", f"Tests on {r.get('device', {}).get('name', '?')}: {line}."]
+            how = " How they ran: the JSON's `notes`." if r.get("notes") else ""
+            out += ["", f"Tests on {r.get('device', {}).get('name', '?')}: {line}.{how}"]
     return "\n".join(out) + "\n"
 
 

@@ -134,25 +134,30 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
         },
         "verify_ms": {"smollm2-135m": {"ms": {"1": {"graphed": 1.5}}, "x_step": {"graphed": {"1": 1.0, "5": 1.2}}}},
         "services": {"mps": {"ahead@1": {"round_ms": 9.0, "round_verify_ms": 3.0, "round_verifier_forward_ms": 2.5}}},
-        "cuda_tests": {"unit_first": {"passed": 40, "failed": 1, "error": 0, "skipped": 2, "timed_out": True}},
+        "cuda_tests": {
+            "unit_first": {"passed": 40, "failed": 1, "error": 0, "skipped": 2, "timed_out": True},
+            "unit_0": {"passed": 10, "failed": 0, "error": 1, "skipped": 0, "timed_out": False},
+            "integration_0": {"passed": 7, "failed": 0, "error": 0, "skipped": 0, "timed_out": False},
+        },
     }
     text = table.render([report])
     assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.50 | 5.00 | 1.20x |" in text
     assert "| llama-3.2-1b | – | – | – | – | – | – | RuntimeError: out of memory |" in text
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
-    assert "unit_first: 40 passed, 1 failed, 2 skipped, cut short" in text
+    assert "unit: 50 passed, 2 failed, 2 skipped, cut short; integration: 7 passed, 0 failed, 0 skipped." in text
 
 
-def test_readme_shows_the_committed_gpu_reports_as_rendered() -> None:
+def test_readme_shows_the_latest_gpu_report_and_benchmarks_every_one_as_rendered() -> None:
     table = script("gpu_table")
     root = Path(__file__).resolve().parents[2]
-    reports = sorted((root / "docs" / "bench").glob("gpu-*.json"))
-    assert reports, "no GPU report in docs/bench"
-    readme = (root / "README.md").read_text(encoding="utf-8")
+    reports = [json.loads(p.read_text()) for p in sorted((root / "docs" / "bench").glob("gpu-*.json"))]
+    assert len(reports) >= 2, "the GPU reports in docs/bench"
+    latest = max(reports, key=lambda r: r["started"])
     begin, end = "<!-- gpu-table: begin -->\n", "<!-- gpu-table: end -->"
-    shown = readme[readme.index(begin) + len(begin) : readme.index(end)]
-    assert shown == table.render([json.loads(p.read_text()) for p in reports])
+    for doc, shown in (("README.md", [latest]), ("docs/benchmarks.md", reports)):
+        text = (root / doc).read_text(encoding="utf-8")
+        assert text[text.index(begin) + len(begin) : text.index(end)] == table.render(shown), doc
 
 
 def test_wheels_install_once_and_go_first_on_the_path(tmp_path: Path, monkeypatch) -> None:
