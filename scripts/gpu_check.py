@@ -335,7 +335,14 @@ def time_shape(
         ids = torch.full((b,), 5, dtype=torch.long, device=dev)
         return lambda: lm.forward_argmax([Row(s, context, [0], 0) for s in range(b)], ids)
 
+    def prefill(n: int) -> Callable[[], Any]:
+        # A new request's prompt: one row from position 0, eager at any length (no graph holds it).
+        return lambda: lm.forward([Row(0, 0, [(7 * j) % 1000 for j in range(n)], n - 1)])
+
     def measure(label: str) -> None:
+        for n in PREFILL_LENGTHS if label == "eager" else ():
+            if time.monotonic() < deadline:
+                out.setdefault("prefill_ms", {})[str(n)] = median_ms(prefill(n), dev, repeats)
         for b in batches:
             if time.monotonic() > deadline:
                 out.setdefault("cut_short", []).append(f"{label} batch {b}")
@@ -630,13 +637,17 @@ GPU_FIRST = [
     "tests/unit/test_grammar.py",
     "tests/unit/test_cuda_graphs.py",
     "tests/unit/test_gpu_sync.py",
+    "tests/unit/test_device_clock.py",
     "tests/unit/test_refused_token.py",
     "tests/unit/test_engines.py",
     "tests/unit/test_kvcache.py",
     "tests/unit/test_fused_llama.py",
     "tests/unit/test_dummy_load.py",
 ]
-# The other unit files run in this many pytest processes at once (a GPU host has the cores).
+# Prompt lengths whose eager prefill step_ms times beside the step.
+PREFILL_LENGTHS = (16, 44, 128)
+# The other unit files, and the integration files, run in this many pytest processes at once
+# each (a GPU host has the cores).
 UNIT_GROUPS = 6
 INTEGRATION_GROUPS = 6
 

@@ -10,6 +10,7 @@ from typing import TypeVar
 import torch
 
 from specd.engine.cuda_graphs import read_back
+from specd.engine.device_clock import DeviceClock
 from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
@@ -134,17 +135,19 @@ class VerifierEngine:
             self._prefill_chunks(prefills, results, timing)
         if not rows:
             return results, timing
-        start = time.time_ns()
+        clock = DeviceClock(self.lm.device)
         if any(task.return_hidden for _, _, task, _ in live):
             logits, hidden = self.lm.forward_hidden(rows)
         else:
             logits, hidden = self.lm.forward(rows), []
-        end = time.time_ns()
-        timing.forward_ns += end - start
-        timing.phases.append(("forward", start, end))
+        clock.stop()
         with _one_torch_thread() if self.lm.device.type == "cpu" else contextlib.nullcontext():
             self._judge(live, rows, logits, hidden, results)
-        timing.phases.append(("rejection_sampling", end, time.time_ns()))
+        # After the verdicts' readback, which waited for the forward on a GPU.
+        forward_ns = clock.elapsed_ns()
+        timing.forward_ns += forward_ns
+        timing.phases.append(("forward", clock.start_ns, clock.start_ns + forward_ns))
+        timing.phases.append(("rejection_sampling", clock.start_ns + forward_ns, time.time_ns()))
         return results, timing
 
     def _judge(

@@ -35,6 +35,7 @@ def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None
     tiny = report["step_ms"]["tiny"]
     assert set(tiny["step_ms"]) == {"1", "2"}
     assert all(set(t) == {"eager", "graphed"} for t in tiny["step_ms"].values())
+    assert set(tiny["prefill_ms"]) == {"16", "44", "128"} and all(v > 0 for v in tiny["prefill_ms"].values())
     assert tiny["floor_ms"] > 0 and tiny["weight_bytes"] > 0
     # The uncaptured static path computes what the eager one does.
     assert tiny["graphed_vs_eager"]["same_argmax"]
