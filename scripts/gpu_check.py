@@ -808,6 +808,7 @@ def bench_stack(
         "--drafter-port", str(dport), "--verifier-port", str(vport),
         "--drafter-metrics-port", str(dm), "--verifier-metrics-port", str(vm),
         "--max-context", "1024", "--startup-timeout", str(max(30, int(deadline - time.monotonic() - 30))),
+        "--trace-file", str(logs / "trace.jsonl"),
     ]  # fmt: skip
     env = dict(os.environ)
     start = time.monotonic()
@@ -837,9 +838,38 @@ def bench_stack(
         out["bench_exit_code"] = done.returncode
         out.update(round_figures(json.loads(written.read_text())))
         out["service_log"] = notable_lines((logs / "up.log").read_text(errors="replace"))
+        out["spans_ms"] = span_summary(logs / "trace.jsonl")
         return out
     finally:
         stop_group(proc)
+
+
+def span_summary(path: Path) -> dict[str, Any]:
+    """Per service and span name in a `--trace-file` (OTLP JSON lines): count, p50, p95, max and
+    total ms. Where a round's time goes, and its stalls, without bringing the trace back."""
+    durations: dict[str, list[float]] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                for resource in json.loads(line)["resourceSpans"]:
+                    attrs = {a["key"]: a["value"] for a in resource.get("resource", {}).get("attributes", [])}
+                    service = attrs.get("service.name", {}).get("stringValue", "?")
+                    for scope in resource.get("scopeSpans", []):
+                        for span in scope.get("spans", []):
+                            ms = (int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"])) / 1e6
+                            durations.setdefault(f"{service} {span['name']}", []).append(ms)
+    out: dict[str, Any] = {}
+    for name, values in sorted(durations.items()):
+        values.sort()
+        n = len(values)
+        out[name] = {
+            "count": n,
+            "p50": round(values[n // 2], 3),
+            "p95": round(values[min(n - 1, int(n * 0.95))], 3),
+            "max": round(values[-1], 3),
+            "total": round(sum(values), 1),
+        }
+    return out
 
 
 NOTABLE = ("CUDA graphs", "runs eagerly", "one-token step", "MPS", "specd up:", "Error", "WARNING")

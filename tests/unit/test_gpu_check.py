@@ -181,3 +181,33 @@ def test_wheels_install_once_and_go_first_on_the_path(tmp_path: Path, monkeypatc
     assert sys.path[0] == str(site)
     assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(site), str(check.SRC), "/elsewhere"]
     assert check.install_wheels(root, site).endswith("installed before")
+
+
+def test_span_summary_reads_a_trace_file_per_service_and_span(tmp_path: Path) -> None:
+    check = script("gpu_check")
+
+    def spans(service: str, name: str, lengths_ms: list[float]) -> str:
+        items = [
+            {"name": name, "startTimeUnixNano": "1000", "endTimeUnixNano": str(1000 + int(ms * 1e6))}
+            for ms in lengths_ms
+        ]
+        resource = {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]}
+        return json.dumps({"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": items}]}]})
+
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        spans("specd-drafter", "drafter.prefill", [100.0, 2.0, 3.0]),
+        "not json",
+        spans("specd-gateway", "specd.round", [4.0]),
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    summary = check.span_summary(trace)
+    assert summary["specd-drafter drafter.prefill"] == {
+        "count": 3,
+        "p50": 3.0,
+        "p95": 100.0,
+        "max": 100.0,
+        "total": 105.0,
+    }
+    assert summary["specd-gateway specd.round"]["count"] == 1
+    assert check.span_summary(tmp_path / "missing.jsonl") == {}
