@@ -11,13 +11,17 @@ its own time budget and each failure recorded in the JSON rather than ending the
 - `step_ms` / `verify_ms`: a one-token step of dummy-weight (`--load-format dummy`) bfloat16
   models of the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes at batch 1, 8 and 32, eager
   and through CUDA graphs (specd.engine.cuda_graphs), beside the bandwidth floor (the bytes of the
-  weights a step reads / the copy bandwidth); and a verify of 1..9 positions against the step.
+  weights a step reads / the copy bandwidth); a verify of 1..9 positions against the step; and
+  an eager prefill of 16, 44 and 128 tokens.
 - `cuda_tests`: the unit tests with SPECD_TEST_DEVICE=cuda (the GPU-specific ones first), then
   the integration tests with both services on the GPU, in what time is left for them.
 - `services`: `specd up` with both services on the GPU (dummy 135M weights, the drafter the same
   weights), `specd bench` at 1 and 8 clients: `round_overhead_ms` (a round outside the two
   forwards) and `shared_gpu` (draft-ahead's verify exchange against its forward, without and
-  with CUDA MPS).
+  with CUDA MPS); each stack's trace summarised per span (`spans_ms`).
+- `compile`: the 135M shape's one-token step with its body compiled by torch.compile (inductor),
+  captured as the services capture theirs, beside the plain capture (last: a compile cannot be
+  cut short).
 
 Where a `.whl` directory (scripts/gpu_wheels.sh) lies beside src/, its wheels are installed into
 /tmp/site first (no network needed) and put on the path of this process and its children.
@@ -429,6 +433,49 @@ def steps_section(device: str, dry: bool, deadline: float, shapes: list[str]) ->
             REPORT.data["step_ms"] = results
             REPORT.write()
     return results
+
+
+def compile_section(device: str, dry: bool, deadline: float) -> dict[str, Any]:
+    """The one-token step of the 135M shape at batch 1 through torch.compile's fused kernels,
+    captured as the services capture their plain forward, beside that plain capture: whether
+    compiling is worth its start-up time (the services capture without it)."""
+    import torch
+
+    from specd.engine import cuda_graphs, fused_llama, models
+    from specd.engine.kvcache import BatchedCausalLM, Row
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16
+    context, repeats = 128, 2 if dry else 20
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(TINY if dry else SHAPES["smollm2-135m"]))
+        model = fused_llama.fuse(models.load_dummy(tmp, dev, dtype))
+    lm = BatchedCausalLM(model, dev, dtype, max_slots=1, max_positions=512)
+    capture = dev.type == "cuda"
+    plain = cuda_graphs.StaticForward(lm, 1, 1, capture=capture, batches=[1])
+    fused = cuda_graphs.StaticForward(lm, 1, 1, capture=capture, batches=[1])
+    lm.forward([Row(0, 0, [(7 * j) % 1000 for j in range(context)], context - 1)])
+    bucket = cuda_graphs.Bucket(1, 1, next(k for k in plain.keys if k > context))
+    rows = [Row(0, context, [5], 0)]
+    out: dict[str, Any] = {"shape": "tiny" if dry else "smollm2-135m", "batch": 1, "mode": "default (inductor)"}
+    # The compiled body is what the fused forward's capture records instead of the plain one.
+    fused._body = torch.compile(fused._body, dynamic=False)  # type: ignore[method-assign]
+    start = time.monotonic()
+    plain._fill(bucket, rows, None)
+    with torch.inference_mode():
+        want = plain._body(bucket).clone()
+        fused._fill(bucket, rows, None)
+        got = fused._body(bucket).clone()
+    out["compile_s"] = round(time.monotonic() - start, 1)
+    out["max_abs_hidden_diff"] = float((got.float() - want.float()).abs().max())
+    if time.monotonic() > deadline:
+        return {**out, "cut_short": "compiled, not timed"}
+    if capture:
+        plain.capture_all([bucket])
+        fused.capture_all([bucket])
+    for label, static in (("plain", plain), ("compiled", fused)):
+        out[f"{label}_graphed_ms" if capture else f"{label}_ms"] = median_ms(lambda s=static: s.run(rows), dev, repeats)
+    return out
 
 
 def verify_summary(steps: dict[str, Any]) -> dict[str, Any]:
@@ -927,7 +974,7 @@ def round_figures(report: dict[str, Any]) -> dict[str, Any]:
 # -- main ------------------------------------------------------------------
 
 REPORT: Report | None = None
-SECTIONS = ("device", "graph_probe", "step_ms", "verify_ms", "cuda_tests", "services")
+SECTIONS = ("device", "graph_probe", "step_ms", "verify_ms", "cuda_tests", "services", "compile")
 
 
 def gpu_slug(name: str) -> str:
@@ -981,7 +1028,9 @@ def main(argv: list[str] | None = None) -> int:
         ("step_ms", 0.30, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
         ("verify_ms", 0.0, lambda d: verify_summary(REPORT.data.get("step_ms", {}) if REPORT else {})),
         ("cuda_tests", 0.40, lambda d: tests_section(args.device, dry, d, logs)),
-        ("services", 0.27, lambda d: services_section(args.device, dry, d, logs)),
+        ("services", 0.22, lambda d: services_section(args.device, dry, d, logs)),
+        # Last: a compile cannot be cut short, and what it says is worth least if it overruns.
+        ("compile", 0.05, lambda d: compile_section(args.device, dry, d)),
     ]
     plan = [step for step in plan if step[0] in chosen]
     for i, (section, share, fn) in enumerate(plan):

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -211,3 +212,17 @@ def test_span_summary_reads_a_trace_file_per_service_and_span(tmp_path: Path) ->
     }
     assert summary["specd-gateway specd.round"]["count"] == 1
     assert check.span_summary(tmp_path / "missing.jsonl") == {}
+
+
+def test_the_compile_section_times_a_compiled_body_beside_the_plain_one(monkeypatch) -> None:
+    """Its plumbing on the tiny shape, with torch.compile as the identity (inductor takes minutes
+    here; the section has run compiled on this CPU by hand): the same hidden states, both timed."""
+    import torch
+
+    check = script("gpu_check")
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
+    out = check.compile_section("cpu", True, time.monotonic() + 60)
+    assert compiled == [{"dynamic": False}]
+    assert out["max_abs_hidden_diff"] == 0.0
+    assert out["plain_ms"] > 0 and out["compiled_ms"] > 0
