@@ -885,10 +885,11 @@ def bench_stack(
         out["bench_exit_code"] = done.returncode
         out.update(round_figures(json.loads(written.read_text())))
         out["service_log"] = notable_lines((logs / "up.log").read_text(errors="replace"))
-        out["spans_ms"] = span_summary(logs / "trace.jsonl")
-        return out
     finally:
         stop_group(proc)
+    # After the stop: each service writes the spans it still holds as it shuts down.
+    out["spans_ms"] = span_summary(logs / "trace.jsonl")
+    return out
 
 
 def span_summary(path: Path) -> dict[str, Any]:
