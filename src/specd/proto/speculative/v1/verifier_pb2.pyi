@@ -52,7 +52,7 @@ class CloseVerifySequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class VerifyTask(_message.Message):
-    __slots__ = ("sequence_id", "num_committed", "draft_token_ids", "draft_distributions", "trace_context", "prefill_tokens", "return_hidden_states")
+    __slots__ = ("sequence_id", "num_committed", "draft_token_ids", "draft_distributions", "trace_context", "prefill_tokens", "return_hidden_states", "draft_parents")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class VerifyTask(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     num_committed: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -74,7 +75,8 @@ class VerifyTask(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     prefill_tokens: int
     return_hidden_states: bool
-    def __init__(self, sequence_id: _Optional[str] = ..., num_committed: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., num_committed: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., prefill_tokens: _Optional[int] = ..., return_hidden_states: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("round_id", "tasks", "lease_owner")
@@ -87,7 +89,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[VerifyTask, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error", "logprobs", "prefill_pending", "hidden_states", "hidden_start")
+    __slots__ = ("sequence_id", "num_accepted", "next_token_id", "error", "logprobs", "prefill_pending", "hidden_states", "hidden_start", "accepted_path")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +98,7 @@ class VerifyResult(_message.Message):
     PREFILL_PENDING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     num_accepted: int
     next_token_id: int
@@ -104,7 +107,8 @@ class VerifyResult(_message.Message):
     prefill_pending: int
     hidden_states: bytes
     hidden_start: int
-    def __init__(self, sequence_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prefill_pending: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ...) -> None: ...
+    accepted_path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., num_accepted: _Optional[int] = ..., next_token_id: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prefill_pending: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("round_id", "results", "timings")
