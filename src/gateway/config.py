@@ -46,6 +46,13 @@ class GatewayConfig:
         "with k, from measured costs)",
         ["sequential", "cohort", "ahead", "auto"],
     )
+    speculative_siblings: int = field(
+        0,
+        "token trees: the most alternative drafts (siblings) beside each block's chain, leaves at the positions "
+        "the drafter is least sure of, checked in the same verify; auto mode picks 0..this per round from the "
+        "measured hit rate and verify costs (docs/pipeline.md, token trees), fixed mode sends this many; capped "
+        "by each round's k; 0: chains only",
+    )
     drafter_overlap: bool = field(
         True,
         "run the drafter's exchanges of a round (draft-ahead, the other cohort's drafts, its prefill of joining "

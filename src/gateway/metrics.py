@@ -107,6 +107,15 @@ class GatewayMetrics:
             "1 + accepted tokens / drafts since start (tokens emitted per sequence-round with a draft)",
             registry=r,
         ).set_function(self._mean_acceptance_length)
+        # Token trees: the siblings sent beside the chains, and those the accepted path ended in.
+        self.num_sibling_tokens = Counter(
+            "specd_spec_decode_num_sibling_tokens", "Sibling drafts (token trees) sent for verification", registry=r
+        )
+        self.num_accepted_siblings = Counter(
+            "specd_spec_decode_num_accepted_siblings",
+            "Sibling drafts accepted (the chain's draft beside them was not)",
+            registry=r,
+        )
         self.wasted_draft_tokens = Counter(
             "specd_spec_decode_num_wasted_draft_tokens",
             "Draft tokens drafted ahead (or for a cohort) and discarded before verification",

@@ -136,6 +136,7 @@ def _start_scheduler(
         max_sequences_per_key=config.max_sequences_per_key,
         request_timeout_s=config.request_timeout_s,
         pipeline=config.pipeline,
+        siblings=config.speculative_siblings,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         drafter_overlap=config.drafter_overlap,
     )

@@ -150,6 +150,22 @@ class FakeVerifier(_FakeService):
         self.stale_blocks = 0
         # Blocks refused as the real verifier refuses them: a q row per draft, each naming its draft.
         self.bad_q_blocks = 0
+        self.sibling_hits = 0  # token trees whose accepted path ended in a sibling
+
+    @staticmethod
+    def walk(task: Any, committed: list[int]) -> list[int]:
+        """The drafts the target accepts, root first: at each node, its first child that is the
+        target's token (a chain's nodes each have one child, the next draft)."""
+        parents = list(task.draft_parents) or list(range(-1, len(task.draft_token_ids) - 1))
+        context, path, node = list(committed), [], -1
+        while True:
+            want = target_next(context)
+            child = next((i for i, p in enumerate(parents) if p == node and task.draft_token_ids[i] == want), None)
+            if child is None:
+                return path
+            path.append(child)
+            context.append(want)
+            node = child
 
     async def verify(self, request: Any) -> Any:
         self.requests.append(request)
@@ -177,14 +193,17 @@ class FakeVerifier(_FakeService):
                 result.error.message = "draft distributions do not fit their tokens"
                 continue
             if self.drafter is not None and task.draft_token_ids:
-                expected = self.drafter.propose(tokens, len(task.draft_token_ids))
-                self.stale_blocks += list(task.draft_token_ids) != expected
-            accepted = 0
-            for d in task.draft_token_ids:
-                if d != target_next(tokens):
-                    break
-                tokens.append(d)
-                accepted += 1
+                parents = list(task.draft_parents)
+                chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents)) if parents else None
+                drafts = list(task.draft_token_ids)[:chain]
+                self.stale_blocks += drafts != self.drafter.propose(tokens, len(drafts))
+            path = self.walk(task, tokens)
+            tokens.extend(task.draft_token_ids[i] for i in path)
+            accepted = len(path)
+            if task.draft_parents:
+                result.accepted_path.extend(path)
+                chain = next((i for i, p in enumerate(task.draft_parents) if p != i - 1), len(task.draft_parents))
+                self.sibling_hits += bool(path) and path[-1] >= chain
             if task.return_hidden_states:
                 # One row per position fed and kept: the last committed token and the accepted drafts.
                 first = self.cached[task.sequence_id]
@@ -270,11 +289,26 @@ class FakeDrafter(_FakeService):
                 continue
             if not unprefilled:
                 self.cached[task.sequence_id] = len(tokens) - 1  # a draft step feeds what it was told
-            drafts = self.propose(tokens + list(task.assumed_token_ids), task.num_draft_tokens)
+            context = tokens + list(task.assumed_token_ids)
+            drafts = self.propose(context, task.num_draft_tokens)
             proposal.token_ids.extend(drafts)
             # Each draft's q (a point mass on it, as a greedy drafter's): the verifier checks each row fits.
             proposal.distributions.extend(common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in drafts)
+            if task.num_siblings and drafts:
+                self.add_siblings(proposal, context, drafts, task.num_siblings)
         return reply
+
+    def add_siblings(self, proposal: Any, context: list[int], drafts: list[int], most: int) -> None:
+        """Leaves beside the chain, the depths it drafted wrong first (there a sibling is the
+        target's token: the drafter's "next likeliest"), then the others (a token that is not)."""
+        depths = sorted(range(len(drafts)), key=lambda j: not self.wrong(len(context) + j))[:most]
+        proposal.parents.extend(range(-1, len(drafts) - 1))
+        for j in depths:
+            right = target_next(context + drafts[:j])
+            sibling = right if drafts[j] != right else 1 + right % (VOCAB - 1)
+            proposal.token_ids.append(sibling)
+            proposal.parents.append(j - 1)
+            proposal.distributions.add(token_ids=[sibling], probs=[1.0])
 
     def propose(self, context: list[int], n: int) -> list[int]:
         context = list(context)

@@ -175,6 +175,8 @@ def test_modes_map_to_the_request_extension():
     assert mode_extra("server", 4) == {}
     assert mode_extra("ahead", 3) == {"num_speculative_tokens": 3, "pipeline": "ahead"}
     assert mode_extra("auto-pipeline", 3) == {"num_speculative_tokens": "auto", "pipeline": "auto"}
+    tree = {"num_speculative_tokens": 3, "pipeline": "sequential", "speculative_siblings": 2}
+    assert mode_extra("tree", 3, 2) == tree
 
 
 def test_compare_outputs_counts_differences_from_target():

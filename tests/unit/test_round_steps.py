@@ -18,12 +18,21 @@ from gateway.round.decide import Limits, decide
 from gateway.round.detokenize import TextStream
 from gateway.round.drafter_link import DrafterLink
 from gateway.round.exchange import DraftExchange, Exchange, RoundResult, spec
-from gateway.round.messages import Block, DraftItem, DraftVerdicts, ProtocolError, RoundPlan, Verdict, verify_request
-from gateway.round.observer import RoundObserver
+from gateway.round.messages import (
+    Block,
+    DraftItem,
+    DraftVerdicts,
+    ProtocolError,
+    RoundPlan,
+    Verdict,
+    proposal_problem,
+    verify_request,
+)
+from gateway.round.observer import RoundObserver, RoundOutcome
 from gateway.round.prefill_budget import DrafterPrefillBudget
 from gateway.round.speculation import PolicyConfig, SpeculationPolicy
 from gateway.round.state import Delta, Finished, GenerationParams, Life, _Sequence, opened
-from specd.engine.params import SamplingParams
+from specd.engine.params import Penalties, SamplingParams
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.rpc.tracing import Tracing
 
@@ -151,6 +160,79 @@ def test_decide_leaves_prefilling_sequences_to_their_chunk_and_joins_those_waiti
 def test_decide_caps_drafts_by_what_the_sequence_may_still_emit() -> None:
     plan = plan_for([running("a", output=(7, 8), max_tokens=4)])
     assert plan.ks == {"a": 1}  # two left to emit: one draft and the verifier's own token
+
+
+def test_decide_asks_siblings_where_the_verifier_checks_trees() -> None:
+    plain, penalised, named, short = (
+        running("a"),
+        running("b", penalties=Penalties.of(presence=0.5)),
+        running("c", siblings=1),
+        running("d", output=(7, 8), max_tokens=4),
+    )
+    plan = plan_for([plain, penalised, named, short], siblings=2)
+    # Penalties follow one history: chains only. k caps the siblings (d may draft one).
+    assert {i.seq.id: i.siblings for i in plan.pre_draft} == {"a": 2, "b": 0, "c": 1, "d": 1}
+    assert {i.seq.id: i.siblings for i in plan_for([running("a")]).pre_draft} == {"a": 0}
+
+
+def test_a_tree_block_is_verified_up_to_k_with_the_siblings_of_the_drafts_kept() -> None:
+    s = running("a")
+    # Chain 11 12 13, then siblings of 12 (parent 0) and of 11 (parent -1).
+    block = Block([11, 12, 13, 22, 21], [], len(s.tokens), parents=(-1, 0, 1, 0, -1))
+    assert block.chain == 3
+    assert block.tree(3) == ([0, 1, 2, 3, 4], [-1, 0, 1, 0, -1])
+    assert block.tree(1) == ([0, 4], [-1, -1])  # 12 is not verified: nor is its sibling
+    task = verify_request(1, [s], {"a": block}, {"a": 2}, {}).tasks[0]
+    assert list(task.draft_token_ids) == [11, 12, 22, 21] and list(task.draft_parents) == [-1, 0, 0, -1]
+    chain = verify_request(1, [s], {"a": Block([11, 12], [], len(s.tokens))}, {"a": 2}, {}).tasks[0]
+    assert list(chain.draft_parents) == []
+
+
+def test_a_proposal_that_is_not_a_chain_and_siblings_within_the_task_is_refused() -> None:
+    item = DraftItem(running("a"), 2, siblings=1)
+
+    def problem(tokens: list[int], parents: list[int]) -> str:
+        return proposal_problem(item, drafter_pb2.DraftProposal(token_ids=tokens, parents=parents))
+
+    assert problem([5, 6, 7], [-1, 0, -1]) == ""
+    assert problem([5, 6], []) == ""
+    assert "more than asked" in problem([5, 6, 7, 8], [-1, 0, -1, 0])  # two siblings, one asked
+    assert "more than asked" in problem([5, 6, 7], [-1, 0, 1])  # a chain of three, two asked
+    assert "malformed" in problem([5, 6, 7], [-1, 0, 1 + 1])  # beside a draft the chain has not
+    assert "malformed" in problem([5, 6, 7], [-1, 0])
+
+
+def tree_result(s: _Sequence, path: list[int], nxt: int) -> RoundResult:
+    block = Block([11, 12, 22], [], len(s.tokens), parents=(-1, 0, 0))
+    request = verify_request(1, [s], {"a": block}, {"a": 2}, {})
+    reply = verifier_pb2.VerifyResponse(round_id=1)
+    reply.results.add(sequence_id="a", num_accepted=len(path), next_token_id=nxt, accepted_path=path)
+    return RoundResult(request, reply, {"a": block}, {"a": 2}, None, [], None, 0, RoundTimes(1, 0, 1, 0, 1, 0, 1))
+
+
+def test_apply_commits_a_tree_s_accepted_path_through_a_sibling() -> None:
+    s = running("a")
+    applied = apply(RoundPlan(verify=[s], ks={"a": 2}), tree_result(s, [0, 2], 40), {EOS})
+    assert s.output == [7, 11, 22, 40]
+    [v] = applied.verdicts
+    assert (v.drafted, v.accepted, v.siblings, v.sibling_hit) == (2, 2, 1, True)
+    metrics, p = GatewayMetrics(K), policy()
+    s.acceptance = p.new_sequence()
+    RoundObserver(metrics, p, Tracing("test")).observe(
+        RoundOutcome(1, applied.verdicts, RoundTimes(1, 0, 1, 0, 1, 0, 1))
+    )
+    # The chain's second draft was rejected (the sibling beside it was the target's token).
+    assert (s.acceptance.tried[:2], s.acceptance.accepted[:2]) == ([1.0, 1.0], [1.0, 0.0])
+    assert metrics.registry.get_sample_value("specd_spec_decode_num_accepted_siblings_total") == 1.0
+    assert metrics.registry.get_sample_value("specd_spec_decode_num_sibling_tokens_total") == 1.0
+
+
+@pytest.mark.parametrize("path", [[1], [0, 1, 2], [2]])
+def test_apply_refuses_a_path_that_is_not_in_the_tree(path: list[int]) -> None:
+    s = running("a")
+    with pytest.raises(ProtocolError):
+        apply(RoundPlan(verify=[s], ks={"a": 2}), tree_result(s, path, 40), {EOS})
+    assert s.output == [7]
 
 
 # -- apply ----------------------------------------------------------------------------------
@@ -284,9 +366,13 @@ def test_an_exception_applying_one_verdict_fails_that_sequence_alone(monkeypatch
 # -- the steps chained, no Scheduler ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead"])
+@pytest.mark.parametrize(
+    ("pipeline", "siblings"), [("sequential", 0), ("cohort", 0), ("ahead", 0), ("sequential", 2), ("cohort", 2)]
+)
 @pytest.mark.parametrize("overlap", [True, False])
-def test_decide_exchange_apply_over_fake_services_match_target_only(pipeline: str, overlap: bool) -> None:
+def test_decide_exchange_apply_over_fake_services_match_target_only(
+    pipeline: str, siblings: int, overlap: bool
+) -> None:
     drafter = FakeDrafter()
     verifier = FakeVerifier(drafter=drafter)
     prompts = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7]]
@@ -312,7 +398,7 @@ def test_decide_exchange_apply_over_fake_services_match_target_only(pipeline: st
                 return
             for s in live:
                 s.acceptance, s.guess = s.acceptance or p.new_sequence(), s.guess or p.new_guess_rate()
-            plan = decide(live, round_id, limits(pipeline), p, 0, exchange.drafter_prefill)
+            plan = decide(live, round_id, limits(pipeline, siblings=siblings), p, 0, exchange.drafter_prefill)
             apply(plan, await exchange.run(plan, round_id, {}), {EOS})
 
     asyncio.run(main())
@@ -320,6 +406,8 @@ def test_decide_exchange_apply_over_fake_services_match_target_only(pipeline: st
         assert s.output == reference(prompt, 16) and s.life.state is Life.DONE
     assert verifier.stale_blocks == 0
     assert sum(len(t.draft_token_ids) for r in verifier.requests for t in r.tasks) > 0
+    trees = sum(bool(t.draft_parents) for r in verifier.requests for t in r.tasks)
+    assert (trees > 0, verifier.sibling_hits > 0) == (siblings > 0, siblings > 0)
 
 
 # -- observe --------------------------------------------------------------------------------

@@ -472,3 +472,35 @@ def test_each_heuristic_switched_off_changes_what_the_policy_does(monkeypatch) -
         policy.observe_join(50, 1e12)
     assert not on.join_pays(generated=1, left=100, prompt_tokens=50)
     assert off.join_pays(generated=1, left=100, prompt_tokens=50)
+
+
+def timed_policy(verify_ms_per_position: float) -> SpeculationPolicy:
+    """A policy that has timed both services: a 20 ms verify plus this much per position checked."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    for ks in ([0], [4], [0], [4], [2], [6]):
+        positions = 1 + max(ks)
+        verify_ns = int((20 + verify_ms_per_position * positions) * MS)
+        draft_ns = int((1 + 2 * max(ks)) * MS) if max(ks) else 0
+        policy.observe_round(ks, draft_ns + verify_ns, draft_ns, verify_ns, 2 * max(ks) * MS, 1 + max(ks))
+    return policy
+
+
+@pytest.mark.parametrize(("per_position_ms", "hits", "want"), [(0.1, 0.3, 2), (8.0, 0.3, 0), (0.1, 0.0, 0)])
+def test_siblings_are_added_where_their_hits_pay_for_the_wider_verify(
+    per_position_ms: float, hits: float, want: int
+) -> None:
+    policy = timed_policy(per_position_ms)
+    ks = policy.choose([Candidate(cap=4, rates=[0.8] * 4)], batch_size=1)
+    assert ks[0] > 0
+    for i in range(400):  # the hit rate measured: `hits` of the siblings sent ended the path
+        policy.observe_siblings(1, i % 100 < hits * 100)
+    assert policy.siblings(ks, most=2) == want
+
+
+def test_siblings_are_sent_as_asked_until_timed_and_never_without_drafts() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    assert policy.siblings([4, 0], most=2) == 2  # untimed: the verify's width gets measured
+    assert policy.siblings([0, 0], most=2) == 0
+    assert policy.siblings([4], most=0) == 0
+    policy.observe_siblings(3, True)  # one hit of three siblings sent
+    assert policy.sibling_hits.value(0.0) == pytest.approx(1 / (3 + 2), rel=0.01)  # two prior weights

@@ -68,6 +68,8 @@ BAD: list[tuple[str, dict[str, Any] | None, str, dict[str, Any] | None]] = [
     ("best_of", {"n": 3, "best_of": 2}, COMPLETIONS, NO_GRPC),
     ("best_of", {"best_of": 2, "stream": True}, COMPLETIONS, NO_GRPC),
     ("num_speculative_tokens", {"num_speculative_tokens": -1}, COMPLETIONS, NO_GRPC),
+    ("speculative_siblings", {"speculative_siblings": -1}, CHAT, NO_GRPC),
+    ("speculative_siblings", {"speculative_siblings": "two"}, COMPLETIONS, NO_GRPC),
     ("prompt", {"prompt": "\ud800"}, COMPLETIONS, NO_GRPC),
     ("messages", {"messages": [{"role": "user", "content": "\udfff"}]}, CHAT, NO_GRPC),
 ]

@@ -193,6 +193,7 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         top_logprobs=params.top_logprobs,
         prompt_logprobs=params.prompt_logprobs,
         pipeline=params.pipeline or None,
+        siblings=params.speculative_siblings if params.HasField("speculative_siblings") else None,
         response_format=response_format(params.json_schema),
         guided_regex=params.guided_regex or None,
         guided_choice=list(params.guided_choice) or None,

@@ -91,6 +91,9 @@ class _Request(BaseModel):
     # specd extension: how drafting is scheduled against the verifier for this request
     # (validated with the other parameters); absent follows the gateway's --pipeline.
     pipeline: str | None = None
+    # specd extension: the most siblings (alternative drafts, a token tree) beside each block's
+    # chain for this request; absent follows the gateway's --speculative-siblings.
+    speculative_siblings: int | None = None
     # vLLM's structured-output extensions (checked by gateway.api.validation): the output is a
     # full match of this regular expression, or exactly one of these strings.
     guided_regex: str | None = None
@@ -132,6 +135,7 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             speculation=self.num_speculative_tokens,
             pipeline=self.pipeline,
+            siblings=self.speculative_siblings,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

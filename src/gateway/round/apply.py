@@ -97,7 +97,7 @@ def ahead_block(item: DraftItem, proposal: drafter_pb2.DraftProposal | None) -> 
     tokens, dists = list(proposal.token_ids), list(proposal.distributions)
     base = len(item.seq.tokens)
     if item.assumed is None:
-        return Block(tokens, dists, base)
+        return Block(tokens, dists, base, parents=tuple(proposal.parents))
     # The first draft guessed the verifier's own token after the assumed block.
     tail = (*item.assumed, tokens[0])
     return Block(tokens[1:], dists[1:], base + len(tail), tail)

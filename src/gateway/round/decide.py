@@ -33,6 +33,7 @@ class Limits:
     speculative_mode: str = "auto"  # --speculative-mode: "auto", or a fixed k
     pipeline: str = "sequential"  # --pipeline
     prefill_chunk_tokens: int = 0  # the verifier's prefill per round (0: whole prompts at their open)
+    siblings: int = 0  # --speculative-siblings: the most siblings beside a block's chain (token trees)
 
 
 @dataclass
@@ -51,6 +52,18 @@ def speculation(seq: Any, limits: Limits) -> int | str:
     if spec is None:
         return "auto" if limits.speculative_mode == "auto" else limits.k_limit
     return spec
+
+
+def siblings_for(seq: Any, limits: Limits, auto: int) -> int:
+    """The siblings the sequence's next block carries: what its request named, else what the
+    policy chose for the round's auto sequences (`auto`) or the gateway's flag for a fixed k.
+    None where the verifier checks only chains: penalties and grammars follow one history."""
+    params = seq.params
+    if params.penalties.active or params.json_schema or params.grammar:
+        return 0
+    if params.siblings is not None:
+        return int(params.siblings)
+    return auto if speculation(seq, limits) == "auto" else limits.siblings
 
 
 def drafts_now(seq: Any) -> bool:
@@ -229,6 +242,7 @@ class _Round:
     verified: int  # sequences verified or drafted for (those not prefilling on the verifier)
     paired: bool  # both cohorts have a sequence drafting in turns (cohort pipeline)
     auto_pipeline: str
+    auto_siblings: int = 0  # siblings beside the chains of the auto sequences (the policy's choice)
 
 
 def decide(
@@ -263,7 +277,16 @@ def decide(
     turns = [
         s for s in seqs if pipeline_of(s, limits, choice.auto_pipeline) == "cohort" and choice.ks[s.id] > 0 and s.output
     ]
-    context = _Round(round_id, limits, policy, len(seqs), len({s.cohort for s in turns}) == 2, choice.auto_pipeline)
+    auto_ks = [choice.ks[s.id] for s in seqs if speculation(s, limits) == "auto"]
+    context = _Round(
+        round_id,
+        limits,
+        policy,
+        len(seqs),
+        len({s.cohort for s in turns}) == 2,
+        choice.auto_pipeline,
+        policy.siblings(auto_ks, limits.siblings),
+    )
     for s in seqs:
         _place(plan, s, choice.ks[s.id], context)
     plan.drafter_prefill = drafter_prefill.tokens(drafting_beside(policy, plan.ahead))
@@ -290,19 +313,19 @@ def _place(plan: RoundPlan, s: Any, k: int, r: _Round) -> None:
         return
     if mode == "cohort" and r.paired and k > 0:
         if s.cohort != r.round_id % 2:
-            if ready is None:
-                plan.ahead.append(DraftItem(s, k))  # verified next round, with these drafts
+            if ready is None:  # verified next round, with these drafts
+                plan.ahead.append(DraftItem(s, k, siblings=min(k, siblings_for(s, limits, r.auto_siblings))))
             return
         plan.verify.append(s)
-        plan.ks[s.id] = min(len(ready.tokens), cap(s, limits), k) if ready is not None else 0
+        plan.ks[s.id] = min(ready.chain, cap(s, limits), k) if ready is not None else 0
         return
     plan.verify.append(s)
     if ready is not None:
         # A block drafted earlier is verified up to this round's k: no more than chosen.
-        plan.ks[s.id] = min(len(ready.tokens), cap(s, limits), k)
+        plan.ks[s.id] = min(ready.chain, cap(s, limits), k)
     elif k > 0:
         plan.ks[s.id] = k
-        plan.pre_draft.append(DraftItem(s, k))
+        plan.pre_draft.append(DraftItem(s, k, siblings=min(k, siblings_for(s, limits, r.auto_siblings))))
     if mode == "ahead" and k > 0:
         # Drafted while the verifier checks this block, assuming all of it is
         # accepted: the first draft is a guess at the verifier's own token.

@@ -134,9 +134,12 @@ class Exchange:
             proposal = pre.verdicts.proposals.get(item.seq.id)
             if proposal is not None:
                 blocks[item.seq.id] = Block(
-                    list(proposal.token_ids), list(proposal.distributions), len(item.seq.tokens)
+                    list(proposal.token_ids),
+                    list(proposal.distributions),
+                    len(item.seq.tokens),
+                    parents=tuple(proposal.parents),
                 )
-        ks = {s.id: min(plan.ks.get(s.id, 0), len(blocks[s.id].tokens)) if s.id in blocks else 0 for s in plan.verify}
+        ks = {s.id: min(plan.ks.get(s.id, 0), blocks[s.id].chain) if s.id in blocks else 0 for s in plan.verify}
         draft_done = time.perf_counter_ns()
         # 2. The verify, and meanwhile the drafts of the next round.
         ahead_items = [

@@ -48,11 +48,48 @@ class Block:
     distributions: list[common_pb2.SparseDistribution]
     base: int
     tail: tuple[int, ...] = ()
+    # A token tree (DraftProposal.parents): the chain's drafts first, then siblings, each a leaf
+    # beside one of them. Empty: a chain.
+    parents: tuple[int, ...] = ()
 
     def valid_for(self, committed: Sequence[int]) -> bool:
         if len(committed) != self.base:
             return False
         return not self.tail or tuple(committed[self.base - len(self.tail) :]) == self.tail
+
+    @property
+    def chain(self) -> int:
+        """How many of `tokens` are the chain's drafts (the rest are siblings)."""
+        return chain_length(self.parents) if self.parents else len(self.tokens)
+
+    def tree(self, k: int) -> tuple[list[int], list[int]]:
+        """The indices into `tokens` a verify of the chain's first `k` drafts carries (those k,
+        then the siblings of any of them), and their parents among those indices (empty: a chain)."""
+        chain = min(k, self.chain)
+        # A sibling's parent is its brother's, an index in the chain: kept where its brother is.
+        siblings = [i for i in range(self.chain, len(self.tokens)) if self.parents[i] < chain - 1]
+        keep = [*range(chain), *siblings]
+        return keep, [self.parents[i] for i in keep] if siblings else []
+
+
+def chain_length(parents: Sequence[int]) -> int:
+    """The leading drafts that form a chain (each the child of the one before)."""
+    n = 0
+    while n < len(parents) and parents[n] == n - 1:
+        n += 1
+    return n
+
+
+def tree_problem(parents: Sequence[int], tokens: int) -> str:
+    """Why `parents` is not a chain followed by sibling leaves over `tokens` drafts ("" if it is)."""
+    if not parents:
+        return ""
+    if len(parents) != tokens:
+        return "one parent per token"
+    chain = chain_length(parents)
+    if any(not -1 <= p < chain - 1 for p in parents[chain:]):
+        return "a sibling beside a draft the chain does not have"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -66,6 +103,8 @@ class DraftItem:
     assumed: tuple[int, ...] | None = None
     # Above 0: a chunk of its prefill on the drafter instead of drafts (num_draft_tokens is 0).
     prefill: int = 0
+    # Alternatives to propose beside the chain's drafts (DraftTask.num_siblings).
+    siblings: int = 0
 
 
 @dataclass
@@ -122,6 +161,7 @@ def draft_request(
             prefill_tokens=item.prefill,
             # A draft-ahead's first token guesses the verifier's own token after the block it assumes.
             guess_first=item.assumed is not None and not item.prefill,
+            num_siblings=item.siblings,
         )
         if s.hidden is not None:
             task.hidden_start, task.hidden_states = s.hidden.since(s.drafter.hidden_sent)
@@ -147,8 +187,11 @@ def verify_request(
         block = blocks.get(s.id)
         k = ks.get(s.id, 0)
         if block is not None and k > 0:
-            task.draft_token_ids.extend(block.tokens[:k])
-            task.draft_distributions.extend(block.distributions[:k])
+            keep, parents = block.tree(k)
+            task.draft_token_ids.extend(block.tokens[i] for i in keep)
+            if block.distributions:
+                task.draft_distributions.extend(block.distributions[i] for i in keep)
+            task.draft_parents.extend(parents)
         if s.id in contexts:
             task.trace_context.update(contexts[s.id])
     for s, n in prefill:
@@ -184,13 +227,23 @@ def read_drafts(items: Sequence[DraftItem], reply: drafter_pb2.DraftResponse) ->
             verdicts.lost.append((item.seq, proposal.error.message))
         elif proposal.error.code:
             verdicts.refused.append((item.seq, proposal.error.message))
-        elif len(proposal.token_ids) > item.num_draft_tokens or (
-            proposal.distributions and len(proposal.distributions) != len(proposal.token_ids)
-        ):
-            verdicts.refused.append((item.seq, "the drafter proposed more than asked, or unmatched distributions"))
+        elif problem := proposal_problem(item, proposal):
+            verdicts.refused.append((item.seq, problem))
         else:
             verdicts.proposals[item.seq.id] = proposal
     return verdicts
+
+
+def proposal_problem(item: DraftItem, proposal: drafter_pb2.DraftProposal) -> str:
+    """Why a proposal does not answer its task ("" if it does)."""
+    tokens = len(proposal.token_ids)
+    chain = chain_length(proposal.parents) if proposal.parents else tokens
+    if chain > item.num_draft_tokens or tokens - chain > item.siblings:
+        return "the drafter proposed more than asked"
+    if proposal.distributions and len(proposal.distributions) != tokens:
+        return "the drafter's distributions do not match its drafts"
+    problem = tree_problem(proposal.parents, tokens)
+    return f"the drafter's tree is malformed: {problem}" if problem else ""
 
 
 @dataclass(frozen=True)
@@ -198,9 +251,11 @@ class Verdict:
     """The verifier's answer for one sequence."""
 
     seq: RoundSequence
-    drafted: int
-    accepted: int = 0
+    drafted: int  # the chain's drafts it carried (siblings not counted)
+    accepted: int = 0  # the drafts committed (a sibling's included)
     tokens: tuple[int, ...] = ()  # accepted drafts + the verifier's own token
+    siblings: int = 0  # the siblings it carried beside the chain
+    sibling_hit: bool = False  # the accepted path ends in a sibling
     error: GenerationError | None = None
     drafts_refused: bool = False  # the verifier refused its drafts; it goes on target-only
     logprobs: Sequence[common_pb2.TokenLogprob] = ()  # the target's, per emitted token, when asked
@@ -253,20 +308,38 @@ def read_verdicts(
             verdicts.append(Verdict(s, k, drafts_refused=True))
         elif result.error.code:
             verdicts.append(Verdict(s, k, error=verifier_round_error(result.error)))
-        elif result.num_accepted > k:
-            raise ProtocolError(f"the verifier accepted {result.num_accepted} of {k} drafts")
         else:
-            accepted = result.num_accepted
-            tokens = (*task.draft_token_ids[:accepted], result.next_token_id)
-            verdicts.append(
-                Verdict(
-                    s,
-                    k,
-                    accepted,
-                    tokens,
-                    logprobs=result.logprobs,
-                    hidden_states=result.hidden_states,
-                    hidden_start=result.hidden_start,
-                )
-            )
+            verdicts.append(_accepted(s, task, result))
     return verdicts
+
+
+def accepted_path(task: verifier_pb2.VerifyTask, result: verifier_pb2.VerifyResult) -> list[int]:
+    """The indices of the drafts the verifier accepted, checked against the task's tree or chain."""
+    k = len(task.draft_token_ids)
+    if not task.draft_parents:
+        if result.accepted_path or result.num_accepted > k:
+            raise ProtocolError(f"the verifier accepted {result.num_accepted} of {k} chained drafts")
+        return list(range(result.num_accepted))
+    path = list(result.accepted_path)
+    parents = [-1, *path[:-1]]
+    if len(path) != result.num_accepted or any(
+        not 0 <= i < k or task.draft_parents[i] != p for i, p in zip(path, parents, strict=True)
+    ):
+        raise ProtocolError(f"the verifier's accepted path {path} is not a path of the tree it was sent")
+    return path
+
+
+def _accepted(s: RoundSequence, task: verifier_pb2.VerifyTask, result: verifier_pb2.VerifyResult) -> Verdict:
+    path = accepted_path(task, result)
+    chain = chain_length(task.draft_parents) if task.draft_parents else len(task.draft_token_ids)
+    return Verdict(
+        s,
+        chain,
+        len(path),
+        (*(task.draft_token_ids[i] for i in path), result.next_token_id),
+        siblings=len(task.draft_token_ids) - chain,
+        sibling_hit=bool(path) and path[-1] >= chain,
+        logprobs=result.logprobs,
+        hidden_states=result.hidden_states,
+        hidden_start=result.hidden_start,
+    )

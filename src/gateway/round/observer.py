@@ -45,6 +45,11 @@ class RoundOutcome:
         return [v.drafted for v in self.verdicts]
 
     @property
+    def widths(self) -> list[int]:
+        """The drafts each verified sequence's row carried, its chain's and its siblings'."""
+        return [v.drafted + v.siblings for v in self.verdicts]
+
+    @property
     def emitted(self) -> int:
         return sum(len(v.tokens) for v in self.verdicts)
 
@@ -128,11 +133,7 @@ class RoundObserver:
         for v in outcome.verdicts:
             if v.error is None and not v.drafts_refused:
                 proposals.append((v.drafted, v.accepted))
-                if v.drafted:
-                    acceptance = getattr(v.seq, "acceptance", None)
-                    if acceptance is not None:
-                        acceptance.observe(v.drafted, v.accepted)
-                    self.policy.overall.observe(v.drafted, v.accepted)
+                self._learn_acceptance(v)
         for seq, hit in outcome.guesses:
             self.policy.observe_guess(getattr(seq, "guess", None), hit)
             self.metrics.ahead_guesses.labels(outcome="right" if hit else "wrong").inc()
@@ -148,7 +149,7 @@ class RoundObserver:
             # times teach no cost. Left out, a policy whose batch joins the drafter round after
             # round learns nothing while it joins, and keeps a choice its rounds do not bear out.
             observed_gain = self.policy.observe_round(
-                outcome.drafted,
+                outcome.widths,
                 times.round_ns - times.join_ns,
                 times.draft_ns,
                 times.verify_ns,
@@ -170,6 +171,21 @@ class RoundObserver:
         if outcome.wasted_drafts:
             self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
 
+    def _learn_acceptance(self, v: Verdict) -> None:
+        """What one verdict teaches: the chain's acceptance per position, and its siblings' hits."""
+        if v.siblings:
+            self.policy.observe_siblings(v.siblings, v.sibling_hit)
+            self.metrics.num_sibling_tokens.inc(v.siblings)
+            self.metrics.num_accepted_siblings.inc(int(v.sibling_hit))
+        if not v.drafted:
+            return
+        # A sibling accepted stands where the chain's draft was rejected.
+        chain_accepted = v.accepted - int(v.sibling_hit)
+        acceptance = getattr(v.seq, "acceptance", None)
+        if acceptance is not None:
+            acceptance.observe(v.drafted, chain_accepted)
+        self.policy.overall.observe(v.drafted, chain_accepted)
+
     def _annotate(self, outcome: RoundOutcome, choice: Any, observed_gain: float | None) -> None:
         """The round's spans: what each sequence drafted and had accepted, and what the policy believed."""
         attributes = outcome.times.attributes(len(outcome.verdicts))
@@ -184,6 +200,8 @@ class RoundObserver:
                 {
                     "specd.k": v.drafted,
                     "specd.accepted": v.accepted,
+                    "specd.siblings": v.siblings,
+                    "specd.sibling_hit": v.sibling_hit,
                     "specd.round_k_max": round_k_max,
                     "specd.pipeline": outcome.pipeline,
                     **attributes,

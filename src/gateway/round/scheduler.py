@@ -81,6 +81,7 @@ class Scheduler:
         max_sequences_per_key: int = 0,
         request_timeout_s: float = 0.0,
         pipeline: str = "sequential",
+        siblings: int = 0,
         prefill_chunk_tokens: int = 0,
         drafter_overlap: bool = True,
     ) -> None:
@@ -108,6 +109,9 @@ class Scheduler:
         self.metrics.bind_policy(self.policy)
         self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
         self.pipeline = pipeline
+        if siblings < 0:
+            raise ValueError(f"siblings must be >= 0, got {siblings}")
+        self.siblings = siblings
         self.max_waiting = max_waiting
         self.shares = Shares(max_sequences_per_key)
         self.request_timeout_s = request_timeout_s
@@ -342,6 +346,7 @@ class Scheduler:
             self.speculative_mode,
             self.pipeline,
             self.prefill_chunk_tokens,
+            self.siblings,
         )
 
     @property

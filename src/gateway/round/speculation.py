@@ -24,6 +24,14 @@ The rate sum_s E_s(k_s) / R is a ratio, maximised per sequence with Dinkelbach's
 iteration: for a rate lambda each sequence independently maximises
 E_s(k) - lambda * marginal verify cost * k.
 
+A token tree (`siblings`) adds m leaves beside each drafting sequence's chain: the verify
+checks k + 1 + m positions, and a sibling is worth one more token when the chain's draft
+beside it is rejected and the sibling is the target's token there, which happens for a
+fraction h of the siblings sent (measured: `sibling_hits`). With n sequences drafting, the
+round's rate with m siblings is (T + h * n * m) / (R + verify(k + m) - verify(k)), T and R the
+tokens and time of the round chosen without them; m is the one in 0..most with the best rate,
+so where verify width is not nearly free (a CPU) the tree shrinks to a chain.
+
 Under `--pipeline auto` the same search runs once per pipeline with that pipeline's
 round model (`gateway.round.pipeline_choice`), and the round takes the pipeline and ks with
 the highest rate; target-only (every k = 0) is a candidate in each, so auto mode
@@ -42,6 +50,7 @@ from gateway.round.pipeline_choice import MODES as PIPELINES
 from gateway.round.pipeline_choice import Calibration, Overlap, RoundModel
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
+SIBLING_PRIOR = 0.25  # a sibling's hit rate before any is seen
 
 # The policy's heuristics on top of the cost model, each of which `--policy-off` can switch off
 # for an A/B run with `specd bench --server` (docs/pipeline.md, "What each heuristic buys"):
@@ -269,6 +278,9 @@ class SpeculationPolicy:
         # Until guesses are seen they are taken to be right as often as a first draft is accepted:
         # optimistic (as the overlap's prior) so that draft-ahead is tried and its guesses learnt.
         self.overall_guess = HitRate(prior_weight=2.0, decay=0.999)
+        # Of the siblings sent (token trees), how often the accepted path ended in one. Until one
+        # is seen a sibling is priced at SIBLING_PRIOR: tried, where width is cheap, then learnt.
+        self.sibling_hits = HitRate(prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
         self.overlap = Overlap(prior=1.0 if config.on("overlap-prior") else 0.5)
         self.calibration = Calibration()
@@ -378,6 +390,33 @@ class SpeculationPolicy:
         self.last_choice = replace(choice, ks=ks, model_rate=model_rate)
         self.predicted_gain.observe(choice.predicted_gain)
         return ks
+
+    def siblings(self, ks: Sequence[int], most: int) -> int:
+        """How many siblings each drafting sequence's chain gets this round, of at most `most`:
+        the m with the best predicted rate (the module's docstring); `most` until the services
+        are timed (so the verify's width is measured too)."""
+        drafting = sum(1 for k in ks if k > 0)
+        if most <= 0 or not drafting:
+            return 0
+        choice = self.last_choice
+        if not self.costs.ready or choice is None or choice.predicted_rate <= 0:
+            return most
+        round_ns = self.costs.round_ns(ks)
+        tokens = choice.predicted_rate * round_ns / 1e9
+        hit = self.sibling_hits.value(SIBLING_PRIOR)
+        verify = self.costs.verify.predict(verified_positions(ks))
+
+        def rate(m: int) -> float:
+            wider = verified_positions([k + m if k > 0 else 0 for k in ks])
+            extra_ns = max(0.0, self.costs.verify.predict(wider) - verify)
+            return (tokens + hit * drafting * m) / (round_ns + extra_ns)
+
+        return max(range(most + 1), key=lambda m: (rate(m), -m))
+
+    def observe_siblings(self, sent: int, hit: bool) -> None:
+        """A verdict on a block with `sent` siblings; `hit`: its accepted path ended in one."""
+        for i in range(sent):
+            self.sibling_hits.observe(hit and i == 0)
 
     def drafts_for(self, batch: int, pipelines: Sequence[str] = PIPELINES) -> bool:
         """Whether a round of `batch` sequences, each free to draft the full k at the acceptance

@@ -48,6 +48,8 @@ class GenerationParams:
     logprobs: LogprobsRequest | None = None
     # None: the gateway's --pipeline; else "sequential", "cohort", "ahead" or "auto" (chosen per round).
     pipeline: str | None = None
+    # None: the gateway's --speculative-siblings; else the most siblings beside a block's chain.
+    siblings: int | None = None
     # Structured output: canonical JSON Schema text the output must satisfy; "" = none.
     json_schema: str = ""
     # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.

@@ -8,6 +8,7 @@ from the same run:
 - fixed: k drafts every round (`num_speculative_tokens: k`);
 - auto: adaptive speculation (`num_speculative_tokens: "auto"`);
 - sequential, cohort, ahead: fixed k with that drafting pipeline (`pipeline: ...`);
+- tree: fixed k, sequential, with `--siblings` siblings beside each block's chain (a token tree);
 - auto-pipeline: adaptive k and pipeline, chosen per round (`pipeline: auto`); the
   rounds each pipeline ran are reported (`rounds_<pipeline>`);
 - server: no specd extension field, whatever the server does (other servers);
@@ -61,7 +62,7 @@ from specd.tools.benchstats import (
 from specd.tools.provenance import measured_at, source_commit
 from specd.tools.workloads import prompts_for, workload_names
 
-HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "auto-pipeline", "server")
+HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "tree", "auto-pipeline", "server")
 HF_MODES = ("hf", "hf-target")
 
 
@@ -124,12 +125,15 @@ async def scrape(client: httpx.AsyncClient, url: str = "/metrics") -> dict[str, 
     return values
 
 
-def mode_extra(mode: str, k: int) -> dict[str, Any]:
+def mode_extra(mode: str, k: int, siblings: int = 2) -> dict[str, Any]:
     """The specd request extension that selects a mode; `server` sends none.
 
     `fixed` leaves the pipeline to the gateway; `sequential`, `cohort` and `ahead`
-    are fixed k with that pipeline, so the three compare scheduling alone.
+    are fixed k with that pipeline, so the three compare scheduling alone; `tree` is
+    sequential with `siblings` beside each chain, so it compares with sequential.
     """
+    if mode == "tree":
+        return {"num_speculative_tokens": k, "pipeline": "sequential", "speculative_siblings": siblings}
     if mode in ("sequential", "cohort", "ahead"):
         return {"num_speculative_tokens": k, "pipeline": mode}
     if mode == "auto-pipeline":
@@ -218,7 +222,7 @@ async def run_level(
         for b, block in enumerate(blocks):
             for mode in block_order(modes, b):
                 name, server = split_mode(mode)
-                client, model, extra = clients[server], models[server], mode_extra(name, args.k)
+                client, model, extra = clients[server], models[server], mode_extra(name, args.k, args.siblings)
                 if b == 0:
                     # Untimed requests so first-call costs (and, for auto, the cost model's start) stay out.
                     warm = prompts[: min(2, len(prompts))]
@@ -377,6 +381,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--modes", default="target,fixed,auto,hf", help=f"comma-separated: {', '.join(HTTP_MODES + HF_MODES)}"
     )
     p.add_argument("-k", type=int, default=4, help="draft tokens per round for fixed mode and the HF peer")
+    p.add_argument("--siblings", type=int, default=2, help="siblings beside each block's chain in tree mode")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level; default max(16, 2 x concurrency)")
     p.add_argument(
