@@ -173,6 +173,8 @@ def test_decide_asks_siblings_where_the_verifier_checks_trees() -> None:
     # Penalties follow one history: chains only. k caps the siblings (d may draft one).
     assert {i.seq.id: i.siblings for i in plan.pre_draft} == {"a": 2, "b": 0, "c": 1, "d": 1}
     assert {i.seq.id: i.siblings for i in plan_for([running("a")]).pre_draft} == {"a": 0}
+    # The services take five drafts a task: four in the chain leave room for one sibling.
+    assert {i.seq.id: i.siblings for i in plan_for([running("a")], siblings=2, draft_room=5).pre_draft} == {"a": 1}
 
 
 def test_a_tree_block_is_verified_up_to_k_with_the_siblings_of_the_drafts_kept() -> None:

@@ -34,6 +34,7 @@ class Limits:
     pipeline: str = "sequential"  # --pipeline
     prefill_chunk_tokens: int = 0  # the verifier's prefill per round (0: whole prompts at their open)
     siblings: int = 0  # --speculative-siblings: the most siblings beside a block's chain (token trees)
+    draft_room: int = 1 << 30  # drafts a task may hold, a tree's chain and siblings together
 
 
 @dataclass
@@ -54,16 +55,19 @@ def speculation(seq: Any, limits: Limits) -> int | str:
     return spec
 
 
-def siblings_for(seq: Any, limits: Limits, auto: int) -> int:
-    """The siblings the sequence's next block carries: what its request named, else what the
-    policy chose for the round's auto sequences (`auto`) or the gateway's flag for a fixed k.
-    None where the verifier checks only chains: penalties and grammars follow one history."""
+def siblings_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
+    """The siblings the sequence's next block of `k` drafts carries: what its request named, else
+    what the policy chose for the round's auto sequences (`auto`) or the gateway's flag for a
+    fixed k; at most one per draft, within what the services take. None where the verifier
+    checks only chains: penalties and grammars follow one history."""
     params = seq.params
     if params.penalties.active or params.json_schema or params.grammar:
         return 0
     if params.siblings is not None:
-        return int(params.siblings)
-    return auto if speculation(seq, limits) == "auto" else limits.siblings
+        wanted = int(params.siblings)
+    else:
+        wanted = auto if speculation(seq, limits) == "auto" else limits.siblings
+    return max(0, min(wanted, k, limits.draft_room - k))
 
 
 def drafts_now(seq: Any) -> bool:
@@ -314,7 +318,7 @@ def _place(plan: RoundPlan, s: Any, k: int, r: _Round) -> None:
     if mode == "cohort" and r.paired and k > 0:
         if s.cohort != r.round_id % 2:
             if ready is None:  # verified next round, with these drafts
-                plan.ahead.append(DraftItem(s, k, siblings=min(k, siblings_for(s, limits, r.auto_siblings))))
+                plan.ahead.append(DraftItem(s, k, siblings=siblings_for(s, k, limits, r.auto_siblings)))
             return
         plan.verify.append(s)
         plan.ks[s.id] = min(ready.chain, cap(s, limits), k) if ready is not None else 0
@@ -325,7 +329,7 @@ def _place(plan: RoundPlan, s: Any, k: int, r: _Round) -> None:
         plan.ks[s.id] = min(ready.chain, cap(s, limits), k)
     elif k > 0:
         plan.ks[s.id] = k
-        plan.pre_draft.append(DraftItem(s, k, siblings=min(k, siblings_for(s, limits, r.auto_siblings))))
+        plan.pre_draft.append(DraftItem(s, k, siblings=siblings_for(s, k, limits, r.auto_siblings)))
     if mode == "ahead" and k > 0:
         # Drafted while the verifier checks this block, assuming all of it is
         # accepted: the first draft is a guess at the verifier's own token.

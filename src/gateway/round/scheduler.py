@@ -139,11 +139,14 @@ class Scheduler:
         assert verifier.info is not None
         self.max_context = verifier.info.max_context
         self.k_limit = min(self.k, verifier.info.max_draft_tokens)
+        # A token tree's drafts, chain and siblings together, that both services take.
+        self.draft_room = verifier.info.max_draft_tokens
         self.drafter_context = self.max_context
         # A draft-ahead asks for one draft more than it will verify: its guess at the verifier's token.
         self.ahead_limit = self.k_limit
         if drafter is not None and drafter.info is not None:
             self.k_limit = min(self.k_limit, drafter.info.max_draft_tokens)
+            self.draft_room = min(self.draft_room, drafter.info.max_draft_tokens)
             self.ahead_limit = min(self.k_limit, drafter.info.max_draft_tokens - 1)
             self.drafter_context = min(self.max_context, drafter.info.max_context)
         # A drafter that reads the target's hidden states gets them: the verifier returns them with
@@ -347,6 +350,7 @@ class Scheduler:
             self.pipeline,
             self.prefill_chunk_tokens,
             self.siblings,
+            self.draft_room,
         )
 
     @property
