@@ -6,11 +6,15 @@ drafter's own bookkeeping; the chain must be the one drafted without siblings.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from scipy import stats
+from test_leases import Context
 
 from drafter_service.engine import ModelDrafter
+from drafter_service.servicer import DrafterServicer
 from specd.engine import noise
 from specd.engine.errors import ErrorKind
 from specd.engine.grammar import choice_grammar
@@ -18,6 +22,11 @@ from specd.engine.kvcache import BatchedCausalLM
 from specd.engine.params import SamplingParams
 from specd.engine.sampling import probabilities
 from specd.engine.tasks import DraftProposal, DraftTask, SequenceSpec
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2
+from specd.rpc.leases import Leases
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner
+from specd.rpc.tracing import Tracing
 
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=1.0, seed=5)
@@ -231,3 +240,39 @@ def test_the_ngram_drafter_proposes_no_siblings(make_ngram):
     open_ok(drafter, SequenceSpec("a", [5, 6, 7, 8, 5, 6], GREEDY))
     (proposal,), _ = drafter.draft([DraftTask("a", [], 6, 3, num_siblings=2)])
     assert proposal.error is None and proposal.tokens == [7, 8, 5] and proposal.parents == []
+
+
+def test_siblings_through_the_servicer(make_drafter):
+    engine, direct = make_drafter(), make_drafter()
+    open_ok(direct, SequenceSpec("a", PROMPTS["a"], GREEDY))
+    (want,), _ = direct.draft([DraftTask("a", [], 7, 4, num_siblings=2)])
+    asyncio.run(_servicer_round(engine, want))
+
+
+async def _servicer_round(engine: ModelDrafter, want: DraftProposal) -> None:
+    runner = EngineRunner("test-drafter")
+    s = DrafterServicer(
+        engine, common_pb2.ModelInfo(), runner, Tracing("test"), ServiceMetrics("drafter", engine), Leases(0)
+    )
+    try:
+        greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+        specs = [
+            common_pb2.SequenceSpec(sequence_id=sid, prompt_token_ids=PROMPTS["a"], sampling=greedy) for sid in "ab"
+        ]
+        reply = await s.OpenDraftSequences(drafter_pb2.OpenDraftSequencesRequest(sequences=specs), Context())
+        assert not any(r.error.code for r in reply.results)
+
+        async def requests():
+            request = drafter_pb2.DraftRequest(round_id=1)
+            request.tasks.add(sequence_id="a", num_committed=7, num_draft_tokens=4, num_siblings=2)
+            request.tasks.add(sequence_id="b", num_committed=7, num_draft_tokens=1, num_siblings=2)
+            yield request
+
+        (response,) = [r async for r in s.Draft(requests(), Context())]
+        a, b = response.proposals
+        assert not a.HasField("error")
+        assert (list(a.token_ids), list(a.parents)) == (want.tokens, want.parents)
+        assert len(want.tokens) == 6 and want.parents[:4] == [-1, 0, 1, 2]
+        assert b.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and list(b.parents) == []
+    finally:
+        runner.shutdown()
