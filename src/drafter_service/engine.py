@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from drafter_service.siblings import SiblingNotes, greedy_notes, seeded_notes
 from specd.engine import hidden_states, ngram
-from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import EngineError, invalid, precondition
 from specd.engine.featurehead import FeatureTrack
 from specd.engine.fingerprint import TokenizerFingerprint
@@ -17,6 +17,25 @@ from specd.engine.kvcache import BatchedCausalLM, Row, to_device
 from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
 from specd.engine.sequences import SequenceState, SequenceTable
 from specd.engine.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
+
+
+def _wanting(notes: SiblingNotes, active: Sequence[tuple[int, SequenceState, int]], rows: Sequence[int]) -> list[int]:
+    """Positions in `rows` (indices into `active`) of the rows whose sequences asked for siblings."""
+    return [n for n, r in enumerate(rows) if active[r][0] in notes.wanted]
+
+
+def _check_siblings(task: DraftTask) -> None:
+    """Siblings go beside chain drafts, at most one a depth, and never beside a guess."""
+    if task.num_siblings == 0:
+        return
+    if task.num_siblings < 0:
+        raise invalid(f"num_siblings must be >= 0, got {task.num_siblings}")
+    if task.prefill_tokens > 0:
+        raise invalid("a prefill task proposes no siblings")
+    if task.guess_first:
+        raise invalid("num_siblings must be 0 with guess_first")
+    if task.num_siblings > task.num_draft_tokens:
+        raise invalid(f"{task.num_siblings} siblings exceed the {task.num_draft_tokens} draft tokens beside them")
 
 
 class _DrafterBase:
@@ -70,6 +89,7 @@ class _DrafterBase:
                     raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
                 if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed or task.guess_first):
                     raise invalid("a prefill task drafts nothing, assumes nothing and guesses nothing")
+                _check_siblings(task)
                 self.table.check_tokens(task.new_tokens, "new tokens")
                 self.table.check_tokens(task.assumed, "assumed tokens")
                 total = len(state.committed) + len(task.new_tokens)
@@ -198,9 +218,30 @@ class ModelDrafter(_DrafterBase):
         # 2 when all drafts were accepted, more after a target-only stretch);
         # later steps feed the token just drafted.
         feed = {i: contexts[i][len(state.cached) :] for i, state, _ in active}
+        notes = SiblingNotes(tasks)
         if active and self._drafts_stay_on_device(active, constrained):
-            timing.forward_ns = forward_ns + self._draft_on_device(active, feed, proposals, timing)
-            return proposals, timing
+            forward_ns += self._draft_on_device(active, feed, proposals, timing, notes)
+        else:
+            forward_ns += self._draft_stepwise(tasks, active, contexts, feed, proposals, constrained, timing, notes)
+        timing.forward_ns = forward_ns
+        if notes.wanted:
+            notes.attach(tasks, proposals, {i: state for i, state, _ in active})
+        return proposals, timing
+
+    def _draft_stepwise(
+        self,
+        tasks: Sequence[DraftTask],
+        active: list[tuple[int, SequenceState, int]],
+        contexts: dict[int, list[int]],
+        feed: dict[int, list[int]],
+        proposals: list[DraftProposal],
+        constrained: set[int],
+        timing: RoundTiming,
+        notes: SiblingNotes,
+    ) -> int:
+        """Draft with the tokens read back after every step (what sampling, grammars, penalties
+        and a feature drafter need); returns the forward time."""
+        forward_ns = 0
         step = 0
         while active:
             rows = [self._row(s, feed[i], len(feed[i]) - 1) for i, s, _ in active]
@@ -212,27 +253,42 @@ class ModelDrafter(_DrafterBase):
                 for (i, s, _), x in zip(active, self._forward(active, rows), strict=True)
             ]
             ended = self._mask(active, logits, constrained)
-            # Greedy rows need only their argmax (one read back for all); the others their q.
-            greedy = [r for r, (_, s, _) in enumerate(active) if s.params.greedy]
-            chosen: dict[int, int] = {}
-            if greedy:
-                tokens = read_back(torch.cat([logits[r].argmax(dim=-1) for r in greedy]))
-                chosen = dict(zip(greedy, tokens, strict=True))
-            sampled = [r for r, (_, s, _) in enumerate(active) if not s.params.greedy]
-            dists: dict[int, torch.Tensor] = {}
-            if sampled:
-                probs = probabilities(torch.cat([logits[r] for r in sampled]), [active[r][1].params for r in sampled])
-                dists = dict(zip(sampled, probs, strict=True))
+            chosen, dists = self._greedy_and_q(active, logits, step, notes)
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))
-            chosen.update(self._coupled_tokens(active, dists, [len(contexts[i]) + step for i, _, _ in active]))
+            positions = [len(contexts[i]) + step for i, _, _ in active]
+            chosen.update(self._coupled_tokens(active, dists, positions, step, notes))
             picked = self._pick(active, {r: q for r, q in dists.items() if r not in chosen})
-            still = self._take(tasks, active, step, chosen, picked, ended, proposals, feed, constrained)
-            active = still
+            for r, (token, dist) in picked.items():
+                if active[r][0] in notes.wanted:
+                    notes.add_sampled(active[r][0], step, token, dist)
+            active = self._take(tasks, active, step, chosen, picked, ended, proposals, feed, constrained)
             step += 1
-        timing.forward_ns = forward_ns
-        return proposals, timing
+        return forward_ns
+
+    @staticmethod
+    def _greedy_and_q(
+        active: Sequence[tuple[int, SequenceState, int]], logits: list[torch.Tensor], step: int, notes: SiblingNotes
+    ) -> tuple[dict[int, int], dict[int, torch.Tensor]]:
+        """The greedy rows' tokens (only their argmax, one read back for all, the siblings' notes
+        with it) and the other rows' q, each keyed by row."""
+        greedy = [r for r, (_, s, _) in enumerate(active) if s.params.greedy]
+        chosen: dict[int, int] = {}
+        if greedy:
+            best = torch.cat([logits[r].argmax(dim=-1) for r in greedy])
+            want = _wanting(notes, active, greedy)
+            if want:
+                keys = [(active[greedy[n]][0], step) for n in want]
+                rows = torch.cat([logits[greedy[n]] for n in want])
+                notes.add_device(keys, greedy_notes(rows, best.index_select(0, to_device(want, best.device))))
+            chosen = dict(zip(greedy, notes.read_with(best), strict=True))
+        sampled = [r for r, (_, s, _) in enumerate(active) if not s.params.greedy]
+        dists: dict[int, torch.Tensor] = {}
+        if sampled:
+            probs = probabilities(torch.cat([logits[r] for r in sampled]), [active[r][1].params for r in sampled])
+            dists = dict(zip(sampled, probs, strict=True))
+        return chosen, dists
 
     def _prefill_chunks(
         self,
@@ -307,10 +363,11 @@ class ModelDrafter(_DrafterBase):
         feed: dict[int, list[int]],
         proposals: list[DraftProposal],
         timing: RoundTiming,
+        notes: SiblingNotes,
     ) -> int:
         """Draft greedily with each step fed the previous step's choices where they were made (on
-        a GPU, no wait for the device between steps), and read every draft back once at the end.
-        Returns the forward time."""
+        a GPU, no wait for the device between steps), and read every draft back once at the end
+        (the siblings' notes with them). Returns the forward time."""
         forward_ns = 0
         rows = [self._row(state, feed[i], len(feed[i]) - 1) for i, state, _ in active]
         starts: list[int] = []
@@ -328,7 +385,7 @@ class ModelDrafter(_DrafterBase):
                 rows = [Row(active[r][1].slot, starts[r] + step - 1, [0], 0) for r in drafting]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
             start = time.time_ns()
-            tokens = self.lm.forward_argmax(rows, ids)
+            tokens = self._device_step(active, drafting, rows, ids, step, notes)
             chosen.append(tokens)
             members.append(drafting)
             still = [n for n, r in enumerate(drafting) if active[r][2] > step + 1]
@@ -336,7 +393,7 @@ class ModelDrafter(_DrafterBase):
             if drafting:
                 ids = tokens.index_select(0, to_device(still, tokens.device))
             else:
-                values = read_back(torch.cat(chosen))  # the round's one read back
+                values = notes.read_with(torch.cat(chosen))  # the round's one read back
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))
@@ -351,6 +408,29 @@ class ModelDrafter(_DrafterBase):
             proposals[i].tokens.extend(tokens_of_row)
             state.cached.extend(tokens_of_row[:-1])  # fed in the steps after their own
         return forward_ns
+
+    def _device_step(
+        self,
+        active: Sequence[tuple[int, SequenceState, int]],
+        drafting: list[int],
+        rows: list[Row],
+        ids: torch.Tensor | None,
+        step: int,
+        notes: SiblingNotes,
+    ) -> torch.Tensor:
+        """One on-device step's argmax of each drafting row; where some want siblings, from the
+        whole logits (`forward`'s argmax, as the step-by-step loop takes it), noting theirs."""
+        want = _wanting(notes, active, drafting)
+        if not want:
+            return self.lm.forward_argmax(rows, ids)
+        logits = torch.cat(self.lm.forward(rows, ids))
+        tokens = logits.argmax(dim=-1)
+        at = to_device(want, tokens.device)
+        notes.add_device(
+            [(active[drafting[n]][0], step) for n in want],
+            greedy_notes(logits.index_select(0, at), tokens.index_select(0, at)),
+        )
+        return tokens
 
     @staticmethod
     def _sync_grammars(active: Sequence[tuple[int, SequenceState, int]], contexts: dict[int, list[int]]) -> set[int]:
@@ -396,12 +476,16 @@ class ModelDrafter(_DrafterBase):
 
     @staticmethod
     def _coupled_tokens(
-        active: Sequence[tuple[int, SequenceState, int]], dists: dict[int, torch.Tensor], positions: Sequence[int]
+        active: Sequence[tuple[int, SequenceState, int]],
+        dists: dict[int, torch.Tensor],
+        positions: Sequence[int],
+        step: int,
+        notes: SiblingNotes,
     ) -> dict[int, int]:
         """Draft tokens of the seeded rows: argmax(log q + g) with the noise the verifier
         will use at the same position, so a draft is accepted whenever the draft
         model's noisy argmax agrees with the target's. `dists`: q of each sampled row;
-        keyed by row."""
+        keyed by row. The siblings' notes are read back with the tokens."""
         rows = [r for r in dists if active[r][1].params.seeded]
         if not rows:
             return {}
@@ -412,8 +496,14 @@ class ModelDrafter(_DrafterBase):
             # Drafting step s proposes the token at position len(committed + assumed) + s.
             spans.append((state.params.seed, positions[r], 1))
         keys = spans_keys(spans, dists[rows[0]].device)
-        tokens = gumbel_argmax(torch.stack([dists[r] for r in rows]), keys).tolist()
-        return dict(zip(rows, tokens, strict=True))
+        q = torch.stack([dists[r] for r in rows])
+        best = gumbel_argmax(q, keys)
+        want = _wanting(notes, active, rows)
+        if want:
+            at = to_device(want, best.device)
+            noted = seeded_notes(q.index_select(0, at), keys.index_select(0, at), best.index_select(0, at))
+            notes.add_device([(active[rows[n]][0], step) for n in want], noted)
+        return dict(zip(rows, notes.read_with(best), strict=True))
 
     def _pick(
         self, active: Sequence[tuple[int, SequenceState, int]], dists: dict[int, torch.Tensor]

@@ -79,6 +79,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                     t.hidden_states,
                     t.hidden_start,
                     t.guess_first,
+                    t.num_siblings,
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
@@ -105,6 +106,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                         ],
                         error=self.wire_error(p.error, owner),
                         prefill_pending=p.prefill_pending,
+                        parents=p.parents,
                     )
                     for t, p in zip(request.tasks, proposals, strict=True)
                 ],

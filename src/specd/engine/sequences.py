@@ -49,6 +49,9 @@ class SequenceState:
     grammar: GrammarMatcher | None = None
     # A feature drafter's knowledge of the target's hidden states (specd.engine.featurehead).
     features: FeatureTrack | None = None
+    # An unseeded drafter's own draws of sibling drafts (drafter_service.siblings): apart from
+    # `generator`, so that asking for siblings leaves the chain's draws as they were.
+    sibling_generator: torch.Generator | None = None
 
     def penalized(self, logits: torch.Tensor, drafts: Sequence[int] = (), drafted: Sequence[int] = ()) -> torch.Tensor:
         """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""

@@ -53,6 +53,8 @@ class DraftTask:
     # The first token is a guess at the verifier's own token after `assumed`: the likeliest, not a sample
     # (for a seeded request, the token the request's noise picks under q, as the verifier's picks under p).
     guess_first: bool = False
+    # Besides the chain, up to this many alternative leaves at the depths the drafter is least sure of.
+    num_siblings: int = 0
 
 
 @dataclass
@@ -62,6 +64,9 @@ class DraftProposal:
     dists: list[SparseDist] = field(default_factory=list)
     error: EngineError | None = None
     prefill_pending: int = 0  # for a prefill task: committed tokens still to cache
+    # With siblings: each token's parent (an index into tokens, -1 for the last committed or
+    # assumed token), the chain first; empty for a chain.
+    parents: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
