@@ -1,20 +1,23 @@
-"""Token trees through the VerifierEngine (VerifyTask.draft_parents): a tree whose accepted path
-runs through later siblings commits what target-only decoding commits (greedy and seeded), with
-the target's logprobs and hidden states of those positions, and leaves the cache as if the path
-alone had been fed; bad trees are refused per sequence."""
+"""Token trees through the VerifierEngine (VerifyTask.draft_parents) and its servicer: a tree whose
+accepted path runs through later siblings commits what target-only decoding commits (greedy and
+seeded), with the target's logprobs and hidden states of those positions, and leaves the cache as
+if the path alone had been fed; bad trees are refused per sequence."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
 import torch
+from engine_backends import EngineVerifier
 
 from specd.engine import trees
 from specd.engine.errors import ErrorKind
 from specd.engine.kvcache import BatchedCausalLM
 from specd.engine.params import LogprobsRequest, Penalties, SamplingParams
 from specd.engine.tasks import SequenceSpec, SparseDist, VerifyResult, VerifyTask
+from specd.proto.speculative.v1 import common_pb2, verifier_pb2
 from verifier_service.engine import VerifierEngine
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -215,3 +218,38 @@ def test_a_prefill_task_with_parents_is_invalid(verifiers):
     assert engine.open([SequenceSpec("a", PROMPT, GREEDY, prefill_tokens=2)])[0] == [None]
     (result,), _ = engine.verify([VerifyTask("a", len(PROMPT), [], prefill_tokens=2, draft_parents=[-1])])
     assert result.error is not None and result.error.kind == ErrorKind.INVALID_ARGUMENT
+
+
+# -- through the servicer ------------------------------------------------------------------
+
+
+def test_the_servicer_maps_parents_in_and_the_path_out(verifiers):
+    expected, _ = target_only(verifiers(), SequenceSpec("ref", PROMPT, GREEDY), 3)
+    asyncio.run(_servicer_round(verifiers(), expected))
+
+
+async def _servicer_round(engine: VerifierEngine, expected: list[int]) -> None:
+    backend = EngineVerifier(engine, 4)
+    try:
+        greedy = common_pb2.SamplingParams(top_p=1.0)  # temperature 0
+        opened = await backend.open(
+            [common_pb2.SequenceSpec(sequence_id=sid, prompt_token_ids=PROMPT, sampling=greedy) for sid in "ab"]
+        )
+        assert not any(r.HasField("error") for r in opened), opened
+        drafts, parents, path = tree_for(expected, engine.lm.vocab_size, 2)
+        tasks = [
+            verifier_pb2.VerifyTask(
+                sequence_id="a", num_committed=len(PROMPT), draft_token_ids=drafts, draft_parents=parents
+            ),
+            verifier_pb2.VerifyTask(
+                sequence_id="b", num_committed=len(PROMPT), draft_token_ids=[1, 2], draft_parents=[-1, 5]
+            ),
+        ]
+        reply = await backend.verify(verifier_pb2.VerifyRequest(round_id=1, tasks=tasks))
+        a, b = reply.results
+        assert not a.HasField("error")
+        assert list(a.accepted_path) == path and a.num_accepted == len(path)
+        assert a.next_token_id == expected[len(path)]
+        assert b.error.code == common_pb2.ERROR_CODE_INVALID_ARGUMENT and not b.accepted_path
+    finally:
+        backend.runner.shutdown()
