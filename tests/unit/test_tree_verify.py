@@ -137,7 +137,7 @@ def test_unseeded_sampled_trees_commit_a_path_of_the_tree(verifiers):
     paths = set()
     for trial in range(20):  # the same first round of a fresh sequence, each with its own generator
         assert engine.open([spec])[0] == [None]
-        engine.table.get("s").generator = torch.Generator().manual_seed(trial)
+        engine.table.get("s").generator = torch.Generator(device=engine.lm.device).manual_seed(trial)
         (result,), _ = engine.verify([VerifyTask("s", len(PROMPT), drafts, dists, draft_parents=parents)])
         assert result.error is None, result.error
         path = result.accepted_path
