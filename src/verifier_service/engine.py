@@ -15,11 +15,12 @@ from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.engine.kvcache import BatchedCausalLM, Row
-from specd.engine.logprobs import token_logprobs
 from specd.engine.params import TokenLogprob
 from specd.engine.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, probabilities, spans_keys
 from specd.engine.sequences import SequenceState, SequenceTable
 from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
+from specd.engine.tree_sampling import TreeVerdict, coupled_tree_verdict, tree_rejection_sample
+from verifier_service.tree_verify import check_tree, commit_path, noise_spans, verify_row
 
 T = TypeVar("T", list[int], torch.Tensor)
 # The sequences verified in a round: (index into the tasks, state, task, the drafter's distributions).
@@ -115,6 +116,7 @@ class VerifierEngine:
             )
         self.table.check_tokens(task.draft_tokens, "draft")
         self._check_draft_distributions(task)
+        check_tree(state, task)
 
     @staticmethod
     def _validate_prefill(state: SequenceState, task: VerifyTask) -> None:
@@ -123,7 +125,7 @@ class VerifierEngine:
                 f"sequence {task.sequence_id!r} has {len(state.committed)} committed tokens, "
                 f"the caller assumed {task.num_committed}"
             )
-        if task.draft_tokens or task.draft_dists:
+        if task.draft_tokens or task.draft_dists or task.draft_parents:
             raise invalid("a prefill task carries no draft tokens")
 
     def verify(self, tasks: Sequence[VerifyTask]) -> tuple[list[VerifyResult], RoundTiming]:
@@ -203,8 +205,7 @@ class VerifierEngine:
             except EngineError as exc:
                 results[i].error = exc
                 continue
-            fed = state.committed[len(state.cached) :] + list(task.draft_tokens)
-            rows.append(Row(state.slot, len(state.cached), fed, len(fed) - len(task.draft_tokens) - 1))
+            rows.append(verify_row(state, task))
             live.append((i, state, task, None))
         return live, rows, prefills
 
@@ -259,13 +260,12 @@ class VerifierEngine:
     ) -> None:
         """Each sequence's verdict: commit its accepted drafts and next token, or record why it failed."""
         for n, ((i, state, task, _), raw) in enumerate(zip(live, logits, strict=True)):
-            k = len(task.draft_tokens)
             if results[i].error is not None:
                 continue
             try:
                 # Greedy or seeded: the target's own token at each row decides (its argmax, or its
                 # noisy argmax), whatever the drafter sent along; unseeded sampled: the rejection rule.
-                verdict = coupled_verdict(own[n], task.draft_tokens) if n in own else drawn[n]
+                verdict = _coupled(own[n], task) if n in own else drawn[n]
                 if state.grammar is not None:
                     # The grammar follows the committed tokens exactly: the accepted drafts
                     # stay consumed, the rejected ones are rolled back, the next token goes on.
@@ -278,20 +278,9 @@ class VerifierEngine:
             except Exception as exc:  # one sequence's failure must not corrupt the others
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
                 continue
-            accepted = list(task.draft_tokens[: verdict.num_accepted])
-            if state.logprobs is not None:
-                # Row j of this forward scored the token committed at position j.
-                results[i].logprobs = token_logprobs(raw, [*accepted, verdict.next_token], state.logprobs.top)
-            if task.return_hidden:
-                # What this forward fed and keeps: the committed tokens not cached yet and the accepted drafts.
-                kept = len(rows[n].tokens) - k + verdict.num_accepted
-                results[i].hidden = hidden[n][:kept].to(torch.bfloat16).cpu()
-                results[i].hidden_start = rows[n].start
-            state.committed.extend(accepted)
-            state.cached = state.committed[:]
-            state.committed.append(verdict.next_token)
-            results[i].num_accepted = verdict.num_accepted
-            results[i].next_token = verdict.next_token
+            path = verdict.path if isinstance(verdict, TreeVerdict) else range(verdict.num_accepted)
+            states = hidden[n] if task.return_hidden else None
+            commit_path(self.lm, state, task, rows[n], path, verdict.next_token, raw, states, results[i])
 
     @staticmethod
     def _drawn_verdicts(
@@ -299,13 +288,17 @@ class VerifierEngine:
         dists: dict[int, torch.Tensor],
         own: dict[int, list[int]],
         results: list[VerifyResult],
-    ) -> dict[int, Verdict]:
+    ) -> dict[int, Verdict | TreeVerdict]:
         """The rejection rule's verdict for every unseeded sampled sequence (by index into `live`):
-        each drawn from its own generator, all read back at once. A sequence whose verdict cannot
-        be drawn gets its error instead."""
-        drawn = [n for n in dists if n not in own]
+        each drawn from its own generator, a chain's all read back at once. A sequence whose
+        verdict cannot be drawn gets its error instead."""
+        out: dict[int, Verdict | TreeVerdict] = {}
+        out.update(
+            _tree_verdicts(live, [n for n in dists if n not in own and live[n][2].draft_parents], dists, results)
+        )
+        drawn = [n for n in dists if n not in own and not live[n][2].draft_parents]
         if not drawn:
-            return {}
+            return out
         device = dists[drawn[0]].device
         # Every block's drafts copied to the device at once, not once per sequence.
         drafts = torch.tensor(
@@ -319,9 +312,9 @@ class VerifierEngine:
             except Exception as exc:  # one sequence's failure must not corrupt the others
                 results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
         if not verdicts:
-            return {}
+            return out
         read = read_back(torch.stack(list(verdicts.values())))
-        return {n: Verdict(num, token) for n, (num, token) in zip(verdicts, read, strict=True)}
+        return out | {n: Verdict(num, token) for n, (num, token) in zip(verdicts, read, strict=True)}
 
     @staticmethod
     def _greedy_tokens(
@@ -354,7 +347,8 @@ class VerifierEngine:
         for n in seeded:
             state = live[n][1]
             assert state.params.seed is not None
-            spans.append((state.params.seed, len(state.committed), dists[n].shape[0]))
+            # A tree's rows decide tokens at their depths, not their indices.
+            spans.extend(noise_spans(state.params.seed, len(state.committed), live[n][2]))
         keys = spans_keys(spans, dists[seeded[0]].device)
         tokens = read_back(gumbel_argmax(torch.cat([dists[n] for n in seeded]), keys))
         return _by_block(tokens, {n: dists[n].shape[0] for n in seeded})
@@ -379,7 +373,29 @@ def check_sparse(dist: SparseDist, vocab_size: int) -> None:
         raise invalid(f"sparse distribution sums to {sum(dist.probs):.6f}, not 1")
 
 
-def _refused(masked: torch.Tensor, raw: torch.Tensor, p: torch.Tensor | None, verdict: Verdict) -> str:
+def _coupled(target_tokens: list[int], task: VerifyTask) -> Verdict | TreeVerdict:
+    """The verdict of a greedy or seeded sequence from the target's own token at each row."""
+    if task.draft_parents:
+        return coupled_tree_verdict(target_tokens, task.draft_tokens, task.draft_parents)
+    return coupled_verdict(target_tokens, task.draft_tokens)
+
+
+def _tree_verdicts(
+    live: _Live, trees: list[int], dists: dict[int, torch.Tensor], results: list[VerifyResult]
+) -> dict[int, TreeVerdict]:
+    """The multi-candidate rule's verdict for each unseeded sampled tree in `trees` (indices into
+    `live`), drawn from its own generator; a sequence whose verdict cannot be drawn gets its error."""
+    out: dict[int, TreeVerdict] = {}
+    for n in trees:
+        i, state, task, q = live[n]
+        try:
+            out[n] = tree_rejection_sample(dists[n], task.draft_tokens, task.draft_parents, q, state.generator)
+        except Exception as exc:  # one sequence's failure must not corrupt the others
+            results[i].error = EngineError(ErrorKind.INTERNAL, f"rejection sampling failed: {exc}")
+    return out
+
+
+def _refused(masked: torch.Tensor, raw: torch.Tensor, p: torch.Tensor | None, verdict: Verdict | TreeVerdict) -> str:
     """What the row that chose a token its grammar refused held: the token's masked and raw logit
     (and p where sampled), how many tokens the mask left, and how many raw logits were not finite."""
     row, token = verdict.num_accepted, verdict.next_token

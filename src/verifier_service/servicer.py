@@ -72,6 +72,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                     [dist_from_pb(d) for d in t.draft_distributions],
                     t.prefill_tokens,
                     t.return_hidden_states,
+                    list(t.draft_parents),
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
@@ -97,6 +98,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                         prefill_pending=r.prefill_pending,
                         hidden_states=hidden_states.encode(r.hidden) if r.hidden is not None else b"",
                         hidden_start=r.hidden_start,
+                        accepted_path=r.accepted_path,
                     )
                     for t, r in zip(request.tasks, results, strict=True)
                 ],

@@ -34,11 +34,14 @@ class AttentionLayout:
 
     def masks(self, visible: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         """The model's attention_mask: `visible` [rows, queries, keys] (causal, per row) as an
-        additive float mask [rows, 1, queries, keys], each sliding layer's narrowed to its window."""
+        additive float mask [rows, 1, queries, keys], each sliding layer's narrowed to its window.
+        `key_pos`: each key's position, [keys] alike for every row or [rows, keys] (a token tree's
+        keys sit at their depth, not their index)."""
         full = _additive(visible, dtype)
         if self.window is None:
             return full
-        sliding = _additive(visible & (key_pos[None, None, :] > positions[:, :, None] - self.window), dtype)
+        keys = key_pos[None, None, :] if key_pos.dim() == 1 else key_pos[:, None, :]
+        sliding = _additive(visible & (keys > positions[:, :, None] - self.window), dtype)
         return {FULL: full, SLIDING: sliding} if self.by_layer_type else sliding
 
 

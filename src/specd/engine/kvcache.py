@@ -19,6 +19,7 @@ accelerator they are allocated outright.
 from __future__ import annotations
 
 import inspect
+import itertools
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from specd.engine.attention_layout import layout
+from specd.engine.forward_masks import positions_and_mask, row_tree
 from specd.engine.head_product import HeadProduct
 from specd.engine.timing import best_time
 
@@ -194,6 +196,18 @@ class SlotKVCache(Cache):
                         t[dest, :, :count] = t[source, :, :count]
         self._high[dest] = max(self._high[dest], count)
 
+    def compact(self, slot: int, start: int, kept: Sequence[int]) -> None:
+        """Move `slot`'s keys and values at start + kept[d] to start + d: a token tree's accepted path."""
+        if any(b <= a for a, b in itertools.pairwise(kept)):
+            raise ValueError(f"kept positions {list(kept)} are not increasing")
+        if moved := [d for d, j in enumerate(kept) if j != d]:
+            self.check_row(slot, start, kept[-1] + 1)
+            at = to_device([start + kept[d] for d in moved] + [start + d for d in moved], self.device).view(2, -1)
+            with torch.inference_mode():
+                for t in (*self.keys, *self.values):
+                    if t is not None:
+                        t[slot, :, at[1]] = t[slot, :, at[0]]
+
     # -- per-forward addressing ----------------------------------------
     def prepare(self, slots: Sequence[int], lengths: Sequence[int], counts: Sequence[int]) -> None:
         """Rows (sorted by slot) at `lengths` with `counts` new tokens each; padding is never written."""
@@ -358,6 +372,9 @@ class Row:
     # For a model that reads features (a feature drafter, specd.engine.featurehead): [len(tokens), feature_size],
     # the feature fed beside each token; None feeds zeros.
     features: torch.Tensor | None = None
+    # A token tree (specd.engine.trees): each token's parent among them, or -1 for the last cached token;
+    # a node sits at position start + its depth and sees only its ancestors among them. None: a chain.
+    parents: list[int] | None = None
 
 
 class BatchedCausalLM:
@@ -520,11 +537,13 @@ class BatchedCausalLM:
             self.cache.check_row(r.slot, r.start, len(r.tokens))
         if device_ids is not None:
             device_ids = device_ids.index_select(0, to_device(order, device_ids.device))  # in the rows' order
-        if self.static is not None:
+        trees = [row_tree(r.parents, len(r.tokens)) for r in rows]
+        # Trees take the generic forward: the bucketed and native ones place every token at its index.
+        if self.static is not None and not any(trees):
             hidden = self.static.run(rows, device_ids)
             if hidden is not None:
                 return order, rows, hidden.clone() if keep else hidden, self._wanted(rows, hidden)
-        native = self._native(rows, device_ids)
+        native = self._native(rows, device_ids) if not any(trees) else None
         if native is not None:
             return order, rows, native, self._wanted(rows, native)
         num_new = max(len(r.tokens) for r in rows)
@@ -537,18 +556,10 @@ class BatchedCausalLM:
             for i, r in enumerate(rows):
                 ids[i, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.long)
             ids = to_device(ids, self.device)
-        starts = to_device(lengths, self.device)
-        positions = starts[:, None] + torch.arange(num_new, device=self.device)[None, :]
-        # Keys up to the furthest real token: a short row's padding is neither
-        # written nor attended to by real tokens (its outputs are discarded).
-        kv_len = max(r.start + len(r.tokens) for r in rows)
-        # Padding of a short row may run past the model's last position; its
-        # outputs are discarded, but learned position tables would index out of range.
-        positions = positions.clamp(max=self.max_positions - 1)
-        key_pos = torch.arange(kv_len, device=self.device)
-        # Query at absolute position p sees keys 0..p of its own row only.
-        visible = key_pos[None, None, :] <= positions[:, :, None]
-        mask = self.attention.masks(visible, key_pos, positions, self.dtype)
+        counts = [len(r.tokens) for r in rows]
+        positions, mask = positions_and_mask(
+            self.attention, lengths, counts, trees, self.max_positions - 1, self.dtype, self.device
+        )
         extra = {}
         if self.feature_size:
             feats = torch.zeros((len(rows), num_new, self.feature_size), dtype=self.dtype)

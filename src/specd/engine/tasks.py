@@ -79,6 +79,9 @@ class VerifyTask:
     prefill_tokens: int = 0
     # Return the target's hidden states of the positions this round commits (for a feature drafter).
     return_hidden: bool = False
+    # A token tree: each draft's parent, an earlier draft's index or -1 for the last committed token.
+    # Empty: a chain.
+    draft_parents: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -94,6 +97,8 @@ class VerifyResult:
     # fed and kept, [n, hidden], the first at position hidden_start.
     hidden: torch.Tensor | None = None
     hidden_start: int = 0
+    # With VerifyTask.draft_parents: the accepted drafts' indices, root's child first. Empty for a chain.
+    accepted_path: list[int] = field(default_factory=list)
 
 
 @dataclass
