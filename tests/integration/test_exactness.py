@@ -93,3 +93,21 @@ def test_greedy_token_identical_with_chunked_prefill(gateway_for, references, to
     for prompt, text in zip(prompts, complete_texts(base_url(gateway), prompts, MAX_TOKENS), strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     assert list(grpc_generate(gateway, PROMPTS[0]).token_ids) == references[PROMPTS[0]]
+
+
+def counter(gateway, name: str) -> float:
+    text = httpx.get(base_url(gateway) + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_greedy_token_identical_with_token_trees(gateway_for, references, tok, concurrency):
+    """Siblings beside each chain, checked in the same verify: the path through one commits
+    what the chain would have committed with its correction, so the text is the target's."""
+    gateway = gateway_for(4)
+    sent = counter(gateway, "specd_spec_decode_num_sibling_tokens_total")
+    prompts = (PROMPTS * 2)[:concurrency]
+    for prompt, text in zip(prompts, concurrent_texts(gateway, prompts, speculative_siblings=2), strict=True):
+        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+    assert counter(gateway, "specd_spec_decode_num_sibling_tokens_total") > sent
+    assert counter(gateway, "specd_spec_decode_num_refused_draft_blocks_total") == 0

@@ -229,6 +229,12 @@ def test_apply_commits_a_tree_s_accepted_path_through_a_sibling() -> None:
     assert metrics.registry.get_sample_value("specd_spec_decode_num_sibling_tokens_total") == 1.0
 
 
+def test_apply_commits_a_tree_whose_every_draft_was_rejected() -> None:
+    s = running("a")
+    applied = apply(RoundPlan(verify=[s], ks={"a": 2}), tree_result(s, [], 40), {EOS})
+    assert s.output == [7, 40] and applied.verdicts[0].sibling_hit is False
+
+
 @pytest.mark.parametrize("path", [[1], [0, 1, 2], [2]])
 def test_apply_refuses_a_path_that_is_not_in_the_tree(path: list[int]) -> None:
     s = running("a")

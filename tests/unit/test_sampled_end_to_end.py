@@ -31,6 +31,7 @@ from scipy import stats
 from drafter_service.engine import ModelDrafter
 from gateway.round import apply as round_apply
 from gateway.round import exchange as round_exchange
+from gateway.round import messages as round_messages
 from gateway.round.messages import Block, DraftItem
 from gateway.round.scheduler import Delta, Finished, GenerationParams, Scheduler
 from specd.engine import sequences
@@ -112,9 +113,9 @@ class Run:
     accepted: int
 
 
-def run(target: Any, draft: Any, pipeline: str) -> Run:
-    verifier = VerifierEngine(BatchedCausalLM(target, CPU, torch.float32), None, BATCH, 32, K + 1)
-    drafter = ModelDrafter(BatchedCausalLM(draft, CPU, torch.float32), None, BATCH, 32, K + 1, VOCAB)
+def run(target: Any, draft: Any, pipeline: str, siblings: int = 0) -> Run:
+    verifier = VerifierEngine(BatchedCausalLM(target, CPU, torch.float32), None, BATCH, 32, K + 1 + siblings)
+    drafter = ModelDrafter(BatchedCausalLM(draft, CPU, torch.float32), None, BATCH, 32, K + 1 + siblings, VOCAB)
     sched = Scheduler(
         _Tokenizer(),
         EngineVerifier(verifier, BATCH),
@@ -124,6 +125,7 @@ def run(target: Any, draft: Any, pipeline: str) -> Run:
         [],  # no end id: every sequence runs to MAX_TOKENS
         speculative_mode="fixed",
         pipeline=pipeline,
+        siblings=siblings,
         max_waiting=SEQUENCES,
     )
     # Every sequence joins the drafter at its open, whatever the machine's timings say fits:
@@ -186,6 +188,16 @@ def test_unseeded_sampling_through_the_scheduler_emits_the_targets_distribution(
     assert smallest_p_value(joints, result) > MIN_P_VALUE
 
 
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort"])
+def test_unseeded_sampling_with_token_trees_emits_the_targets_distribution(target, far_draft, joints, pipeline):
+    """Two siblings beside each chain of two, drawn from the chain's q: the multi-candidate rule
+    decides between them, and the pairs still follow the target's joint."""
+    result = run(target, far_draft, pipeline, siblings=2)
+    assert result.refused_blocks == 0
+    assert result.drafted >= SEQUENCES // 2
+    assert smallest_p_value(joints, result) > MIN_P_VALUE
+
+
 # -- the same test, proven able to fail -------------------------------------------------
 
 
@@ -220,7 +232,10 @@ def _rotated_q(original: Callable[..., Any]) -> Callable[..., Any]:
 @pytest.fixture
 def mutant(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[str]:
     name = request.param
-    if name == "ahead q shifted by one":
+    if name == "siblings' path read as a chain":
+        # The verifier's path through a sibling committed as the chain's drafts instead.
+        monkeypatch.setattr(round_messages, "accepted_path", lambda task, result: list(range(result.num_accepted)))
+    elif name == "ahead q shifted by one":
         monkeypatch.setattr(round_apply, "ahead_block", _shifted_ahead_block(round_apply.ahead_block))
     else:
         monkeypatch.setattr(round_exchange, "verify_request", _rotated_q(round_exchange.verify_request))
@@ -229,7 +244,12 @@ def mutant(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> I
 
 @pytest.mark.parametrize(
     ("mutant", "pipeline"),
-    [("ahead q shifted by one", "ahead"), ("q of another sequence", "sequential"), ("q of another sequence", "cohort")],
+    [
+        ("ahead q shifted by one", "ahead"),
+        ("q of another sequence", "sequential"),
+        ("q of another sequence", "cohort"),
+        ("siblings' path read as a chain", "sequential"),
+    ],
     indirect=["mutant"],
 )
 def test_a_misaligned_q_fails_the_test(target, far_draft, joints, mutant, pipeline):
@@ -239,7 +259,7 @@ def test_a_misaligned_q_fails_the_test(target, far_draft, joints, mutant, pipeli
     # one of three runs is caught; the unmutated test above gets no such second chance.
     found = []
     for _ in range(3):
-        result = run(target, far_draft, pipeline)
+        result = run(target, far_draft, pipeline, siblings=2 if mutant.startswith("siblings") else 0)
         found.append((result.refused_blocks, smallest_p_value(joints, result)))
         if result.refused_blocks > 0 or found[-1][1] < DETECTED_P_VALUE:
             return

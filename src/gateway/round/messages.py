@@ -321,7 +321,7 @@ def accepted_path(task: verifier_pb2.VerifyTask, result: verifier_pb2.VerifyResu
             raise ProtocolError(f"the verifier accepted {result.num_accepted} of {k} chained drafts")
         return list(range(result.num_accepted))
     path = list(result.accepted_path)
-    parents = [-1, *path[:-1]]
+    parents = [-1, *path][: len(path)]
     if len(path) != result.num_accepted or any(
         not 0 <= i < k or task.draft_parents[i] != p for i, p in zip(path, parents, strict=True)
     ):
