@@ -105,10 +105,16 @@ def test_a_chain_given_as_parents_is_a_chain_and_keeps_the_fast_forwards(tiny_ta
     assert calls == [1, 1]  # a tree never reaches the bucketed forward
 
 
-def test_a_tree_never_takes_the_native_forward(tiny_target, monkeypatch):
+def test_a_tree_is_offered_to_the_native_forward_with_its_parents(tiny_target, monkeypatch):
+    """A model without native layers declines it, and the generic forward runs (test_native_tree: one with)."""
     lm = _lm(tiny_target)
-    monkeypatch.setattr(lm, "_native", lambda rows, ids: pytest.fail("a tree reached the native forward"))
-    lm.forward([Row(0, 0, PROMPT[:4], 0, parents=[-1, 0, 0, 1])])
+    offered = []
+    real = lm._native
+    monkeypatch.setattr(lm, "_native", lambda rows, ids, trees: offered.append(trees) or real(rows, ids, trees))
+    want = _lm(tiny_target).forward([Row(0, 0, PROMPT[:4], 0, parents=[-1, 0, 0, 1])])[0]
+    got = lm.forward([Row(0, 0, PROMPT[:4], 0, parents=[-1, 0, 0, 1]), Row(1, 0, PROMPT[:2], 0)])[0]
+    assert offered == [[[-1, 0, 0, 1], None]]
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("parents", [[-1, 0], [-1, 0, 2], [-2, 0, 1], [-1, 1, 1]])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ from torch.nn import functional as F
 
 from specd.engine import DECODER_CHOICES
 from specd.engine.gemv import RowKernel
-from specd.engine.native_layer import NativeLayers
+from specd.engine.native_layer import NativeLayers, placement
 
 log = logging.getLogger(__name__)
 
@@ -184,28 +185,36 @@ class FusedLlamaBody(nn.Module):
         return chosen
 
     def native_forward(
-        self, tokens: list[list[int]] | torch.Tensor, slots: list[int], starts: list[int], cache: Any
+        self,
+        tokens: list[list[int]] | torch.Tensor,
+        slots: list[int],
+        starts: list[int],
+        cache: Any,
+        trees: Sequence[Sequence[int] | None] | None = None,
     ) -> torch.Tensor | None:
         """The last hidden states [rows, positions, hidden] of rows feeding `tokens` (per row, or one
         id per row as a tensor) at `starts` of `slots`, every layer in one native call
-        (`specd.engine.native_layer`), their keys and values written to `cache`; None where the
-        native layers do not take this forward (not built, a token count the kernel was not chosen
-        for, a cache they cannot address)."""
+        (`specd.engine.native_layer`), their keys and values written to `cache`; `trees`: each row's
+        token tree (its parents, specd.engine.trees), or None for a chain. None where the native
+        layers do not take this forward (not built, a token count the kernel was not chosen for, a
+        tree too large, a cache they cannot address)."""
         counts = [1] * len(slots) if isinstance(tokens, torch.Tensor) else [len(t) for t in tokens]
         native = self.native
         if native is None or sum(counts) not in self.linears.kernel_rows:
             return None
+        place = placement(starts, counts, trees or [None] * len(counts))
+        if place is None:
+            return None
         ids = tokens if isinstance(tokens, torch.Tensor) else torch.tensor([t for row in tokens for t in row])
         token_slots = [s for s, n in zip(slots, counts, strict=True) for _ in range(n)]
-        positions = [p + j for p, n in zip(starts, counts, strict=True) for j in range(n)]
         with torch.inference_mode():
             x = self.embed_tokens(ids).float().contiguous()
-            cos, sin = self.rotary_emb(x[None], position_ids=torch.tensor(positions)[None, :])
+            # A tree's node is rotated at its depth, wherever its key is written.
+            cos, sin = self.rotary_emb(x[None], position_ids=torch.tensor(place.rotations)[None, :])
             half = sin.shape[-1] // 2
             sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            out = native.forward(
-                x, cos[0].float().contiguous(), sin[0].float().contiguous(), token_slots, positions, cache
-            )
+            cos, sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+            out = native.forward(x, cos, sin, token_slots, place.positions, cache, place.prefixes, place.visible)
             if out is None:
                 return None
             flat = _rms_norm(out, self.norm, self.eps)

@@ -538,12 +538,12 @@ class BatchedCausalLM:
         if device_ids is not None:
             device_ids = device_ids.index_select(0, to_device(order, device_ids.device))  # in the rows' order
         trees = [row_tree(r.parents, len(r.tokens)) for r in rows]
-        # Trees take the generic forward: the bucketed and native ones place every token at its index.
+        # Trees skip the bucketed forward, which places every token at its index.
         if self.static is not None and not any(trees):
             hidden = self.static.run(rows, device_ids)
             if hidden is not None:
                 return order, rows, hidden.clone() if keep else hidden, self._wanted(rows, hidden)
-        native = self._native(rows, device_ids) if not any(trees) else None
+        native = self._native(rows, device_ids, trees)
         if native is not None:
             return order, rows, native, self._wanted(rows, native)
         num_new = max(len(r.tokens) for r in rows)
@@ -578,15 +578,15 @@ class BatchedCausalLM:
             ).last_hidden_state
         return order, rows, hidden, self._wanted(rows, hidden)
 
-    def _native(self, rows: Sequence[Row], device_ids: torch.Tensor | None) -> torch.Tensor | None:
+    def _native(self, rows: Sequence[Row], device_ids: torch.Tensor | None, trees: list[Any]) -> torch.Tensor | None:
         """The hidden states [rows, positions, hidden] through the model's native layers
         (`FusedLlamaBody.native_forward`), or None where it has none or they decline.
-        `device_ids`: one token per row, in the rows' order, fed instead of their tokens."""
+        `device_ids`: one token per row, in the rows' order, fed instead of their tokens; `trees`: row_tree's."""
         native = getattr(self._base, "native_forward", None)
         if native is None or self.feature_size:
             return None
         tokens = [r.tokens for r in rows] if device_ids is None else device_ids
-        hidden = native(tokens, [r.slot for r in rows], [r.start for r in rows], self.cache)
+        hidden = native(tokens, [r.slot for r in rows], [r.start for r in rows], self.cache, trees)
         if hidden is not None:
             self.cache.note_written([r.slot for r in rows], [r.start + len(r.tokens) for r in rows])
         return hidden

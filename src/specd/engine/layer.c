@@ -5,9 +5,10 @@
 // step makes a few hundred of those per layer, which cost about as much as reading the weights.
 //
 // Each token is computed alone: its products through specd_gemv* (a row's outputs do not depend
-// on the rows beside it), its norms, rotation and attention over the keys 0..position of its slot,
-// summed in an order that depends on nothing but the token. So a token's hidden state is bitwise
-// the same in a one-token step and in a verify of several positions. Built with gemv.c.
+// on the rows beside it), its norms, rotation and attention over the keys it sees in its slot,
+// summed in increasing key order and in an order that depends on nothing but the token. So a
+// token's hidden state is bitwise the same in a one-token step, in a verify of several positions
+// and as a node of a token tree. Built with gemv.c.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -33,7 +34,11 @@ typedef struct {
 
 // The tokens of one forward. `sin` has its first half negated (as FusedLlamaBody passes it). The
 // cache tensors are [slots, kv_heads, positions, head_dim] with the given strides (in floats).
-// `work` holds at least specd_layer_work(layer, tokens, keys) floats.
+// `work` holds at least specd_layer_work(layer, tokens, keys) floats. A token's key and value are
+// written at positions[t] and rotated by its own cos/sin row, so a token tree's node rotates at its
+// depth wherever it is written. Without `prefixes` (NULL) token t sees the keys 0..positions[t];
+// with them (and `visible`), the keys 0..prefixes[t]-1 and prefixes[t] + j for each bit j set in
+// visible[t]: a tree node's ancestors and itself, at most 64 of them.
 typedef struct {
     int64_t tokens, keys;
     float *x;
@@ -42,6 +47,8 @@ typedef struct {
     float *cache_keys, *cache_values;
     int64_t slot_stride, head_stride, position_stride;
     float *work;
+    const int64_t *prefixes;
+    const uint64_t *visible;
 } Batch;
 
 static int product(const Product *p, const float *x, float *y, int64_t rows, int64_t n, int64_t k) {
@@ -102,12 +109,22 @@ static inline float dot8(const float *a, const float *b, int64_t d) {
     return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
 }
 
-// Softmax attention of one query head over `n` keys/values (position_stride apart); out [d].
-static void attend(const float *q, const float *keys, const float *values, int64_t n, int64_t stride, int64_t d,
-                   float scale, float *scores, float *out) {
+// The keys one token sees: the first `n` positions, then the positions in `picked`, in this order.
+typedef struct {
+    int64_t n, extra;
+    const int64_t *picked;
+} Keys;
+
+// Softmax attention of one query head over the keys/values `seen` names (stride floats per
+// position); out [d]. The visible keys are gathered, never masked: a tree node sees its path's keys
+// in the order its chain would, so its sums are the chain's, bit for bit.
+static void attend(const float *q, const float *keys, const float *values, const Keys *seen, int64_t stride,
+                   int64_t d, float scale, float *scores, float *out) {
+    const int64_t n = seen->n + seen->extra;
     float top = -INFINITY;
     for (int64_t p = 0; p < n; p++) {
-        scores[p] = dot8(q, keys + p * stride, d) * scale;
+        const int64_t at = p < seen->n ? p : seen->picked[p - seen->n];
+        scores[p] = dot8(q, keys + at * stride, d) * scale;
         top = scores[p] > top ? scores[p] : top;
     }
     const __m256 shift = _mm256_set1_ps(top);
@@ -121,7 +138,7 @@ static void attend(const float *q, const float *keys, const float *values, int64
     for (int64_t i = 0; i < lanes; i++) acc[i] = _mm256_setzero_ps();
     for (p = 0; p < n; p++) {
         const __m256 w = _mm256_set1_ps(scores[p]);
-        const float *v = values + p * stride;
+        const float *v = values + (p < seen->n ? p : seen->picked[p - seen->n]) * stride;
         for (int64_t i = 0; i < lanes; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
     }
     const __m256 inv = _mm256_set1_ps(1.0f / total);
@@ -156,10 +173,17 @@ int specd_layer(const Layer *l, const Batch *b) {
     // Every token's key is written before any attends: a verify's later positions see the earlier.
     for (int64_t t = 0; t < T; t++) {
         const float *row = qkv + t * width;
+        int64_t picked[64];
+        Keys seen = {b->positions[t] + 1, 0, picked};
+        if (b->prefixes) {
+            seen.n = b->prefixes[t];
+            for (int64_t j = 0; j < 64; j++)
+                if (b->visible[t] >> j & 1) picked[seen.extra++] = b->prefixes[t] + j;
+        }
         for (int64_t h = 0; h < hq; h++) {
             const int64_t kv = b->slots[t] * b->slot_stride + (h / (hq / hkv)) * b->head_stride;
-            attend(row + h * d, b->cache_keys + kv, b->cache_values + kv, b->positions[t] + 1, b->position_stride, d,
-                   l->scale, scores, attended + (t * hq + h) * d);
+            attend(row + h * d, b->cache_keys + kv, b->cache_values + kv, &seen, b->position_stride, d, l->scale,
+                   scores, attended + (t * hq + h) * d);
         }
     }
     if (product(&l->o, attended, out, T, H, hq * d)) return -1;

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from specd.engine import gemv
+from specd.engine.trees import depths
 
 
 class _Product(ctypes.Structure):
@@ -62,12 +64,56 @@ class _Batch(ctypes.Structure):
         ("head_stride", ctypes.c_int64),
         ("position_stride", ctypes.c_int64),
         ("work", ctypes.c_void_p),
+        ("prefixes", ctypes.c_void_p),
+        ("visible", ctypes.c_void_p),
     ]
 
 
 KINDS = {None: 0, "q4": 1, "q8": 2}
 # layer.c's bound on a head's width (its rotation buffer).
 MAX_HEAD_DIM = 512
+# layer.c's bound on a token tree's nodes in one row: a node's visible nodes are one uint64's bits.
+MAX_TREE_NODES = 64
+
+
+@dataclass
+class Placement:
+    """Where a forward's tokens go (`placement`): per token, its cache position, the position it is
+    rotated at, and for a forward with token trees, what it sees (`Batch` in layer.c)."""
+
+    positions: list[int]
+    rotations: list[int]
+    prefixes: list[int] | None = None
+    visible: list[int] | None = None
+
+
+def placement(starts: Sequence[int], counts: Sequence[int], trees: Sequence[Sequence[int] | None]) -> Placement | None:
+    """The tokens of rows feeding `counts` tokens at `starts`, each row a chain (None) or a token tree
+    (its parents, specd.engine.trees): a node is written at its row's start + its index, rotated at
+    start + its depth and sees the keys before start, its ancestors and itself. None where a tree has
+    more nodes than layer.c takes."""
+    positions = [s + j for s, n in zip(starts, counts, strict=True) for j in range(n)]
+    if not any(trees):
+        return Placement(positions, positions)
+    rotations: list[int] = []
+    prefixes: list[int] = []
+    visible: list[int] = []
+    for start, count, parents in zip(starts, counts, trees, strict=True):
+        if parents is None:
+            # A chain's token sees every key up to its own: all before it, none picked.
+            prefixes += range(start + 1, start + count + 1)
+            rotations += range(start, start + count)
+            visible += [0] * count
+            continue
+        if len(parents) > MAX_TREE_NODES:
+            return None
+        bits: list[int] = []
+        for i, parent in enumerate(parents):
+            bits.append(1 << i | (bits[parent] if parent >= 0 else 0))
+        rotations += (start + d for d in depths(parents))
+        prefixes += [start] * count
+        visible += bits
+    return Placement(positions, rotations, prefixes, visible)
 
 
 def _product(linear: nn.Module) -> _Product | None:
@@ -138,11 +184,14 @@ class NativeLayers:
         slots: Sequence[int],
         positions: Sequence[int],
         cache: Any,
+        prefixes: Sequence[int] | None = None,
+        visible: Sequence[int] | None = None,
     ) -> torch.Tensor | None:
         """Run every layer on x [tokens, hidden] (float32, updated in place and returned), the tokens
         at (`slots`, `positions`) of `cache`; cos and sin [tokens, head_dim] as FusedLlamaLayer takes
-        them. None (x untouched) where the cache's tensors are not float32 [slots, heads, positions,
-        dim] with unit stride on the last."""
+        them. `prefixes` and `visible` (`Placement`): what each token sees where not every key up to
+        its own. None (x untouched) where the cache's tensors are not float32 [slots, heads,
+        positions, dim] with unit stride on the last."""
         tokens = x.shape[0]
         first = self.layers[0]
         kv = [cache.layer_tensors(i, first.kv_heads, first.head_dim, torch.float32) for i in range(len(self.layers))]
@@ -170,6 +219,11 @@ class NativeLayers:
             stride[2],
             work.data_ptr(),
         )
+        if prefixes is not None and visible is not None:
+            # Kept alive by these names until the layers have run.
+            seen_from = (ctypes.c_int64 * tokens)(*prefixes)
+            seen = (ctypes.c_uint64 * tokens)(*visible)
+            batch.prefixes, batch.visible = ctypes.addressof(seen_from), ctypes.addressof(seen)
         for layer, (k, v) in zip(self.layers, kv, strict=True):
             batch.cache_keys, batch.cache_values = k.data_ptr(), v.data_ptr()
             if self._run(ctypes.byref(layer), ctypes.byref(batch)) != 0:
