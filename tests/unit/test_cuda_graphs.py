@@ -9,13 +9,15 @@ The captured path itself is checked where CUDA is (tests marked below skip witho
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import pytest
 import torch
 from tinymodels import device_under_test
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specd.engine import cuda_graphs, fused_llama
+from specd.engine import cuda_graphs, fused_llama, trees
+from specd.engine.attention_layout import AttentionLayout
 from specd.engine.kvcache import BatchedCausalLM, Row, SlotKVCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,22 +39,27 @@ def llama(positions: int = 512, seed: int = 0) -> LlamaForCausalLM:
 
 
 def pair(
-    device: torch.device, dtype: torch.dtype = torch.float32, positions: int = 300
+    device: torch.device, dtype: torch.dtype = torch.float32, positions: int = 300, length: int = 5
 ) -> tuple[BatchedCausalLM, BatchedCausalLM]:
-    """Two copies of one fused model over their own caches: the eager one and the static one."""
+    """Two copies of one fused model over their own caches: the eager one and the static one
+    (blocks of up to `length` tokens)."""
     fused = fused_llama.fuse(llama(positions)).to(device=device, dtype=dtype)
     eager = BatchedCausalLM(fused, device, dtype, max_slots=6, max_positions=positions)
     static = BatchedCausalLM(copy.deepcopy(fused), device, dtype, max_slots=6, max_positions=positions)
-    static.static = cuda_graphs.StaticForward(static, 64, 5, capture=device.type == "cuda")
+    static.static = cuda_graphs.StaticForward(static, 64, length, capture=device.type == "cuda")
     return eager, static
 
 
-def prefill(lms: tuple[BatchedCausalLM, ...], slots: list[int], lengths: list[int]) -> None:
+def prefill(lms: tuple[BatchedCausalLM, ...], slots: list[int], lengths: list[int]) -> list[list[int]]:
+    """Each slot's prompt, fed to every one of `lms`."""
     gen = torch.Generator().manual_seed(1)
+    prompts = []
     for slot, n in zip(slots, lengths, strict=True):
         tokens = torch.randint(0, 96, (n,), generator=gen).tolist()
+        prompts.append(tokens)
         for lm in lms:
             lm.forward([Row(slot, 0, tokens, n - 1)])
+    return prompts
 
 
 def test_buckets_pad_the_batch_and_the_keys_but_never_past_the_bound() -> None:
@@ -212,6 +219,99 @@ def uncaptured(init):
     return wrapped
 
 
+# Two committed tokens, then a tree: siblings at the root, a branch of depth 5 under the root's
+# second child (deeper than WINDOW: its keys sit at cache indices past their depth).
+TREE = trees.with_prefix(2, [-1, -1, 0, 1, 3, 4, 5])
+SMALL_TREE = [-1, -1, 0, 1]  # shorter than the bucket: padded positions past a tree
+WINDOW = 3
+
+
+class TreeRound(NamedTuple):
+    rows: list[Row]
+    want: list[torch.Tensor]  # the eager forward's logits
+    got: list[torch.Tensor]  # the static forward's
+    eager: BatchedCausalLM
+    static: BatchedCausalLM
+    prompts: list[list[int]]
+
+
+def tree_round(device: torch.device, window: int | None = None) -> TreeRound:
+    """Two trees of different shapes beside a chain in a bucket of four (one padded row), through
+    the eager and the static forward."""
+    eager, static = pair(device, length=len(TREE))
+    for lm in (eager, static):
+        lm.attention = AttentionLayout(window)  # a fused Llama's mask narrowed as a sliding model's
+    slots, lengths = [4, 0, 2], [7, 3, 12]
+    prompts = prefill((eager, static), slots, lengths)
+    rows = [
+        Row(4, 7, [10 + i for i in range(len(TREE))], 0, parents=TREE),
+        Row(0, 3, [30, 31], 0),
+        Row(2, 12, [50 + i for i in range(len(SMALL_TREE))], 0, parents=SMALL_TREE),
+    ]
+    calls = []
+    body = static.static._body
+    static.static._body = lambda bucket: calls.append(bucket) or body(bucket)
+    want, got = eager.forward(rows), static.forward(rows)
+    # The bucketed forward ran them (on CUDA its body ran to capture the bucket, then replayed).
+    assert set(calls) == {cuda_graphs.Bucket(4, len(TREE), 320)}
+    return TreeRound(rows, want, got, eager, static, prompts)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_tree_rows_give_the_eager_trees_logits_at_every_node(window: int | None) -> None:
+    run = tree_round(torch.device("cpu"), window)
+    for w, g in zip(run.want, run.got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # And each node's logits are those of the chain along its path (the window counts depths).
+    tree, prompt, eager = run.rows[0], run.prompts[0], run.eager
+    assert tree.parents is not None
+    for j in range(len(tree.tokens)):
+        path = [tree.tokens[i] for i in trees.path_to(tree.parents, j)]
+        chain = eager.forward([Row(5, 0, prompt + path, len(prompt) + len(path) - 1)])[0][0]
+        eager.cache.release(5)
+        torch.testing.assert_close(run.got[0][j], chain, rtol=1e-4, atol=1e-4, msg=lambda m, j=j: f"node {j}: {m}")
+
+
+def test_a_window_shallower_than_the_branch_changes_its_logits() -> None:
+    """The windowed check above can fail: the deep branch's last node sees fewer keys in a window."""
+    full = tree_round(torch.device("cpu")).got
+    windowed = tree_round(torch.device("cpu"), WINDOW).got
+    assert not torch.allclose(full[0][-1], windowed[0][-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_chains_get_the_causal_mask_bit_for_bit(window: int | None) -> None:
+    """Chain rows through the ancestor matrices get the mask they got before trees: a key is seen
+    up to the query's position (and within the window), so their hidden states are unchanged."""
+    eager, static = pair(torch.device("cpu"))
+    static.attention = AttentionLayout(window)
+    prefill((eager, static), [4, 0, 2], [7, 3, 12])
+    runner = static.static
+
+    def causal(inputs, keys):
+        key_pos = torch.arange(keys)
+        return key_pos[None, None, :] <= inputs.positions[:, :, None], key_pos
+
+    rows = [Row(4, 7, [1, 2, 3], 0), Row(0, 3, [4], 0), Row(2, 12, [5, 6, 7, 8, 9], 0)]
+    bucket = runner.bucket(3, 5, 17)
+    runner._fill(bucket, rows, None)
+    inputs = runner._views(bucket)
+    with torch.inference_mode():
+        visible, key_pos = runner._visible(inputs, bucket.keys)
+        before, _ = causal(inputs, bucket.keys)
+        for i, r in enumerate(rows):
+            assert torch.equal(visible[i, : len(r.tokens)], before[i, : len(r.tokens)])
+        if window is not None:
+            # A real row's keys at their indices (a padded row's outputs are never read).
+            assert torch.equal(key_pos[: len(rows)], torch.arange(bucket.keys).expand(len(rows), -1))
+        got = runner._body(bucket).clone()
+        runner._visible = causal
+        runner._fill(bucket, rows, None)
+        want = runner._body(bucket)
+    for i, r in enumerate(rows):
+        assert torch.equal(got[i, : len(r.tokens)], want[i, : len(r.tokens)])
+
+
 @cuda
 def test_captured_rounds_give_the_eager_tokens_on_cuda() -> None:
     device = torch.device("cuda")
@@ -225,6 +325,16 @@ def test_captured_rounds_give_the_eager_tokens_on_cuda() -> None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
             assert torch.equal(g.argmax(-1), w.argmax(-1))
         lengths = [n + 1 + step for n in lengths]
+
+
+@cuda
+def test_a_captured_graph_takes_tree_rows_on_cuda() -> None:
+    """A bucket captured with chains of padding replays a tree beside a chain as the eager forward."""
+    run = tree_round(torch.device("cuda"))
+    assert cuda_graphs.Bucket(4, len(TREE), 320) in run.static.static._graphs
+    for w, g in zip(run.want, run.got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
 def test_the_capture_path_runs_with_a_stand_in_for_cuda(monkeypatch) -> None:
@@ -288,3 +398,6 @@ def test_the_capture_path_runs_with_a_stand_in_for_cuda(monkeypatch) -> None:
         for w, g in zip(eager.forward(rows), static.forward(rows), strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         lengths = [n + 1 + step for n in lengths]
+    # A tree replays through the bucket (1, 3) captured for a prompt of chains.
+    tree = [Row(4, lengths[0], [9, 8, 7], 0, parents=[-1, -1, 1])]
+    torch.testing.assert_close(static.forward(tree)[0], eager.forward(tree)[0], rtol=1e-5, atol=1e-5)

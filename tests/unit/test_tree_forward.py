@@ -102,7 +102,9 @@ def test_a_chain_given_as_parents_is_a_chain_and_keeps_the_fast_forwards(tiny_ta
     assert torch.equal(plain, as_parents)
     assert calls == [1, 1]
     lm.forward([Row(2, 0, tokens, 0, parents=[-1, 0, 0, 1, 2, 2])])
-    assert calls == [1, 1]  # a tree never reaches the bucketed forward
+    # A tree reaches the bucketed forward too (specd.engine.cuda_graphs builds its mask; tested
+    # there), and runs eagerly where no bucket holds it.
+    assert calls == [1, 1, 1]
 
 
 def test_a_tree_is_offered_to_the_native_forward_with_its_parents(tiny_target, monkeypatch):

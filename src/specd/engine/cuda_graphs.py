@@ -9,8 +9,12 @@ a bucket runs through buffers made once for it:
   (1 .. the longest block the service feeds), and the keys attended padded up to a power of two
   (`key_buckets`): a mask hides the keys past each query's position, as the eager forward's does.
 - One packed int64 buffer holds every input of a forward (token ids, positions, the KV cache
-  rows read and the slot/position each new key is written at), filled by one host-to-device
-  copy that does not wait for the device.
+  rows read and the slot/position each new key is written at, each row's start and which of its
+  fed tokens each one sees), filled by one host-to-device copy that does not wait for the device.
+- Token trees (`specd.engine.trees`) run through the same graphs: a node is written at start + its
+  index but sits at start + its depth and sees its ancestors among the fed tokens, so the mask is
+  built inside the graph from each row's ancestor matrix (a chain's is lower-triangular, which
+  gives exactly the causal mask of a chain).
 - A padded row reads and writes only the cache's scratch slot (`SlotKVCache.scratch_slot`), and a
   real row's padded positions write there too: nothing of a real sequence is overwritten, and
   a real row's queries never see the scratch slot (their keys are their own slot's). Padded
@@ -28,15 +32,18 @@ check it against the eager forward); the services only take it on CUDA (`--cuda-
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from specd.engine import CUDA_GRAPH_CHOICES
+from specd.engine.forward_masks import row_tree
+from specd.engine.trees import ancestor_mask, depths
 
 if TYPE_CHECKING:
     from specd.engine.kvcache import BatchedCausalLM, Row
@@ -53,6 +60,42 @@ class Bucket:
     batch: int
     length: int
     keys: int
+
+
+class Inputs(NamedTuple):
+    """A bucket's views of the packed input buffer."""
+
+    ids: torch.Tensor  # [batch, length]
+    positions: torch.Tensor  # [batch, length]: start + the token's depth (its index in a chain)
+    slots: torch.Tensor  # [batch * length]: the cache row each new key is written to
+    written: torch.Tensor  # [batch * length]: where in it: start + the token's index
+    rows: torch.Tensor  # [batch]: the cache rows read
+    starts: torch.Tensor  # [batch]: each row's first fed token's index
+    ancestors: torch.Tensor  # bool [batch, length, length]: (i, j): fed token i sees fed token j
+
+
+def _words(cells: int) -> int:
+    """int64 words that hold `cells` bools."""
+    return -(-cells // 8)
+
+
+def _size(batch: int, length: int) -> int:
+    """The int64 words of a bucket's inputs."""
+    return 4 * batch * length + 2 * batch + _words(batch * length * length)
+
+
+@functools.cache
+def _chain_ancestors(batch: int, length: int) -> torch.Tensor:
+    """The ancestor matrices of `batch` chains of `length` (lower-triangular), as packed words."""
+    cells = torch.ones(length, length, dtype=torch.bool).tril().repeat(batch, 1, 1).flatten()
+    packed = torch.zeros(8 * _words(cells.numel()), dtype=torch.bool)
+    packed[: cells.numel()] = cells
+    return packed.view(torch.long)
+
+
+def _cells(words: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    """Packed ancestor words as the matrices they hold, bool [batch, length, length] (a view)."""
+    return words.view(torch.bool)[: batch * length * length].view(batch, length, length)
 
 
 def key_buckets(max_positions: int) -> list[int]:
@@ -104,9 +147,7 @@ class StaticForward:
         limit = min(max_batch, cache.max_slots)
         self.batches = sorted({b for b in (batches or BATCH_BUCKETS) if b <= max(limit, 1)} or {1})
         self.keys = key_buckets(cache.position_room)
-        top = self.batches[-1]
-        size = 4 * top * self.max_length + top
-        self._inputs = torch.zeros(size, dtype=torch.long, device=lm.device)
+        self._inputs = torch.zeros(_size(self.batches[-1], self.max_length), dtype=torch.long, device=lm.device)
         self._graphs: dict[Bucket, tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
         self.capture_s = 0.0
@@ -144,13 +185,16 @@ class StaticForward:
         graph.replay()
         return out[: len(rows)]
 
-    def _views(self, bucket: Bucket) -> tuple[torch.Tensor, ...]:
-        n = bucket.batch * bucket.length
+    def _views(self, bucket: Bucket) -> Inputs:
+        batch, length = bucket.batch, bucket.length
+        n = batch * length
         flat = self._inputs
-        ids, positions, slots, pos = (flat[i * n : (i + 1) * n] for i in range(4))
-        rows = flat[4 * n : 4 * n + bucket.batch]
-        shape = (bucket.batch, bucket.length)
-        return ids.view(shape), positions.view(shape), slots, pos, rows
+        ids, positions, slots, written = (flat[i * n : (i + 1) * n] for i in range(4))
+        at = 4 * n + 2 * batch
+        ancestors = _cells(flat[at : at + _words(n * length)], batch, length)
+        shape = (batch, length)
+        rows, starts = flat[4 * n : 4 * n + batch], flat[4 * n + batch : at]
+        return Inputs(ids.view(shape), positions.view(shape), slots, written, rows, starts, ancestors)
 
     def _fill(self, bucket: Bucket, rows: Sequence[Row], device_ids: torch.Tensor | None) -> None:
         """Every input of the bucket from one host tensor, copied without waiting for the device."""
@@ -163,11 +207,18 @@ class StaticForward:
         positions: list[int] = []
         slots: list[int] = []
         written: list[int] = []
-        for r in rows:
+        chains = ancestors = _chain_ancestors(bucket.batch, length)
+        for i, r in enumerate(rows):
             n = len(r.tokens)
+            tree = row_tree(r.parents, n)
+            # A token sits at start + its depth: its index in a chain, and in the padding past a tree.
+            depth = range(length) if tree is None else depths(tree) + list(range(n, length))
+            if tree is not None:
+                ancestors = chains.clone() if ancestors is chains else ancestors
+                _cells(ancestors, bucket.batch, length)[i, :n, :n] = ancestor_mask(tree)
             ids.extend(r.tokens)
             ids.extend([0] * (length - n))
-            positions.extend(min(r.start + j, last) for j in range(length))
+            positions.extend(min(r.start + d, last) for d in depth)
             slots.extend([r.slot] * n + [scratch] * (length - n))
             written.extend(r.start + j if j < n else min(r.start + j, top) for j in range(length))
         pad = (bucket.batch - len(rows)) * length
@@ -176,27 +227,49 @@ class StaticForward:
         slots.extend([scratch] * pad)
         written.extend([0] * pad)
         read = [r.slot for r in rows] + [scratch] * (bucket.batch - len(rows))
-        host = torch.tensor(ids + positions + slots + written + read, dtype=torch.long)
+        starts = [r.start for r in rows] + [0] * (bucket.batch - len(rows))
+        host = torch.cat((torch.tensor(ids + positions + slots + written + read + starts, dtype=torch.long), ancestors))
         self._inputs[: host.numel()].copy_(host, non_blocking=True)
         if device_ids is not None:
-            self._views(bucket)[0][: len(rows), 0].copy_(device_ids)
+            self._views(bucket).ids[: len(rows), 0].copy_(device_ids)
         cache.note_written([r.slot for r in rows], [r.start + len(r.tokens) for r in rows])
 
     def _body(self, bucket: Bucket) -> torch.Tensor:
         """The decoder over the bucket's buffers: what a graph captures and replays."""
         lm = self.lm
-        ids, positions, slots, pos, rows = self._views(bucket)
-        key_pos = torch.arange(bucket.keys, device=lm.device)
+        inputs = self._views(bucket)
+        visible, key_pos = self._visible(inputs, bucket.keys)
         # The eager forward's masks (a sliding layer's narrowed to its window), over the bucket's keys.
-        visible = key_pos[None, None, :] <= positions[:, :, None]
-        mask = lm.attention.masks(visible, key_pos, positions, lm.dtype)
-        lm.cache.set_static(slots, pos, rows, bucket.keys)
+        mask = lm.attention.masks(visible, key_pos, inputs.positions, lm.dtype)
+        lm.cache.set_static(inputs.slots, inputs.written, inputs.rows, bucket.keys)
         try:
             return lm._base(
-                input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=lm.cache
+                input_ids=inputs.ids,
+                attention_mask=mask,
+                position_ids=inputs.positions,
+                use_cache=True,
+                cache=lm.cache,
             ).last_hidden_state
         finally:
             lm.cache.set_static(None)
+
+    def _visible(self, inputs: Inputs, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of `keys` keys each fed token sees [batch, length, keys], and the keys' positions
+        ([keys], or [batch, keys] where a layer slides): static shapes, gathers and compares only,
+        so a graph replays it. A row's token sees every key before its start, and among its fed
+        tokens those its ancestor matrix names: for a chain's lower-triangular one, exactly the
+        keys up to its own (the causal mask)."""
+        length = inputs.ids.shape[1]
+        key_index = torch.arange(keys, device=self.lm.device)
+        fed = key_index[None, :] - inputs.starts[:, None]  # [batch, keys]: a key's index among the fed tokens
+        among = (fed >= 0) & (fed < length)
+        at = fed.clamp(0, length - 1)
+        seen = inputs.ancestors.gather(2, at[:, None, :].expand(-1, length, -1))
+        visible = (fed < 0)[:, None, :] | (among[:, None, :] & seen)
+        if self.lm.attention.window is None:
+            return visible, key_index
+        # A fed key sits at its token's position (start + depth): a window counts depths in a tree.
+        return visible, torch.where(among, inputs.positions.gather(1, at), key_index[None, :])
 
     # -- capture -----------------------------------------------------------
     def _capture(self, buckets: Sequence[Bucket]) -> None:
@@ -294,8 +367,9 @@ def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
     """Run a round through `static` and eagerly, and return how far apart their logits are where
     that is beyond rounding, else None. Start-up only (it uses the first slots and releases them).
 
-    The rows start at different positions, feed blocks of different lengths and leave a padded
-    row in their bucket; two steps run each way, and before the graphed pair another eager step
+    The rows start at different positions, feed blocks of different lengths (the longest a token
+    tree of two branches where it has three tokens) and leave a padded row in their bucket; two
+    steps run each way, and before the graphed pair another eager step
     writes other tokens at the first step's positions, so a graph whose cache writes went astray
     reads those and fails the check."""
     from specd.engine.kvcache import Row
@@ -305,19 +379,20 @@ def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
     if lengths[-1] + 2 * static.max_length + 1 > lm.cache.max_positions:
         return None  # too short a cache to check in
     vocab = lm.vocab_size
-    first = [Row(s, lengths[s], [(5 + s) % vocab] * min(1 + s, static.max_length), 0) for s in range(rows)]
+    counts = [min(1 + s, static.max_length) for s in range(rows)]
+    tree = [-1, -1, *range(1, counts[-1] - 1)] if counts[-1] >= 3 else None
+    first = [Row(s, lengths[s], [(5 + s) % vocab] * counts[s], 0) for s in range(rows)]
+    first[-1].parents = tree
     second = [Row(s, lengths[s] + len(first[s].tokens), [(9 + s) % vocab], 0) for s in range(rows)]
     other = [Row(r.slot, r.start, [(r.tokens[0] + 1) % vocab] * len(r.tokens), 0) for r in first]
     lm.static = None
     try:
         for s in range(rows):
             lm.forward([Row(s, 0, [(11 * s + j) % vocab for j in range(lengths[s])], lengths[s] - 1)])
-        lm.forward(first)
-        want = lm.forward(second)
+        want = lm.forward(first) + lm.forward(second)
         lm.forward(other)
         lm.static = static
-        lm.forward(first)
-        got = lm.forward(second)
+        got = lm.forward(first) + lm.forward(second)
     finally:
         lm.static = None
         for s in range(rows):

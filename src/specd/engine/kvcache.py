@@ -538,8 +538,8 @@ class BatchedCausalLM:
         if device_ids is not None:
             device_ids = device_ids.index_select(0, to_device(order, device_ids.device))  # in the rows' order
         trees = [row_tree(r.parents, len(r.tokens)) for r in rows]
-        # Trees skip the bucketed forward, which places every token at its index.
-        if self.static is not None and not any(trees):
+        # Trees too: the bucketed and native forwards take each token's depth and ancestors.
+        if self.static is not None:
             hidden = self.static.run(rows, device_ids)
             if hidden is not None:
                 return order, rows, hidden.clone() if keep else hidden, self._wanted(rows, hidden)
