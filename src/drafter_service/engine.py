@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -13,6 +14,7 @@ from specd.engine.errors import EngineError, invalid, precondition
 from specd.engine.featurehead import FeatureTrack
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
+from specd.engine.host_threads import one_torch_thread
 from specd.engine.kvcache import BatchedCausalLM, Row, to_device
 from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
 from specd.engine.sequences import SequenceState, SequenceTable
@@ -253,7 +255,8 @@ class ModelDrafter(_DrafterBase):
                 for (i, s, _), x in zip(active, self._forward(active, rows), strict=True)
             ]
             ended = self._mask(active, logits, constrained)
-            chosen, dists = self._greedy_and_q(active, logits, step, notes)
+            with one_torch_thread(self.lm.device) if notes.wanted else contextlib.nullcontext():
+                chosen, dists = self._greedy_and_q(active, logits, step, notes)
             end = time.time_ns()
             forward_ns += end - start
             timing.phases.append(("step", start, end))
@@ -423,13 +426,15 @@ class ModelDrafter(_DrafterBase):
         want = _wanting(notes, active, drafting)
         if not want:
             return self.lm.forward_argmax(rows, ids)
-        logits = torch.cat(self.lm.forward(rows, ids))
-        tokens = logits.argmax(dim=-1)
-        at = to_device(want, tokens.device)
-        notes.add_device(
-            [(active[drafting[n]][0], step) for n in want],
-            greedy_notes(logits.index_select(0, at), tokens.index_select(0, at)),
-        )
+        logits = self.lm.forward(rows, ids)
+        with one_torch_thread(self.lm.device):
+            whole = torch.cat(logits)
+            tokens = whole.argmax(dim=-1)
+            at = to_device(want, tokens.device)
+            notes.add_device(
+                [(active[drafting[n]][0], step) for n in want],
+                greedy_notes(whole.index_select(0, at), tokens.index_select(0, at)),
+            )
         return tokens
 
     @staticmethod

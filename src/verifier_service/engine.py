@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
@@ -14,6 +14,7 @@ from specd.engine.device_clock import DeviceClock
 from specd.engine.errors import EngineError, ErrorKind, invalid, precondition
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
+from specd.engine.host_threads import one_torch_thread
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.params import TokenLogprob
 from specd.engine.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, probabilities, spans_keys
@@ -143,7 +144,7 @@ class VerifierEngine:
         else:
             logits, hidden = self.lm.forward(rows), []
         clock.stop()
-        with _one_torch_thread() if self.lm.device.type == "cpu" else contextlib.nullcontext():
+        with one_torch_thread(self.lm.device):
             self._judge(live, rows, logits, hidden, results)
         # After the verdicts' readback, which waited for the forward on a GPU.
         forward_ns = clock.elapsed_ns()
@@ -420,20 +421,3 @@ def _by_block(rows: T, sizes: dict[int, int]) -> dict[int, T]:
         out[n] = rows[start : start + size]
         start += size
     return out
-
-
-@contextlib.contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """Run torch's work in the block on the calling thread alone. For a round's small operations
-    on the logits (softmax, top-k over the vocabulary) after a CPU forward: spread over torch's
-    threads, they leave its idle workers spinning into the next forward, whose products then share
-    the cores with them."""
-    before = torch.get_num_threads()
-    if before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -1,0 +1,25 @@
+"""torch's thread count around a forward's small follow-up work on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def one_torch_thread(device: torch.device) -> Iterator[None]:
+    """Run torch's work in the block on the calling thread alone where `device` is the CPU. For a
+    round's small operations on the logits (softmax, top-k over the vocabulary) after a CPU forward:
+    spread over torch's threads, they leave its idle workers spinning into the next forward, whose
+    products then share the cores with them. Elsewhere (a GPU) the block runs as it is."""
+    before = torch.get_num_threads()
+    if device.type != "cpu" or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
