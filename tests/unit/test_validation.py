@@ -220,3 +220,15 @@ def generation_params_problem(temperature: float) -> str:
     with pytest.raises(InvalidParameter) as exc:
         generation_params(RequestedParams(temperature=temperature), 1000)
     return exc.value.message
+
+
+def test_speculative_siblings_reach_the_scheduler_from_either_api() -> None:
+    from gateway.api.grpc_api import requested
+    from gateway.api.protocol import CompletionRequest
+    from specd.proto.speculative.v1 import gateway_pb2
+
+    by_grpc = requested(gateway_pb2.GenerationParams(speculative_siblings=2))
+    assert generation_params(by_grpc, 100).siblings == 2
+    assert generation_params(requested(gateway_pb2.GenerationParams()), 100).siblings is None
+    by_http = CompletionRequest(model=MODEL, prompt="x", speculative_siblings=3)
+    assert generation_params(by_http.requested(), 100).siblings == 3
