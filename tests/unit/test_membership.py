@@ -133,14 +133,16 @@ def test_read_drafts_sorts_lost_refused_and_bad_proposals() -> None:
 
 
 def test_read_guesses_counts_only_blocks_whose_assumption_held() -> None:
-    a, b, c, d, e = (Seq(x, [1, 2]) for x in "abcde")
+    a, b, c, d, e, f = (Seq(x, [1, 2]) for x in "abcdef")
     # Each ahead block assumed drafts 5, 6 accepted, then guessed 7 for the verifier's token.
-    blocks = [(s, Block([8], [], base=5, tail=(5, 6, 7))) for s in (a, b, c, d, e)]
+    blocks = [(s, Block([8], [], base=5, tail=(5, 6, 7))) for s in (a, b, c, d, e, f)]
     verdicts = [
         Verdict(a, drafted=2, accepted=2, tokens=(5, 6, 7)),  # all accepted, guess right
         Verdict(b, drafted=2, accepted=2, tokens=(5, 6, 4)),  # all accepted, guess wrong
         Verdict(c, drafted=2, accepted=1, tokens=(5, 4)),  # a draft rejected: nothing said of the guess
         Verdict(d, drafted=2, drafts_refused=True),
+        # A sibling of the second draft accepted in its place: the assumed chain did not hold.
+        Verdict(f, drafted=2, accepted=2, tokens=(5, 3, 7), siblings=1, sibling_hit=True),
     ]  # e: no verdict at all
     assert [(s.id, hit) for s, hit in read_guesses(blocks, verdicts)] == [("a", True), ("b", False)]
     # A block drafted after the committed tokens alone (a cohort's) holds no guess.

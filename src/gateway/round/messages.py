@@ -281,7 +281,8 @@ def read_guesses(
         assumed = len(block.tail) - 1  # the tail is the assumed drafts, then the guess
         if v is None or v.error is not None or v.drafts_refused or assumed < 0:
             continue
-        if v.accepted != assumed or v.drafted != assumed or len(v.tokens) <= assumed:
+        # A path that ended in a sibling left the chain the block assumed, even at its last draft.
+        if v.accepted != assumed or v.drafted != assumed or len(v.tokens) <= assumed or v.sibling_hit:
             continue
         outcomes.append((seq, v.tokens[assumed] == block.tail[-1]))
     return outcomes
