@@ -293,11 +293,11 @@ class VerifierEngine:
         """The rejection rule's verdict for every unseeded sampled sequence (by index into `live`):
         each drawn from its own generator, a chain's all read back at once. A sequence whose
         verdict cannot be drawn gets its error instead."""
-        out: dict[int, Verdict | TreeVerdict] = {}
-        out.update(
-            _tree_verdicts(live, [n for n in dists if n not in own and live[n][2].draft_parents], dists, results)
+        unseeded = [n for n in dists if n not in own]
+        out: dict[int, Verdict | TreeVerdict] = dict(
+            _tree_verdicts(live, [n for n in unseeded if live[n][2].draft_parents], dists, results)
         )
-        drawn = [n for n in dists if n not in own and not live[n][2].draft_parents]
+        drawn = [n for n in unseeded if not live[n][2].draft_parents]
         if not drawn:
             return out
         device = dists[drawn[0]].device

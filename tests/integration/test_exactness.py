@@ -100,14 +100,17 @@ def counter(gateway, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-@pytest.mark.parametrize("concurrency", [1, 16])
-def test_greedy_token_identical_with_token_trees(gateway_for, references, tok, concurrency):
+@pytest.mark.parametrize(("concurrency", "by"), [(1, "request"), (16, "request"), (16, "gateway flag")])
+def test_greedy_token_identical_with_token_trees(gateway_for, references, tok, concurrency, by):
     """Siblings beside each chain, checked in the same verify: the path through one commits
-    what the chain would have committed with its correction, so the text is the target's."""
-    gateway = gateway_for(4)
+    what the chain would have committed with its correction, so the text is the target's.
+    Asked for per request, or by the gateway's --speculative-siblings for its fixed k."""
+    flag = by == "gateway flag"
+    gateway = gateway_for(4, "--speculative-siblings", "2") if flag else gateway_for(4)
+    extra = {} if flag else {"speculative_siblings": 2}
     sent = counter(gateway, "specd_spec_decode_num_sibling_tokens_total")
     prompts = (PROMPTS * 2)[:concurrency]
-    for prompt, text in zip(prompts, concurrent_texts(gateway, prompts, speculative_siblings=2), strict=True):
+    for prompt, text in zip(prompts, concurrent_texts(gateway, prompts, **extra), strict=True):
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     assert counter(gateway, "specd_spec_decode_num_sibling_tokens_total") > sent
     assert counter(gateway, "specd_spec_decode_num_refused_draft_blocks_total") == 0

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.backends import BackendError
+from gateway.round.messages import chain_length
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 
 VOCAB = 50
@@ -194,7 +195,7 @@ class FakeVerifier(_FakeService):
                 continue
             if self.drafter is not None and task.draft_token_ids:
                 parents = list(task.draft_parents)
-                chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents)) if parents else None
+                chain = chain_length(parents) if parents else None
                 drafts = list(task.draft_token_ids)[:chain]
                 self.stale_blocks += drafts != self.drafter.propose(tokens, len(drafts))
             path = self.walk(task, tokens)
@@ -202,7 +203,7 @@ class FakeVerifier(_FakeService):
             accepted = len(path)
             if task.draft_parents:
                 result.accepted_path.extend(path)
-                chain = next((i for i, p in enumerate(task.draft_parents) if p != i - 1), len(task.draft_parents))
+                chain = chain_length(task.draft_parents)
                 self.sibling_hits += bool(path) and path[-1] >= chain
             if task.return_hidden_states:
                 # One row per position fed and kept: the last committed token and the accepted drafts.
