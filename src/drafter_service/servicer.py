@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
-from specd.engine.tasks import DraftProposal, DraftTask
+from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
@@ -16,6 +16,16 @@ from specd.rpc.serving import EngineRunner, SequenceRpcs
 from specd.rpc.tracing import Tracing
 
 log = logging.getLogger(__name__)
+
+
+def _dists_pb(dists: list[SparseDist]) -> list[common_pb2.SparseDistribution]:
+    return [common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs) for d in dists]
+
+
+def _branch_pb(branch: DraftBranch) -> drafter_pb2.DraftBranch:
+    return drafter_pb2.DraftBranch(
+        num_assumed=branch.num_assumed, token_ids=branch.tokens, distributions=_dists_pb(branch.dists)
+    )
 
 
 class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
@@ -80,6 +90,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                     t.hidden_start,
                     t.guess_first,
                     t.num_siblings,
+                    t.num_branches,
                 )
                 for sid, t in zip(ids, request.tasks, strict=True)
             ]
@@ -101,12 +112,11 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                     drafter_pb2.DraftProposal(
                         sequence_id=t.sequence_id,
                         token_ids=p.tokens,
-                        distributions=[
-                            common_pb2.SparseDistribution(token_ids=d.token_ids, probs=d.probs) for d in p.dists
-                        ],
+                        distributions=_dists_pb(p.dists),
                         error=self.wire_error(p.error, owner),
                         prefill_pending=p.prefill_pending,
                         parents=p.parents,
+                        branches=[_branch_pb(b) for b in p.branches],
                     )
                     for t, p in zip(request.tasks, proposals, strict=True)
                 ],

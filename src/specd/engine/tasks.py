@@ -55,6 +55,18 @@ class DraftTask:
     guess_first: bool = False
     # Besides the chain, up to this many alternative leaves at the depths the drafter is least sure of.
     num_siblings: int = 0
+    # Fan-out draft-ahead (with guess_first): up to this many more blocks, each after another
+    # likely verdict on `assumed` (DraftBranch).
+    num_branches: int = 0
+
+
+@dataclass
+class DraftBranch:
+    """A fan-out block: drafted after the first `num_assumed` assumed tokens and its own guess."""
+
+    num_assumed: int
+    tokens: list[int] = field(default_factory=list)  # the guess, then the drafts
+    dists: list[SparseDist] = field(default_factory=list)  # for a sampled sequence, one per token
 
 
 @dataclass
@@ -67,6 +79,8 @@ class DraftProposal:
     # With siblings: each token's parent (an index into tokens, -1 for the last committed or
     # assumed token), the chain first; empty for a chain.
     parents: list[int] = field(default_factory=list)
+    # With DraftTask.num_branches: the other blocks, likeliest first.
+    branches: list[DraftBranch] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

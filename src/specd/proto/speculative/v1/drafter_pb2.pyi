@@ -56,7 +56,7 @@ class CloseDraftSequencesResponse(_message.Message):
     def __init__(self, closed: _Optional[int] = ...) -> None: ...
 
 class DraftTask(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids", "prefill_tokens", "hidden_states", "hidden_start", "guess_first", "num_siblings")
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed", "num_draft_tokens", "trace_context", "assumed_token_ids", "prefill_tokens", "hidden_states", "hidden_start", "guess_first", "num_siblings", "num_branches")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class DraftTask(_message.Message):
     HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
     GUESS_FIRST_FIELD_NUMBER: _ClassVar[int]
     NUM_SIBLINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_committed: int
@@ -86,7 +87,8 @@ class DraftTask(_message.Message):
     hidden_start: int
     guess_first: bool
     num_siblings: int
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ..., guess_first: _Optional[bool] = ..., num_siblings: _Optional[int] = ...) -> None: ...
+    num_branches: int
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ..., guess_first: _Optional[bool] = ..., num_siblings: _Optional[int] = ..., num_branches: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("round_id", "tasks", "lease_owner")
@@ -99,20 +101,32 @@ class DraftRequest(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("sequence_id", "token_ids", "distributions", "error", "prefill_pending", "parents")
+    __slots__ = ("sequence_id", "token_ids", "distributions", "error", "prefill_pending", "parents", "branches")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PENDING_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
     error: _common_pb2.SequenceError
     prefill_pending: int
     parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., prefill_pending: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    branches: _containers.RepeatedCompositeFieldContainer[DraftBranch]
+    def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ..., error: _Optional[_Union[_common_pb2.SequenceError, _Mapping]] = ..., prefill_pending: _Optional[int] = ..., parents: _Optional[_Iterable[int]] = ..., branches: _Optional[_Iterable[_Union[DraftBranch, _Mapping]]] = ...) -> None: ...
+
+class DraftBranch(_message.Message):
+    __slots__ = ("num_assumed", "token_ids", "distributions")
+    NUM_ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    num_assumed: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    distributions: _containers.RepeatedCompositeFieldContainer[_common_pb2.SparseDistribution]
+    def __init__(self, num_assumed: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., distributions: _Optional[_Iterable[_Union[_common_pb2.SparseDistribution, _Mapping]]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("round_id", "proposals", "timings")

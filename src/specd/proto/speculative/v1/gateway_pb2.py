@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspeculative/v1/gateway.proto\x12\x0especulative.v1\"\xbd\x07\n\x10GenerationParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x14\x61\x64\x61ptive_speculation\x18\t \x01(\x08\x12\x10\n\x08pipeline\x18\x1e \x01(\t\x12!\n\x14speculative_siblings\x18\x1f \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x43\n\nlogit_bias\x18\r \x03(\x0b\x32/.speculative.v1.GenerationParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\x08\x12\x13\n\x0bjson_schema\x18\x11 \x01(\t\x12\x14\n\x0cguided_regex\x18\x12 \x01(\t\x12\x15\n\rguided_choice\x18\x13 \x03(\t\x12\x0e\n\x01n\x18\x14 \x01(\rH\t\x88\x01\x01\x12\x12\n\x05min_p\x18\x15 \x01(\x02H\n\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x16 \x01(\r\x12 \n\x13skip_special_tokens\x18\x17 \x01(\x08H\x0b\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x17\n\x15_speculative_siblingsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokens\"\x81\x01\n\x15GeneratedTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x36\n\x03top\x18\x04 \x03(\x0b\x32).speculative.v1.GeneratedTokenAlternative\"M\n\x19GeneratedTokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"b\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .speculative.v1.GenerationParams\"\xb8\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.speculative.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.speculative.v1.Usage\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12>\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12/\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1e.speculative.v1.GenerateChoice\"\xae\x01\n\x0eGenerateChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.speculative.v1.FinishReason\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\"h\n\x15GenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .speculative.v1.GenerationParams\"\x9c\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.speculative.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.speculative.v1.Usage\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12>\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xc2\x01\n\x0eGatewayService\x12M\n\x08Generate\x12\x1f.speculative.v1.GenerateRequest\x1a .speculative.v1.GenerateResponse\x12\x61\n\x0eGenerateStream\x12%.speculative.v1.GenerateStreamRequest\x1a&.speculative.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspeculative/v1/gateway.proto\x12\x0especulative.v1\"\xf9\x07\n\x10GenerationParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x1c\n\x14\x61\x64\x61ptive_speculation\x18\t \x01(\x08\x12\x10\n\x08pipeline\x18\x1e \x01(\t\x12!\n\x14speculative_siblings\x18\x1f \x01(\rH\x05\x88\x01\x01\x12!\n\x14speculative_branches\x18  \x01(\rH\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x43\n\nlogit_bias\x18\r \x03(\x0b\x32/.speculative.v1.GenerationParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\x08\x12\x13\n\x0bjson_schema\x18\x11 \x01(\t\x12\x14\n\x0cguided_regex\x18\x12 \x01(\t\x12\x15\n\rguided_choice\x18\x13 \x03(\t\x12\x0e\n\x01n\x18\x14 \x01(\rH\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x15 \x01(\x02H\x0b\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x16 \x01(\r\x12 \n\x13skip_special_tokens\x18\x17 \x01(\x08H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x19\n\x17_num_speculative_tokensB\x17\n\x15_speculative_siblingsB\x17\n\x15_speculative_branchesB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x04\n\x02_nB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokens\"\x81\x01\n\x15GeneratedTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x36\n\x03top\x18\x04 \x03(\x0b\x32).speculative.v1.GeneratedTokenAlternative\"M\n\x19GeneratedTokenAlternative\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"b\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .speculative.v1.GenerationParams\"\xb8\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.speculative.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.speculative.v1.Usage\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12>\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12/\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1e.speculative.v1.GenerateChoice\"\xae\x01\n\x0eGenerateChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x33\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1c.speculative.v1.FinishReason\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\"h\n\x15GenerateStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .speculative.v1.GenerationParams\"\x9c\x02\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x33\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1c.speculative.v1.FinishReason\x12$\n\x05usage\x18\x04 \x01(\x0b\x32\x15.speculative.v1.Usage\x12\x37\n\x08logprobs\x18\x05 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12>\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32%.speculative.v1.GeneratedTokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xc2\x01\n\x0eGatewayService\x12M\n\x08Generate\x12\x1f.speculative.v1.GenerateRequest\x1a .speculative.v1.GenerateResponse\x12\x61\n\x0eGenerateStream\x12%.speculative.v1.GenerateStreamRequest\x1a&.speculative.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2263
-  _globals['_FINISHREASON']._serialized_end=2358
+  _globals['_FINISHREASON']._serialized_start=2323
+  _globals['_FINISHREASON']._serialized_end=2418
   _globals['_GENERATIONPARAMS']._serialized_start=49
-  _globals['_GENERATIONPARAMS']._serialized_end=1006
-  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=750
-  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=798
-  _globals['_GENERATEDTOKENLOGPROB']._serialized_start=1009
-  _globals['_GENERATEDTOKENLOGPROB']._serialized_end=1138
-  _globals['_GENERATEDTOKENALTERNATIVE']._serialized_start=1140
-  _globals['_GENERATEDTOKENALTERNATIVE']._serialized_end=1217
-  _globals['_USAGE']._serialized_start=1219
-  _globals['_USAGE']._serialized_end=1276
-  _globals['_GENERATEREQUEST']._serialized_start=1278
-  _globals['_GENERATEREQUEST']._serialized_end=1376
-  _globals['_GENERATERESPONSE']._serialized_start=1379
-  _globals['_GENERATERESPONSE']._serialized_end=1691
-  _globals['_GENERATECHOICE']._serialized_start=1694
-  _globals['_GENERATECHOICE']._serialized_end=1868
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1870
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1974
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1977
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2261
-  _globals['_GATEWAYSERVICE']._serialized_start=2361
-  _globals['_GATEWAYSERVICE']._serialized_end=2555
+  _globals['_GENERATIONPARAMS']._serialized_end=1066
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=785
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=833
+  _globals['_GENERATEDTOKENLOGPROB']._serialized_start=1069
+  _globals['_GENERATEDTOKENLOGPROB']._serialized_end=1198
+  _globals['_GENERATEDTOKENALTERNATIVE']._serialized_start=1200
+  _globals['_GENERATEDTOKENALTERNATIVE']._serialized_end=1277
+  _globals['_USAGE']._serialized_start=1279
+  _globals['_USAGE']._serialized_end=1336
+  _globals['_GENERATEREQUEST']._serialized_start=1338
+  _globals['_GENERATEREQUEST']._serialized_end=1436
+  _globals['_GENERATERESPONSE']._serialized_start=1439
+  _globals['_GENERATERESPONSE']._serialized_end=1751
+  _globals['_GENERATECHOICE']._serialized_start=1754
+  _globals['_GENERATECHOICE']._serialized_end=1928
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1930
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=2034
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2037
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2321
+  _globals['_GATEWAYSERVICE']._serialized_start=2421
+  _globals['_GATEWAYSERVICE']._serialized_end=2615
 # @@protoc_insertion_point(module_scope)
