@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from drafter_service.siblings import SiblingNotes, greedy_notes, seeded_notes
+from drafter_service.siblings import SiblingNotes, check_siblings, greedy_notes, seeded_notes, wanting
 from specd.engine import hidden_states, ngram
 from specd.engine.errors import EngineError, invalid, precondition
 from specd.engine.featurehead import FeatureTrack
@@ -19,25 +19,6 @@ from specd.engine.kvcache import BatchedCausalLM, Row, to_device
 from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
 from specd.engine.sequences import SequenceState, SequenceTable
 from specd.engine.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
-
-
-def _wanting(notes: SiblingNotes, active: Sequence[tuple[int, SequenceState, int]], rows: Sequence[int]) -> list[int]:
-    """Positions in `rows` (indices into `active`) of the rows whose sequences asked for siblings."""
-    return [n for n, r in enumerate(rows) if active[r][0] in notes.wanted]
-
-
-def _check_siblings(task: DraftTask) -> None:
-    """Siblings go beside chain drafts, at most one a depth, and never beside a guess."""
-    if task.num_siblings == 0:
-        return
-    if task.num_siblings < 0:
-        raise invalid(f"num_siblings must be >= 0, got {task.num_siblings}")
-    if task.prefill_tokens > 0:
-        raise invalid("a prefill task proposes no siblings")
-    if task.guess_first:
-        raise invalid("num_siblings must be 0 with guess_first")
-    if task.num_siblings > task.num_draft_tokens:
-        raise invalid(f"{task.num_siblings} siblings exceed the {task.num_draft_tokens} draft tokens beside them")
 
 
 class _DrafterBase:
@@ -91,7 +72,7 @@ class _DrafterBase:
                     raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
                 if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed or task.guess_first):
                     raise invalid("a prefill task drafts nothing, assumes nothing and guesses nothing")
-                _check_siblings(task)
+                check_siblings(task)
                 self.table.check_tokens(task.new_tokens, "new tokens")
                 self.table.check_tokens(task.assumed, "assumed tokens")
                 total = len(state.committed) + len(task.new_tokens)
@@ -280,7 +261,7 @@ class ModelDrafter(_DrafterBase):
         chosen: dict[int, int] = {}
         if greedy:
             best = torch.cat([logits[r].argmax(dim=-1) for r in greedy])
-            want = _wanting(notes, active, greedy)
+            want = wanting(notes, active, greedy)
             if want:
                 keys = [(active[greedy[n]][0], step) for n in want]
                 rows = torch.cat([logits[greedy[n]] for n in want])
@@ -423,7 +404,7 @@ class ModelDrafter(_DrafterBase):
     ) -> torch.Tensor:
         """One on-device step's argmax of each drafting row; where some want siblings, from the
         whole logits (`forward`'s argmax, as the step-by-step loop takes it), noting theirs."""
-        want = _wanting(notes, active, drafting)
+        want = wanting(notes, active, drafting)
         if not want:
             return self.lm.forward_argmax(rows, ids)
         logits = self.lm.forward(rows, ids)
@@ -503,7 +484,7 @@ class ModelDrafter(_DrafterBase):
         keys = spans_keys(spans, dists[rows[0]].device)
         q = torch.stack([dists[r] for r in rows])
         best = gumbel_argmax(q, keys)
-        want = _wanting(notes, active, rows)
+        want = wanting(notes, active, rows)
         if want:
             at = to_device(want, best.device)
             noted = seeded_notes(q.index_select(0, at), keys.index_select(0, at), best.index_select(0, at))
