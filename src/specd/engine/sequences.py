@@ -30,6 +30,14 @@ from specd.heap import trim_heap
 
 
 @dataclass
+class BranchCache:
+    """A fan-out branch's KV (drafter_service.fanout): a slot of its own and the tokens it holds."""
+
+    slot: int
+    cached: list[int]
+
+
+@dataclass
 class SequenceState:
     sequence_id: str
     slot: int
@@ -52,6 +60,11 @@ class SequenceState:
     # An unseeded drafter's own draws of sibling drafts (drafter_service.siblings): apart from
     # `generator`, so that asking for siblings leaves the chain's draws as they were.
     sibling_generator: torch.Generator | None = None
+    # A drafter's fan-out branches of the last round, kept until the sequence's next task
+    # continues the one its committed tokens confirm furthest (drafter_service.fanout).
+    branches: list[BranchCache] = field(default_factory=list)
+    # An unseeded drafter's draws in its branches, apart from `generator` as `sibling_generator` is.
+    branch_generator: torch.Generator | None = None
 
     def penalized(self, logits: torch.Tensor, drafts: Sequence[int] = (), drafted: Sequence[int] = ()) -> torch.Tensor:
         """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""
@@ -74,6 +87,7 @@ class SequenceTable:
         prefill_chunk_tokens: int = 4096,
         scores_prompts: bool = False,
         grammars: GrammarCompiler | None = None,
+        branch_slots: int = 0,
     ) -> None:
         self.lm = lm
         self.vocab_size = vocab_size
@@ -86,11 +100,15 @@ class SequenceTable:
         # Compiles structured-output constraints; None: a service without a tokenizer (n-gram drafter).
         self.grammars = grammars
         self.seqs: dict[str, SequenceState] = {}
-        self._free: list[int] = list(range(max_sequences))
+        # Slots beside the sequences' own for a drafter's fan-out branches. Any free slot serves
+        # either; only the count of branches held is bounded, so opens are never starved.
+        self.branch_slots = branch_slots
+        self.branches_held = 0
+        self._free: list[int] = list(range(max_sequences + branch_slots))
         if lm is not None:
-            # One slot per sequence, each as long as the context window: a sequence
+            # One slot per sequence (and branch), each as long as the context window: a sequence
             # that was opened never needs more memory than is reserved here.
-            lm.reserve(max_sequences, max_context)
+            lm.reserve(max_sequences + branch_slots, max_context)
         heapq.heapify(self._free)
 
     def __len__(self) -> int:
@@ -131,7 +149,7 @@ class SequenceTable:
                     raise invalid(reason)
                 if not 0 <= spec.num_generated < len(spec.prompt):
                     raise invalid(f"num_generated {spec.num_generated} must be below the prompt's length")
-                if not self._free:
+                if len(self.seqs) + len(opened) >= self.max_sequences:
                     raise exhausted(f"all {self.max_sequences} sequence slots are in use")
                 grammar = self._grammar(spec)
             except EngineError as exc:
@@ -279,6 +297,7 @@ class SequenceTable:
             state = self.seqs.get(sequence_id)
             if state is not None:
                 # Memory first: whoever sees the sequence gone sees its memory gone too.
+                self.drop_branches(state)
                 self._free_slot(state.slot)
                 del self.seqs[sequence_id]
                 closed += 1
@@ -286,6 +305,24 @@ class SequenceTable:
             # Load dropped to nothing: the forwards' freed activations go back to the system too.
             trim_heap()
         return closed
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def take_branch_slot(self) -> int | None:
+        """A free slot for a fan-out branch, or None where the branches hold all theirs."""
+        if self.branches_held >= self.branch_slots:
+            return None
+        self.branches_held += 1
+        return heapq.heappop(self._free)
+
+    def drop_branches(self, state: SequenceState) -> None:
+        """Free the slots of the sequence's branches."""
+        for branch in state.branches:
+            self.branches_held -= 1
+            self._free_slot(branch.slot)
+        state.branches = []
 
     def _free_slot(self, slot: int) -> None:
         if self.lm is not None:
@@ -297,7 +334,7 @@ class SequenceTable:
         return self.lm.cache.allocated_bytes() if self.lm is not None else 0
 
     def kv_reserved_bytes(self) -> int:
-        """The most the KV cache can ever take: max_sequences x max_context positions."""
+        """The most the KV cache can ever take: (max_sequences + branch_slots) x max_context positions."""
         return self.lm.cache.reserved_bytes() if self.lm is not None else 0
 
     def kv_bytes_per_token(self) -> int:
