@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from drafter_service.fanout import FanOut, check_branches, settle
 from drafter_service.siblings import SiblingNotes, check_siblings, greedy_notes, seeded_notes, wanting
 from specd.engine import hidden_states, ngram
 from specd.engine.errors import EngineError, invalid, precondition
@@ -73,6 +74,7 @@ class _DrafterBase:
                 if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed or task.guess_first):
                     raise invalid("a prefill task drafts nothing, assumes nothing and guesses nothing")
                 check_siblings(task)
+                check_branches(task, state)
                 self.table.check_tokens(task.new_tokens, "new tokens")
                 self.table.check_tokens(task.assumed, "assumed tokens")
                 total = len(state.committed) + len(task.new_tokens)
@@ -111,9 +113,18 @@ class ModelDrafter(_DrafterBase):
         max_draft_tokens: int,
         max_support: int,
         grammars: GrammarCompiler | None = None,
+        branch_slots: int = -1,
     ) -> None:
+        # Fan-out branches (drafter_service.fanout) hold slots of their own; -1: one a sequence.
+        branch_slots = max_sequences if branch_slots < 0 else branch_slots
         table = SequenceTable(
-            lm, lm.vocab_size, max_sequences, min(max_context, lm.max_positions), lm.device, grammars=grammars
+            lm,
+            lm.vocab_size,
+            max_sequences,
+            min(max_context, lm.max_positions),
+            lm.device,
+            grammars=grammars,
+            branch_slots=branch_slots,
         )
         super().__init__(table, fingerprint, max_draft_tokens)
         self.lm = lm
@@ -192,7 +203,11 @@ class ModelDrafter(_DrafterBase):
         timing = RoundTiming(batch_size=len(active))
         start = time.time_ns()
         for _, state, _, context in live:
-            self._roll_back(state, context)
+            settle(self.table, state, context)
+        # A drafter reading hidden states has none for a branch's positions: it proposes none.
+        fan = FanOut(tasks, active, self.table, enabled=not self.feature_size)
+        for i, state, _, context in live:
+            self._roll_back(state, fan.roll_back_to(i, context))
         # Constrained sequences: the grammar follows committed + assumed tokens, then each draft.
         constrained = self._sync_grammars(active, contexts)
         timing.phases.append(("rollback", start, time.time_ns()))
@@ -203,9 +218,12 @@ class ModelDrafter(_DrafterBase):
         feed = {i: contexts[i][len(state.cached) :] for i, state, _ in active}
         notes = SiblingNotes(tasks)
         if active and self._drafts_stay_on_device(active, constrained):
-            forward_ns += self._draft_on_device(active, feed, proposals, timing, notes)
+            forward_ns += self._draft_on_device(active, contexts, feed, proposals, timing, notes, fan)
         else:
-            forward_ns += self._draft_stepwise(tasks, active, contexts, feed, proposals, constrained, timing, notes)
+            forward_ns += self._draft_stepwise(
+                tasks, active, contexts, feed, proposals, constrained, timing, notes, fan
+            )
+        fan.finish(proposals)
         timing.forward_ns = forward_ns
         if notes.wanted:
             notes.attach(tasks, proposals, {i: state for i, state, _ in active})
@@ -221,19 +239,23 @@ class ModelDrafter(_DrafterBase):
         constrained: set[int],
         timing: RoundTiming,
         notes: SiblingNotes,
+        fan: FanOut,
     ) -> int:
         """Draft with the tokens read back after every step (what sampling, grammars, penalties
         and a feature drafter need); returns the forward time."""
         forward_ns = 0
         step = 0
         while active:
-            rows = [self._row(s, feed[i], len(feed[i]) - 1) for i, s, _ in active]
+            rows = [self._row(s, feed[i], len(feed[i]) - 1 - fan.extra(i, step)) for i, s, _ in active]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
             start = time.time_ns()
+            raw = self._forward(active, rows)
+            if step == 0 and fan:
+                raw = fan.keep(active, raw)
             # What it drafted so far this round counts as output, as the verifier will count it.
             logits = [
                 s.penalized(x, drafted=[*contexts[i][len(s.committed) :], *proposals[i].tokens])
-                for (i, s, _), x in zip(active, self._forward(active, rows), strict=True)
+                for (i, s, _), x in zip(active, raw, strict=True)
             ]
             ended = self._mask(active, logits, constrained)
             with one_torch_thread(self.lm.device) if notes.wanted else contextlib.nullcontext():
@@ -248,6 +270,9 @@ class ModelDrafter(_DrafterBase):
                 if active[r][0] in notes.wanted:
                     notes.add_sampled(active[r][0], step, token, dist)
             active = self._take(tasks, active, step, chosen, picked, ended, proposals, feed, constrained)
+            if step == 0 and fan:
+                guesses = to_device([proposals[i].tokens[0] for i in fan.rows], self.lm.device)
+                active += fan.start(guesses, proposals, contexts, feed, self.max_support)
             step += 1
         return forward_ns
 
@@ -344,16 +369,20 @@ class ModelDrafter(_DrafterBase):
     def _draft_on_device(
         self,
         active: Sequence[tuple[int, SequenceState, int]],
+        contexts: dict[int, list[int]],
         feed: dict[int, list[int]],
         proposals: list[DraftProposal],
         timing: RoundTiming,
         notes: SiblingNotes,
+        fan: FanOut,
     ) -> int:
         """Draft greedily with each step fed the previous step's choices where they were made (on
         a GPU, no wait for the device between steps), and read every draft back once at the end
-        (the siblings' notes with them). Returns the forward time."""
+        (the siblings' notes with them; fan-out branches are chosen from a read after step 0).
+        Returns the forward time."""
         forward_ns = 0
-        rows = [self._row(state, feed[i], len(feed[i]) - 1) for i, state, _ in active]
+        active = list(active)
+        rows = [self._row(state, feed[i], len(feed[i]) - 1 - fan.extra(i, 0)) for i, state, _ in active]
         starts: list[int] = []
         for i, state, _ in active:
             state.cached.extend(feed[i])
@@ -369,9 +398,11 @@ class ModelDrafter(_DrafterBase):
                 rows = [Row(active[r][1].slot, starts[r] + step - 1, [0], 0) for r in drafting]
             timing.tokens_fed += sum(len(r.tokens) for r in rows)
             start = time.time_ns()
-            tokens = self._device_step(active, drafting, rows, ids, step, notes)
+            tokens = self._device_step(active, drafting, rows, ids, step, notes, fan)
             chosen.append(tokens)
             members.append(drafting)
+            if step == 0 and fan:
+                drafting, tokens = self._join(fan, active, starts, tokens, proposals, contexts, feed)
             still = [n for n, r in enumerate(drafting) if active[r][2] > step + 1]
             drafting = [drafting[n] for n in still]
             if drafting:
@@ -393,6 +424,30 @@ class ModelDrafter(_DrafterBase):
             state.cached.extend(tokens_of_row[:-1])  # fed in the steps after their own
         return forward_ns
 
+    def _join(
+        self,
+        fan: FanOut,
+        active: list[tuple[int, SequenceState, int]],
+        starts: list[int],
+        tokens: torch.Tensor,
+        proposals: list[DraftProposal],
+        contexts: dict[int, list[int]],
+        feed: dict[int, list[int]],
+    ) -> tuple[list[int], torch.Tensor]:
+        """After the first on-device step (every row drafting, `tokens` its choices): the fan-out
+        rows' branches join `active`, their guesses to be fed next. Returns the rows drafting
+        and their step's tokens, the branches' guesses last."""
+        drafting = list(range(len(active)))
+        joined = fan.start(
+            tokens.index_select(0, to_device(fan.at, tokens.device)), proposals, contexts, feed, self.max_support
+        )
+        for b, state, _ in joined:
+            starts.append(len(state.cached))  # where its guess goes, fed by the next step
+            state.cached.extend(feed[b])
+        active.extend(joined)
+        guesses = to_device([feed[b][0] for b, _, _ in joined], tokens.device)
+        return [*drafting, *range(len(drafting), len(active))], torch.cat([tokens, guesses])
+
     def _device_step(
         self,
         active: Sequence[tuple[int, SequenceState, int]],
@@ -401,21 +456,27 @@ class ModelDrafter(_DrafterBase):
         ids: torch.Tensor | None,
         step: int,
         notes: SiblingNotes,
+        fan: FanOut,
     ) -> torch.Tensor:
         """One on-device step's argmax of each drafting row; where some want siblings, from the
-        whole logits (`forward`'s argmax, as the step-by-step loop takes it), noting theirs."""
+        whole logits (`forward`'s argmax, as the step-by-step loop takes it), noting theirs; the
+        first step keeps the fan-out rows' logits of their assumed tokens."""
         want = wanting(notes, active, drafting)
-        if not want:
+        wide = step == 0 and bool(fan)
+        if not want and not wide:
             return self.lm.forward_argmax(rows, ids)
         logits = self.lm.forward(rows, ids)
+        if wide:
+            logits = fan.keep(active, logits)
         with one_torch_thread(self.lm.device):
             whole = torch.cat(logits)
             tokens = whole.argmax(dim=-1)
-            at = to_device(want, tokens.device)
-            notes.add_device(
-                [(active[drafting[n]][0], step) for n in want],
-                greedy_notes(whole.index_select(0, at), tokens.index_select(0, at)),
-            )
+            if want:
+                at = to_device(want, tokens.device)
+                notes.add_device(
+                    [(active[drafting[n]][0], step) for n in want],
+                    greedy_notes(whole.index_select(0, at), tokens.index_select(0, at)),
+                )
         return tokens
 
     @staticmethod

@@ -34,6 +34,11 @@ def engines(make_verifier, make_drafter, make_ngram):
     return {"verifier": make_verifier(**limits), "drafter": make_drafter(**limits), "ngram": make_ngram(**limits)}
 
 
+def all_slots(engine) -> int:
+    """The sequences' slots, and a drafter's for fan-out branches beside them."""
+    return engine.table.max_sequences + engine.table.branch_slots
+
+
 @pytest.mark.parametrize("kind", ENGINE_KINDS)
 def test_close_with_an_unknown_id_closes_nothing(engines, kind):
     engine = engines[kind]
@@ -47,7 +52,7 @@ def test_close_with_an_unknown_id_closes_nothing(engines, kind):
     assert sorted(engine.table._free) == free_before
     # The same ids, with the unknown one skipped on request, close what is open.
     assert engine.close(["a", "ghost", "b"], ignore_unknown=True) == 2
-    assert len(engine.table) == 0 and len(engine.table._free) == 4
+    assert len(engine.table) == 0 and len(engine.table._free) == all_slots(engine)
 
 
 @pytest.mark.parametrize("kind", ENGINE_KINDS)
@@ -55,7 +60,7 @@ def test_close_counts_a_repeated_id_once(engines, kind):
     engine = engines[kind]
     engine.open([SequenceSpec("a", PROMPT, GREEDY)])
     assert engine.close(["a", "a"]) == 1
-    assert sorted(engine.table._free) == [0, 1, 2, 3]
+    assert sorted(engine.table._free) == list(range(all_slots(engine)))
 
 
 @pytest.mark.parametrize("kind", ["verifier", "drafter"])
@@ -69,7 +74,9 @@ def test_a_failed_prefill_opens_nothing_and_keeps_every_slot(engines, kind, monk
     with pytest.raises(RuntimeError, match="injected"):
         engine.open([SequenceSpec("a", PROMPT, GREEDY), SequenceSpec("b", PROMPT, GREEDY)])
     assert len(engine.table) == 0
-    assert sorted(engine.table._free) == [0, 1, 2, 3], "slots taken before the prefill failed must come back"
+    assert sorted(engine.table._free) == list(range(all_slots(engine))), (
+        "slots taken before the prefill failed must come back"
+    )
     monkeypatch.undo()
     errors, _ = engine.open([SequenceSpec(f"s{i}", PROMPT, GREEDY) for i in range(4)])
     assert errors == [None] * 4
@@ -87,7 +94,7 @@ def test_open_checks_each_sequence_before_taking_its_slot(engines, kind):
     errors, _ = engine.open(specs)
     assert errors[0] is None and all(e is not None and e.kind == ErrorKind.INVALID_ARGUMENT for e in errors[1:])
     assert set(engine.table.seqs) == {"ok"}
-    assert len(engine.table._free) == 3, "a refused spec must not hold a slot"
+    assert len(engine.table._free) == all_slots(engine) - 1, "a refused spec must not hold a slot"
 
 
 def test_servicer_close_is_not_found_and_changes_nothing(vocab_size):

@@ -490,9 +490,12 @@ def test_the_kv_cache_is_reserved_once_at_the_flags_bound(engines, kind):
     engine = engines[kind]
     open_ok(engine, SequenceSpec("a", PROMPT, GREEDY))
     tensors = cache_tensors(engine)
-    assert tensors and all(t.shape[0] == MAX_SEQUENCES and t.shape[2] == MAX_CONTEXT for t in tensors)
+    # A drafter's fan-out branches have slots of their own beside the sequences'.
+    slots = MAX_SEQUENCES + engine.table.branch_slots
+    assert engine.table.branch_slots == (MAX_SEQUENCES if kind == "drafter" else 0)
+    assert tensors and all(t.shape[0] == slots and t.shape[2] == MAX_CONTEXT for t in tensors)
     per_token = engine.table.kv_bytes_per_token()
-    assert engine.table.kv_reserved_bytes() == MAX_SEQUENCES * MAX_CONTEXT * per_token
+    assert engine.table.kv_reserved_bytes() == slots * MAX_CONTEXT * per_token
     assert sum(t.numel() * t.element_size() for t in tensors) == engine.table.kv_reserved_bytes()
     assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, len(PROMPT) - 1)  # the prefill's positions
     engine.close(["a"])

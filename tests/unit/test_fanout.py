@@ -1,15 +1,278 @@
-"""Fan-out draft-ahead (DraftTask.num_branches): blocks drafted after other likely verdicts."""
+"""Fan-out draft-ahead (DraftTask.num_branches): blocks drafted after other likely verdicts.
+
+Expected guesses and their order come from a plain forward of the draft model; expected drafts
+after a guess from a drafter that drafts plainly after that prefix, on a sequence of its own.
+"""
 
 from __future__ import annotations
 
-import torch
+import asyncio
+import math
+from collections.abc import Sequence
 
+import pytest
+import torch
+from test_leases import Context
+
+from drafter_service.engine import ModelDrafter
+from drafter_service.servicer import DrafterServicer
+from specd.engine import noise
 from specd.engine.errors import ErrorKind
-from specd.engine.params import SamplingParams
+from specd.engine.grammar import choice_grammar
+from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.params import Penalties, SamplingParams
+from specd.engine.sampling import probabilities
 from specd.engine.sequences import BranchCache, SequenceTable
-from specd.engine.tasks import SequenceSpec
+from specd.engine.tasks import DraftProposal, DraftTask, SequenceSpec
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2
+from specd.rpc.leases import Leases
+from specd.rpc.service_metrics import ServiceMetrics
+from specd.rpc.serving import EngineRunner
+from specd.rpc.tracing import Tracing
 
 GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=1.0, seed=5)
+UNSEEDED = SamplingParams(temperature=1.3)
+PROMPT = [11, 22, 33, 44, 55, 11, 22]
+K = 4  # tokens a block drafts: the guess, then K - 1 drafts
+
+
+def open_ok(drafter: ModelDrafter, *specs: SequenceSpec) -> None:
+    errors, _ = drafter.open(list(specs))
+    assert errors == [None] * len(specs)
+
+
+def ahead(sid: str, assumed: tuple[int, ...], branches: int, new: Sequence[int] = (), committed: int = 0) -> DraftTask:
+    return DraftTask(sid, list(new), committed or len(PROMPT), K, assumed, guess_first=True, num_branches=branches)
+
+
+def assumed_logits(model, prompt: list[int], assumed: tuple[int, ...]) -> torch.Tensor:
+    """The draft model's logits [k + 1, V] after the last prompt token and each assumed one."""
+    with torch.no_grad():
+        out = model(torch.tensor([prompt + list(assumed)])).logits[0].float()
+    return out[len(prompt) - 1 :]
+
+
+def expected_verdicts(q: torch.Tensor, assumed: tuple[int, ...], main_guess: int, pick) -> list[tuple[float, int, int]]:
+    """(log likelihood, num_assumed, guess) of every other verdict, likeliest first; `pick(j,
+    refused)` is the guess at position j other than `refused`."""
+    out = []
+    before = 0.0
+    for j in range(len(assumed) + 1):
+        refused = assumed[j] if j < len(assumed) else main_guess
+        guess = pick(j, refused)
+        out.append((before + math.log(float(q[j, guess])), j, guess))
+        if j < len(assumed):
+            before += math.log(float(q[j, assumed[j]]))
+    return sorted(out, key=lambda v: (-v[0], v[1]))
+
+
+def greedy_pick(logits: torch.Tensor):
+    def pick(j: int, refused: int) -> int:
+        others = logits[j].clone()
+        others[refused] = float("-inf")
+        return int(others.argmax())
+
+    return pick
+
+
+def plain_drafts(drafter: ModelDrafter, sid: str, prompt: list[int], spec: SamplingParams, n: int) -> list[int]:
+    """What the drafter drafts after `prompt` on a fresh sequence (no guess, no branches)."""
+    open_ok(drafter, SequenceSpec(sid, prompt, spec))
+    (proposal,), _ = drafter.draft([DraftTask(sid, [], len(prompt), n)])
+    assert proposal.error is None
+    return proposal.tokens
+
+
+def stepwise(drafter: ModelDrafter, monkeypatch, on_device: bool) -> ModelDrafter:
+    if not on_device:
+        monkeypatch.setattr(drafter, "_drafts_stay_on_device", lambda *_: False)
+    return drafter
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_greedy_branches_draft_after_the_likeliest_other_verdicts(make_drafter, tiny_draft, monkeypatch, on_device):
+    drafter = stepwise(make_drafter(), monkeypatch, on_device)
+    reference = make_drafter()
+    own = tuple(plain_drafts(reference, "own", PROMPT, GREEDY, 3))  # as a real block: the drafter's own
+    cases = {"own": own, "odd": (7, 300, 9)}
+    open_ok(drafter, *(SequenceSpec(sid, PROMPT, GREEDY) for sid in ("own", "odd", "plain")))
+    proposals, timing = drafter.draft([ahead("own", own, 3), ahead("odd", cases["odd"], 9), ahead("plain", own, 0)])
+    assert all(p.error is None for p in proposals)
+    assert proposals[0].tokens == proposals[2].tokens and proposals[2].branches == []
+    assert timing.batch_size == 3
+    for proposal in proposals[:2]:
+        assumed = cases[proposal.sequence_id]
+        logits = assumed_logits(tiny_draft, PROMPT, assumed)
+        assert proposal.tokens[0] == int(logits[-1].argmax())  # the main guess, as without branches
+        want = expected_verdicts(logits.softmax(-1), assumed, proposal.tokens[0], greedy_pick(logits))
+        want = want[: 3 if proposal.sequence_id == "own" else len(want)]
+        assert [(b.num_assumed, b.tokens[0]) for b in proposal.branches] == [(j, g) for _, j, g in want]
+        for n, branch in enumerate(proposal.branches):
+            prefix = [*PROMPT, *assumed[: branch.num_assumed], branch.tokens[0]]
+            drafts = plain_drafts(reference, f"{proposal.sequence_id}{n}", prefix, GREEDY, K - 1)
+            assert branch.tokens[1:] == drafts and branch.dists == []
+
+
+def test_the_bonus_branch_is_the_second_likeliest_guess(make_drafter, tiny_draft):
+    drafter = make_drafter()
+    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
+    assumed = (7, 300, 9)
+    (proposal,), _ = drafter.draft([ahead("a", assumed, 4)])
+    bonus = [b for b in proposal.branches if b.num_assumed == len(assumed)]
+    assert len(bonus) == 1
+    first, second = assumed_logits(tiny_draft, PROMPT, assumed)[-1].topk(2).indices.tolist()
+    assert (proposal.tokens[0], bonus[0].tokens[0]) == (first, second)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("verdict", ["main", 0, 1, 2])
+def test_the_next_task_continues_the_branch_its_tokens_confirm(make_drafter, monkeypatch, on_device, verdict):
+    """Committing a branch's verdict, then drafting ahead of its block: the drafts of a drafter that
+    never fanned out (the swapped slot's KV is the branch's own); the slots come back."""
+    drafter = stepwise(make_drafter(), monkeypatch, on_device)
+    reference = make_drafter()
+    assumed = tuple(plain_drafts(reference, "own", PROMPT, GREEDY, 3))
+    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
+    free = drafter.table.free_slots
+    (first,), _ = drafter.draft([ahead("a", assumed, 3)])
+    assert len(first.branches) == 3 and drafter.table.free_slots == free - 3
+    if verdict == "main":
+        committed, block = [*assumed, first.tokens[0]], first.tokens[1:]
+    else:
+        branch = sorted(first.branches, key=lambda b: -b.num_assumed)[verdict]
+        committed, block = [*assumed[: branch.num_assumed], branch.tokens[0]], branch.tokens[1:]
+    task = ahead("a", tuple(block), 0, committed, len(PROMPT) + len(committed))
+    (second,), timing = drafter.draft([task])
+    assert drafter.table.free_slots == free
+    # Only the block's last draft is new to the cache: the rest was drafted in the branch's slot.
+    assert timing.tokens_fed == 1 + (K - 1)
+    open_ok(reference, SequenceSpec("ref", [*PROMPT, *committed], GREEDY))
+    (want,), _ = reference.draft([ahead("ref", tuple(block), 0, [], len(PROMPT) + len(committed))])
+    assert second.tokens == want.tokens
+    (third,), _ = drafter.draft([ahead("a", tuple(second.tokens[:2]), 2, block, len(PROMPT) + len(committed) + 3)])
+    assert len(third.branches) == 2 and drafter.table.free_slots == free - 2
+    drafter.close(["a"])
+    assert drafter.table.free_slots == free + 1 and drafter.table.branches_held == 0
+
+
+def test_seeded_branch_guesses_are_the_noises_best_others(make_drafter, tiny_draft):
+    drafter = make_drafter()
+    reference = make_drafter()
+    assumed = (7, 300, 9)
+    open_ok(drafter, SequenceSpec("s", PROMPT, SEEDED))
+    (proposal,), _ = drafter.draft([ahead("s", assumed, 4)])
+    q = probabilities(assumed_logits(tiny_draft, PROMPT, assumed), [SEEDED] * (len(assumed) + 1))
+
+    def scores(j: int) -> torch.Tensor:
+        key = torch.tensor(noise.noise_key(5, len(PROMPT) + j))
+        return q[j].log() + noise.gumbel(key, torch.arange(q.shape[-1]))
+
+    def pick(j: int, refused: int) -> int:
+        s = scores(j)
+        s[refused] = float("-inf")
+        return int(s.argmax())
+
+    assert proposal.tokens[0] == int(scores(len(assumed)).argmax()) and proposal.dists == []
+    want = expected_verdicts(q, assumed, proposal.tokens[0], pick)
+    assert [(b.num_assumed, b.tokens[0]) for b in proposal.branches] == [(j, g) for _, j, g in want]
+    for n, branch in enumerate(proposal.branches):
+        prefix = [*PROMPT, *assumed[: branch.num_assumed], branch.tokens[0]]
+        # Coupled at the same positions, so the drafts of a fresh sequence on that prefix.
+        assert branch.tokens[1:] == plain_drafts(reference, f"s{n}", prefix, SEEDED, K - 1)
+        assert branch.dists == []
+
+
+def sampled_rounds(drafter: ModelDrafter, branches: int) -> list[DraftProposal]:
+    specs = [SequenceSpec(f"u{n}", PROMPT, UNSEEDED) for n in range(2)]
+    open_ok(drafter, *specs)
+    for n, spec in enumerate(specs):
+        drafter.table.get(spec.sequence_id).generator = torch.Generator().manual_seed(70 + n)
+    out = []
+    for assumed in ((7, 300, 9), (7, 300, 9, 12), (5,)):
+        proposals, _ = drafter.draft([ahead(s.sequence_id, assumed, branches) for s in specs])
+        out.extend(proposals)
+    return out
+
+
+def test_unseeded_branches_leave_the_main_draws_as_they_were(make_drafter):
+    plain = sampled_rounds(make_drafter(max_support=8), 0)
+    fanned = sampled_rounds(make_drafter(max_support=8), 3)
+    assert [len(p.branches) for p in fanned] == [3, 3, 3, 3, 2, 2]  # one assumed token: two other verdicts
+    for without, with_branches in zip(plain, fanned, strict=True):
+        assert with_branches.tokens == without.tokens
+        for a, b in zip(with_branches.dists, without.dists, strict=True):
+            assert a.token_ids == b.token_ids and a.probs == pytest.approx(b.probs, abs=1e-6)
+        for branch in with_branches.branches:
+            assert len(branch.tokens) == len(branch.dists) == K
+            assert all(t in d.token_ids for t, d in zip(branch.tokens, branch.dists, strict=True))
+    assert len({tuple(b.tokens[1:]) for p in fanned for b in p.branches}) > 3  # sampled, not fixed
+
+
+def test_an_unseeded_guess_is_the_likeliest_other_in_its_dist(make_drafter):
+    drafter = make_drafter(max_support=8)
+    assumed = (7, 300, 9)
+    open_ok(drafter, SequenceSpec("u", PROMPT, UNSEEDED))
+    (proposal,), _ = drafter.draft([ahead("u", assumed, 4)])
+    assert len(proposal.branches) == 4
+    for branch in proposal.branches:
+        j = branch.num_assumed
+        refused = assumed[j] if j < len(assumed) else proposal.tokens[0]
+        dist = branch.dists[0]
+        others = [(p, t) for p, t in zip(dist.probs, dist.token_ids, strict=True) if t != refused]
+        assert branch.tokens[0] == max(others)[1]
+
+
+def test_fewer_branches_when_out_of_slots_and_opens_never_starve(tiny_draft, fingerprint):
+    lm = BatchedCausalLM(tiny_draft, torch.device("cpu"), torch.float32)
+    drafter = ModelDrafter(lm, fingerprint, 3, 256, 8, 16, branch_slots=2)
+    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY), SequenceSpec("b", PROMPT, GREEDY))
+    proposals, _ = drafter.draft([ahead("a", (7, 300, 9), 3), ahead("b", (7, 300, 9), 3)])
+    assert [len(p.branches) for p in proposals] == [2, 0]
+    assert all(p.error is None and len(p.tokens) == K for p in proposals)
+    open_ok(drafter, SequenceSpec("c", PROMPT, GREEDY))  # the third sequence's slot was never lent
+    errors, _ = drafter.open([SequenceSpec("d", PROMPT, GREEDY)])
+    assert errors[0] is not None and errors[0].kind == ErrorKind.RESOURCE_EXHAUSTED
+    none = ModelDrafter(
+        BatchedCausalLM(tiny_draft, torch.device("cpu"), torch.float32), fingerprint, 2, 256, 8, 16, branch_slots=0
+    )
+    open_ok(none, SequenceSpec("a", PROMPT, GREEDY))
+    (proposal,), _ = none.draft([ahead("a", (7, 300, 9), 3)])
+    assert proposal.error is None and proposal.branches == [] and len(proposal.tokens) == K
+
+
+def test_invalid_branch_requests_fail_only_their_own_task(
+    make_drafter, make_ngram, tok, grammars, tiny_draft, fingerprint
+):
+    lm = BatchedCausalLM(tiny_draft, torch.device("cpu"), torch.float32)
+    drafter = ModelDrafter(lm, fingerprint, 8, 256, 8, 16, grammars)
+    penalized = Penalties(presence=0.5)
+    open_ok(
+        drafter,
+        *(SequenceSpec(sid, PROMPT, GREEDY) for sid in ("ok", "neg", "noguess", "noassumed", "sib", "pre")),
+        SequenceSpec("gram", PROMPT, GREEDY, grammar=choice_grammar(["red", "blue"])),
+        SequenceSpec("pen", PROMPT, GREEDY, penalties=penalized),
+    )
+    n = len(PROMPT)
+    proposals, _ = drafter.draft(
+        [
+            ahead("ok", (7,), 2),
+            ahead("neg", (7,), -1),
+            DraftTask("noguess", [], n, K, (7,), num_branches=1),
+            DraftTask("noassumed", [], n, K, (), guess_first=True, num_branches=1),
+            DraftTask("sib", [], n, K, (7,), guess_first=True, num_siblings=1, num_branches=1),
+            DraftTask("pre", [], n, 0, prefill_tokens=2, num_branches=1),
+            ahead("gram", (7,), 1),
+            ahead("pen", (7,), 1),
+        ]
+    )
+    assert proposals[0].error is None and len(proposals[0].branches) == 2
+    assert [p.error.kind if p.error else None for p in proposals[1:]] == [ErrorKind.INVALID_ARGUMENT] * 7
+    assert all(p.tokens == [] and p.branches == [] for p in proposals[1:])
+    ngram = make_ngram()
+    open_ok(ngram, SequenceSpec("a", [5, 6, 7, 8, 5, 6], GREEDY))
+    (proposal,), _ = ngram.draft([DraftTask("a", [], 6, 3, (7,), guess_first=True, num_branches=2)])
+    assert proposal.error is None and proposal.branches == []
 
 
 def test_branch_slots_are_lent_beside_the_sequences_and_never_starve_an_open():
@@ -24,3 +287,49 @@ def test_branch_slots_are_lent_beside_the_sequences_and_never_starve_an_open():
     assert errors[0] is None and errors[1] is not None and errors[1].kind == ErrorKind.RESOURCE_EXHAUSTED
     table.close(["a"])  # its branches with it
     assert table.free_slots == 3 and table.branches_held == 0
+
+
+def test_branches_through_the_servicer(make_drafter):
+    direct = make_drafter(max_support=8)
+    open_ok(direct, SequenceSpec("a", PROMPT, UNSEEDED))
+    direct.table.get("a").generator = torch.Generator().manual_seed(3)
+    (want,), _ = direct.draft([ahead("a", (7, 300), 2)])
+    assert len(want.branches) == 2
+    asyncio.run(_servicer_round(make_drafter(max_support=8), want))
+
+
+async def _servicer_round(engine: ModelDrafter, want: DraftProposal) -> None:
+    runner = EngineRunner("test-drafter")
+    s = DrafterServicer(
+        engine, common_pb2.ModelInfo(), runner, Tracing("test"), ServiceMetrics("drafter", engine), Leases(0)
+    )
+    try:
+        hot = common_pb2.SamplingParams(temperature=UNSEEDED.temperature, top_p=1.0)
+        spec = common_pb2.SequenceSpec(sequence_id="a", prompt_token_ids=PROMPT, sampling=hot)
+        reply = await s.OpenDraftSequences(drafter_pb2.OpenDraftSequencesRequest(sequences=[spec]), Context())
+        assert not any(r.error.code for r in reply.results)
+        (state,) = engine.table.seqs.values()  # keyed by the lease owner too
+        state.generator = torch.Generator().manual_seed(3)
+
+        async def requests():
+            request = drafter_pb2.DraftRequest(round_id=1)
+            request.tasks.add(
+                sequence_id="a",
+                num_committed=len(PROMPT),
+                num_draft_tokens=K,
+                assumed_token_ids=[7, 300],
+                guess_first=True,
+                num_branches=2,
+            )
+            yield request
+
+        (response,) = [r async for r in s.Draft(requests(), Context())]
+        (got,) = response.proposals
+        assert not got.HasField("error") and list(got.token_ids) == want.tokens
+        assert [(b.num_assumed, list(b.token_ids)) for b in got.branches] == [
+            (b.num_assumed, b.tokens) for b in want.branches
+        ]
+        for wire, branch in zip(got.branches, want.branches, strict=True):
+            assert [list(d.token_ids) for d in wire.distributions] == [d.token_ids for d in branch.dists]
+    finally:
+        runner.shutdown()

@@ -299,3 +299,13 @@ def test_gateway_refuses_a_feature_drafter_trained_for_another_width(tok):
     check_compatible(fp, verifier, drafter(0))  # reads none: any target
     with pytest.raises(BackendError, match="width 32"):
         check_compatible(fp, verifier, drafter(32))
+
+
+def test_a_feature_drafter_proposes_no_branches(head, fingerprint):
+    """It has no target hidden states for a branch's positions: a fan-out task drafts its main block only."""
+    drafter = ModelDrafter(BatchedCausalLM(head, torch.device("cpu"), torch.float32), fingerprint, 4, 256, 8, 16)
+    assert drafter.open([SequenceSpec("a", PROMPT, GREEDY)])[0] == [None]
+    task = DraftTask("a", [], len(PROMPT), 3, (7, 8), guess_first=True, num_branches=2)
+    (proposal,), _ = drafter.draft([task])
+    assert proposal.error is None and len(proposal.tokens) == 3 and proposal.branches == []
+    assert drafter.table.branches_held == 0

@@ -1,0 +1,250 @@
+"""Fan-out draft-ahead (DraftTask.num_branches): blocks drafted after other likely verdicts.
+
+A draft-ahead block assumes the verifier accepts every assumed token and then emits the drafter's
+guess. Fan-out also drafts after the next likeliest verdicts: all accepted and another guess at
+the bonus position, or the first j accepted and a replacement for assumed[j]. Their likelihood
+under the drafter's own q is prod_{i<j} q_i(assumed[i]) * q_j(guess), so the first forward of a
+fan-out row feeds every assumed token and keeps the logits of each (one forward for q at every
+position, the rows of all fan-out tasks together). The guesses follow the main guess's rule:
+
+- greedy: the likeliest token other than the one the verdict refuses (q: softmax of the logits);
+- seeded: the noise's best other, with the noise the verifier uses at that position;
+- unseeded: the likeliest other in the sparse q sent with it (the guess's dist, as guess_first's).
+
+Each chosen branch gets a slot of its own with the main slot's prefix up to its guess, and drafts
+as one more row of the same batched steps (it joins at step 1, when the main row feeds its guess);
+an unseeded branch draws with a generator of its own, so the main block's draws stay as they
+were. The branches' caches stay on the sequence (SequenceState.branches) until its next task
+continues the one its committed tokens confirm furthest (`settle`) or its close frees them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from specd.engine.cuda_graphs import read_back
+from specd.engine.errors import invalid
+from specd.engine.host_threads import one_torch_thread
+from specd.engine.kvcache import to_device
+from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, truncate
+from specd.engine.sequences import BranchCache, SequenceState, SequenceTable
+from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
+
+Active = tuple[int, SequenceState, int]  # (proposal index, state, tokens to draft), as the drafting loops keep
+
+
+def check_branches(task: DraftTask, state: SequenceState) -> None:
+    """Branches follow a guess at the verifier's token after assumed ones, and need no mask."""
+    if task.num_branches == 0:
+        return
+    if task.num_branches < 0:
+        raise invalid(f"num_branches must be >= 0, got {task.num_branches}")
+    if task.prefill_tokens > 0:
+        raise invalid("a prefill task drafts no branches")
+    if not task.guess_first or not task.assumed:
+        raise invalid("num_branches needs guess_first and assumed tokens")
+    if task.num_siblings > 0:
+        raise invalid("num_branches must be 0 with num_siblings")
+    if state.grammar is not None or state.penalties.active:
+        raise invalid("num_branches must be 0 for a sequence with structured output or penalties")
+
+
+def confirmed(cached: Sequence[int], context: Sequence[int]) -> int:
+    """How much of a cache the context (committed + assumed tokens) confirms; the last context
+    token is fed again by the round, so at most all but it."""
+    n = 0
+    limit = min(len(cached), len(context) - 1)
+    while n < limit and cached[n] == context[n]:
+        n += 1
+    return n
+
+
+def settle(table: SequenceTable, state: SequenceState, context: Sequence[int]) -> None:
+    """At the sequence's next task: continue the cache (its own or a branch's) that the context
+    confirms furthest, by taking the branch's slot (no copy); free the others."""
+    if not state.branches:
+        return
+    best = max(state.branches, key=lambda b: confirmed(b.cached, context))
+    if confirmed(best.cached, context) > confirmed(state.cached, context):
+        best.slot, state.slot = state.slot, best.slot
+        best.cached, state.cached = state.cached, best.cached
+    table.drop_branches(state)
+
+
+def branch_generator(state: SequenceState) -> torch.Generator:
+    """The unseeded sequence's generator for its branches' draws, on the chain generator's device,
+    seeded from its seed (a test that fixes one fixes both)."""
+    if state.branch_generator is None:
+        assert state.generator is not None
+        digest = hashlib.blake2b(f"branches {state.generator.initial_seed()}".encode(), digest_size=8).digest()
+        generator = torch.Generator(device=state.generator.device)
+        state.branch_generator = generator.manual_seed(int.from_bytes(digest, "little") >> 1)
+    return state.branch_generator
+
+
+@dataclasses.dataclass
+class _Verdicts:
+    """One fan-out row's alternatives read back: per position j in 0..k, the guess and the log
+    likelihood of its verdict; for an unseeded row also the sparse q at j (ids, probs)."""
+
+    alts: list[int]
+    scores: list[float]
+    dists: list[SparseDist]
+
+
+def alternatives(
+    logits: torch.Tensor, assumed: torch.Tensor, guess: torch.Tensor, state: SequenceState, max_support: int
+) -> torch.Tensor:
+    """For logits [k + 1, V] at the last committed token and each assumed one, the refused tokens
+    `assumed` [k] then the main guess (0-d): per position, the best other token and its verdict's
+    log likelihood (-inf where q has no other), float64 [k + 1, 2]; an unseeded row's sparse q
+    follows, ids then probs, [k + 1, 2 + 2 * max_support]."""
+    params = state.params
+    count = logits.shape[0]
+    q = logits.float().softmax(dim=-1) if params.greedy else probabilities(logits, [params] * count)
+    refused = torch.cat([assumed, guess[None]])[:, None]
+    choose, sparse = q, None
+    if not params.greedy and not params.seeded:
+        ids, top = truncate(q, max_support)
+        choose, sparse = torch.zeros_like(q).scatter_(1, ids, top), torch.cat([ids.double(), top.double()], dim=1)
+    others = choose.scatter(1, refused, 0.0)
+    if params.seeded:
+        assert params.seed is not None
+        start = len(state.committed)  # assumed[j] sits at position start + j, the bonus at start + k
+        alt = gumbel_argmax(others, spans_keys([(params.seed, start, count)], q.device))
+    else:
+        alt = others.argmax(dim=-1)
+    taken = q.gather(1, refused)[:, 0].log()
+    before = torch.cat([taken.new_zeros(1), taken[:-1].cumsum(0)])  # the accepted tokens' part
+    score = before + q.gather(1, alt[:, None])[:, 0].log()
+    score = score.masked_fill(~(others.gather(1, alt[:, None])[:, 0] > 0), float("-inf"))
+    out = torch.stack([alt.double(), score.double()], dim=1)
+    return out if sparse is None else torch.cat([out, sparse], dim=1)
+
+
+def _parse(values: list[list[float]], max_support: int) -> _Verdicts:
+    dists = []
+    for row in values:
+        if len(row) > 2:
+            ids, probs = row[2 : 2 + max_support], row[2 + max_support :]
+            kept = sum(1 for p in probs if p > 0)
+            dists.append(SparseDist([int(t) for t in ids[:kept]], probs[:kept]))
+    return _Verdicts([int(row[0]) for row in values], [row[1] for row in values], dists)
+
+
+class FanOut:
+    """A round's fan-out rows: the tasks that asked for branches (and drafts), while a branch
+    slot is free; their logits from step 0, then their branches as rows of the later steps."""
+
+    def __init__(self, tasks: Sequence[DraftTask], active: Sequence[Active], table: SequenceTable, enabled: bool):
+        self.tasks = tasks
+        self.table = table
+        self.rows: dict[int, SequenceState] = {}
+        if enabled and table.branches_held < table.branch_slots:
+            self.rows = {i: s for i, s, _ in active if tasks[i].num_branches > 0}
+        self.at: list[int] = []  # the fan-out rows' indices in step 0's rows
+        self._logits: list[torch.Tensor] = []
+        self._chosen: list[tuple[int, int, int]] = []  # (main proposal index, num_assumed, branch's index)
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def roll_back_to(self, i: int, context: list[int]) -> list[int]:
+        """What row i's cache may keep: a fan-out row feeds its assumed tokens again, for their q."""
+        return self.rows[i].committed if i in self.rows else context
+
+    def extra(self, i: int, step: int) -> int:
+        """Positions before its last whose logits row i keeps at `step`: a fan-out row's first step
+        keeps those of its assumed tokens."""
+        return len(self.tasks[i].assumed) if step == 0 and i in self.rows else 0
+
+    def keep(self, active: Sequence[Active], logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Keep step 0's logits of the fan-out rows; every row's last position, for the step itself."""
+        self.at = [r for r, (i, _, _) in enumerate(active) if i in self.rows]
+        self._logits = [logits[r] for r in self.at]
+        return [x[-1:] for x in logits]
+
+    def start(
+        self,
+        guesses: torch.Tensor,
+        proposals: list[DraftProposal],
+        contexts: dict[int, list[int]],
+        feed: dict[int, list[int]],
+        max_support: int,
+    ) -> list[Active]:
+        """After step 0 (each fan-out row's main guess in `guesses`, in `at`'s order): choose the
+        branches, give each a slot with its prefix and a proposal (appended to `proposals`, its
+        guess first), and return those that draft on, as rows for the next steps."""
+        device = guesses.device
+        with one_torch_thread(device):
+            rows = []
+            for n, (i, state) in enumerate(self.rows.items()):
+                assumed = to_device(list(self.tasks[i].assumed), device)
+                rows.append(alternatives(self._logits[n], assumed, guesses[n], state, max_support))
+            values = read_back(torch.cat(rows)) if rows else []
+        joined: list[Active] = []
+        offset = 0
+        for i, state in self.rows.items():
+            count = len(self.tasks[i].assumed) + 1
+            verdicts = _parse(values[offset : offset + count], max_support)
+            offset += count
+            ranked = sorted((-s, j) for j, s in enumerate(verdicts.scores) if s > -math.inf)
+            for _, j in ranked[: self.tasks[i].num_branches]:
+                row = self._branch(i, state, j, verdicts, proposals, contexts, feed)
+                if row is None:
+                    break  # out of branch slots: fewer branches
+                if row[2] > 1:
+                    joined.append(row)
+        return joined
+
+    def _branch(
+        self,
+        i: int,
+        state: SequenceState,
+        j: int,
+        verdicts: _Verdicts,
+        proposals: list[DraftProposal],
+        contexts: dict[int, list[int]],
+        feed: dict[int, list[int]],
+    ) -> Active | None:
+        """Branch j of row i (its first j assumed tokens accepted): a slot, a copy of the main
+        slot's prefix before its guess, a proposal; None where no slot is free."""
+        slot = self.table.take_branch_slot()
+        if slot is None:
+            return None
+        prefix = [*state.committed, *self.tasks[i].assumed[:j]]
+        assert self.table.lm is not None
+        self.table.lm.cache.copy_prefix(state.slot, slot, len(prefix))
+        cached = list(prefix)
+        # Recorded before it drafts: a failed round still frees the slot at the next task or close.
+        state.branches.append(BranchCache(slot, cached))
+        sampled = state.generator is not None
+        branch = dataclasses.replace(
+            state,
+            slot=slot,
+            cached=cached,
+            generator=branch_generator(state) if sampled else None,
+            sibling_generator=None,
+            branches=[],
+        )
+        guess = verdicts.alts[j]
+        b = len(proposals)
+        proposals.append(DraftProposal(state.sequence_id, [guess], [verdicts.dists[j]] if sampled else []))
+        contexts[b] = prefix
+        feed[b] = [guess]
+        self._chosen.append((i, j, b))
+        return (b, branch, self.tasks[i].num_draft_tokens)
+
+    def finish(self, proposals: list[DraftProposal]) -> None:
+        """Move the branches' proposals into their main proposals, likeliest first."""
+        if not self._chosen:
+            return
+        first = min(b for _, _, b in self._chosen)
+        for i, j, b in self._chosen:
+            proposals[i].branches.append(DraftBranch(j, proposals[b].tokens, proposals[b].dists))
+        del proposals[first:]
