@@ -47,6 +47,13 @@ class DrafterConfig(ModelServiceConfig):
         DECODER_CHOICES,
     )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
+    branch_slots: int = field(
+        -1,
+        "KV slots beside the sequences' own for fan-out draft-ahead branches (DraftTask.num_branches), each "
+        "kept until its sequence's next round; a round out of them drafts fewer branches. -1: as many as "
+        "--max-sequences (on a GPU the slots are reserved up front; on the CPU pages are backed as written); "
+        "0: no branches",
+    )
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
     ngram_max: int = field(4, "longest suffix n-gram the n-gram drafter matches")
 
@@ -56,6 +63,8 @@ class DrafterConfig(ModelServiceConfig):
             raise ValueError("max_support must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("1 <= ngram_min <= ngram_max is required")
+        if self.branch_slots < -1:
+            raise ValueError("branch_slots must be -1 (as many as max_sequences), 0 (none) or a number of slots")
         if self.int8_wide_rows < -1:
             raise ValueError("int8_wide_rows must be -1 (measure), 0 (never) or a number of rows")
         if self.decoder != "auto" and self.drafter != "model":

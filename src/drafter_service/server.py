@@ -52,6 +52,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         config.max_draft_tokens,
         config.max_support,
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
+        config.branch_slots,
     )
     if quantization != "none" and config.int8_wide_rows == -1:
         calibrate_wide_rows(loaded.model, lambda rows: _prefill_once(lm, rows))
@@ -63,7 +64,9 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         lm.calibrate_products(CALIBRATION_ROWS)
     lm.warm_up(2)
     # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
-    cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", config.max_sequences)
+    # A round's rows: every sequence's, and a fan-out branch's in each branch slot.
+    rows = config.max_sequences + engine.table.branch_slots
+    cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", rows)
     # What a step costs for batches the gateway has not drafted for yet: on a CPU it grows with the
     # batch far more than a line through a few small batches says.
     step_timings = lm.time_steps([n for n in STEP_TIMING_SIZES if n <= config.max_sequences])

@@ -88,3 +88,12 @@ def test_auto_dtype() -> None:
     assert server.activation_dtype("float16", "cpu", "none") == "float16"
     with pytest.raises(SystemExit):
         DrafterConfig.from_args(["--dtype", "float64"])
+
+
+def test_branch_slots_reach_the_engine_and_its_cache(model_dirs) -> None:
+    flags = ["--quantize", "none", "--max-sequences", "2", "--max-context", "64", "--branch-slots", "3"]
+    config = DrafterConfig.from_args(["--model", str(model_dirs["draft"]), *flags])
+    engine, _ = server.build_engine(config)
+    assert engine.table.branch_slots == 3 and engine.lm.cache.max_slots == 2 + 3
+    with pytest.raises(ValueError, match="branch_slots"):
+        DrafterConfig(branch_slots=-2).validate()
