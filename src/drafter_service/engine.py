@@ -8,13 +8,14 @@ from collections.abc import Sequence
 
 import torch
 
+from drafter_service.constraints import mask_rows, push_token, sync_grammars
 from drafter_service.fanout import FanOut, check_branches, settle
 from drafter_service.siblings import SiblingNotes, check_siblings, greedy_notes, seeded_notes, wanting
 from specd.engine import hidden_states, ngram
 from specd.engine.errors import EngineError, invalid, precondition
 from specd.engine.featurehead import FeatureTrack
 from specd.engine.fingerprint import TokenizerFingerprint
-from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
+from specd.engine.grammar import GrammarCompiler
 from specd.engine.host_threads import one_torch_thread
 from specd.engine.kvcache import BatchedCausalLM, Row, to_device
 from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
@@ -209,7 +210,7 @@ class ModelDrafter(_DrafterBase):
         for i, state, _, context in live:
             self._roll_back(state, fan.roll_back_to(i, context))
         # Constrained sequences: the grammar follows committed + assumed tokens, then each draft.
-        constrained = self._sync_grammars(active, contexts)
+        constrained = sync_grammars(active, contexts)
         timing.phases.append(("rollback", start, time.time_ns()))
         forward_ns = self._prefill_chunks(tasks, live, proposals, timing)
         # Step 0 feeds every committed token not yet cached (1 after a rejection,
@@ -257,7 +258,7 @@ class ModelDrafter(_DrafterBase):
                 s.penalized(x, drafted=[*contexts[i][len(s.committed) :], *proposals[i].tokens])
                 for (i, s, _), x in zip(active, raw, strict=True)
             ]
-            ended = self._mask(active, logits, constrained)
+            ended = mask_rows(active, logits, constrained)
             with one_torch_thread(self.lm.device) if notes.wanted else contextlib.nullcontext():
                 chosen, dists = self._greedy_and_q(active, logits, step, notes)
             end = time.time_ns()
@@ -350,7 +351,7 @@ class ModelDrafter(_DrafterBase):
             if dist is not None:
                 proposals[i].dists.append(dist)
             feed[i] = [token]
-            if i in constrained and not self._push(state, token):
+            if i in constrained and not push_token(state, token):
                 constrained.discard(i)
                 continue
             if i in constrained and state.grammar is not None and state.grammar.ended:
@@ -478,48 +479,6 @@ class ModelDrafter(_DrafterBase):
                     greedy_notes(whole.index_select(0, at), tokens.index_select(0, at)),
                 )
         return tokens
-
-    @staticmethod
-    def _sync_grammars(active: Sequence[tuple[int, SequenceState, int]], contexts: dict[int, list[int]]) -> set[int]:
-        """Bring each constrained sequence's grammar to its committed + assumed output; the ones that follow."""
-        out = set()
-        for i, state, _ in active:
-            if state.grammar is None:
-                continue
-            try:
-                state.grammar.sync(contexts[i][state.prompt_len :])
-            except GrammarError:
-                # Only if the verifier committed what this grammar refuses: the sequence
-                # then drafts unconstrained, and the verifier's mask still holds.
-                state.grammar = None
-                continue
-            out.add(i)
-        return out
-
-    @staticmethod
-    def _mask(
-        active: Sequence[tuple[int, SequenceState, int]], logits: list[torch.Tensor], constrained: set[int]
-    ) -> set[int]:
-        """Mask each constrained row's logits in place in the list; returns the rows that must stop drafting."""
-        ended = set()
-        for row_i, (i, state, _) in enumerate(active):
-            if i not in constrained:
-                continue
-            assert state.grammar is not None
-            try:
-                logits[row_i] = apply_mask(logits[row_i], state.grammar.allowed()[None])
-            except GrammarError:
-                ended.add(row_i)
-        return ended
-
-    @staticmethod
-    def _push(state: SequenceState, token: int) -> bool:
-        assert state.grammar is not None
-        try:
-            state.grammar.push([token])
-        except GrammarError:
-            return False
-        return True
 
     @staticmethod
     def _coupled_tokens(
