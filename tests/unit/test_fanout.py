@@ -233,6 +233,11 @@ def test_fewer_branches_when_out_of_slots_and_opens_never_starve(tiny_draft, fin
     open_ok(drafter, SequenceSpec("c", PROMPT, GREEDY))  # the third sequence's slot was never lent
     errors, _ = drafter.open([SequenceSpec("d", PROMPT, GREEDY)])
     assert errors[0] is not None and errors[0].kind == ErrorKind.RESOURCE_EXHAUSTED
+    # Any next task of "a" settles its branches, one that drafts nothing too: b's turn.
+    (nothing,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 0)])
+    assert nothing.error is None and drafter.table.branches_held == 0
+    (b,), _ = drafter.draft([ahead("b", (7, 300, 9), 3)])
+    assert len(b.branches) == 2
     none = ModelDrafter(
         BatchedCausalLM(tiny_draft, torch.device("cpu"), torch.float32), fingerprint, 2, 256, 8, 16, branch_slots=0
     )
@@ -333,3 +338,21 @@ async def _servicer_round(engine: ModelDrafter, want: DraftProposal) -> None:
             assert [list(d.token_ids) for d in wire.distributions] == [d.token_ids for d in branch.dists]
     finally:
         runner.shutdown()
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_a_round_mixing_siblings_branches_and_plain_tasks_drafts_each_as_alone(make_drafter, monkeypatch, on_device):
+    tasks = [
+        DraftTask("s", [], len(PROMPT), 3, num_siblings=2),
+        ahead("f", (7, 300, 9), 2),
+        DraftTask("p", [], len(PROMPT), 2),
+    ]
+    mixed = stepwise(make_drafter(), monkeypatch, on_device)
+    open_ok(mixed, *(SequenceSpec(t.sequence_id, PROMPT, GREEDY) for t in tasks))
+    together, _ = mixed.draft(tasks)
+    for task, got in zip(tasks, together, strict=True):
+        alone = make_drafter()
+        open_ok(alone, SequenceSpec(task.sequence_id, PROMPT, GREEDY))
+        (want,), _ = alone.draft([task])
+        assert (got.tokens, got.parents, got.branches) == (want.tokens, want.parents, want.branches)
+    assert len(together[1].branches) == 2 and together[0].parents
