@@ -35,6 +35,7 @@ class Limits:
     prefill_chunk_tokens: int = 0  # the verifier's prefill per round (0: whole prompts at their open)
     siblings: int = 0  # --speculative-siblings: the most siblings beside a block's chain (token trees)
     draft_room: int = 1 << 30  # drafts a task may hold, a tree's chain and siblings together
+    branches: int = 0  # --speculative-branches: the most branches beside a draft-ahead block (fan-out)
 
 
 @dataclass
