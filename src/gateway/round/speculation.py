@@ -24,13 +24,8 @@ The rate sum_s E_s(k_s) / R is a ratio, maximised per sequence with Dinkelbach's
 iteration: for a rate lambda each sequence independently maximises
 E_s(k) - lambda * marginal verify cost * k.
 
-A token tree (`siblings`) adds m leaves beside each drafting sequence's chain: the verify
-checks k + 1 + m positions, and a sibling is worth one more token when the chain's draft
-beside it is rejected and the sibling is the target's token there, which happens for a
-fraction h of the siblings sent (measured: `sibling_hits`). With n sequences drafting, the
-round's rate with m siblings is (T + h * n * m) / (R + verify(k + m) - verify(k)), T and R the
-tokens and time of the round chosen without them; m is the one in 0..most with the best rate,
-so where verify width is not nearly free (a CPU) the tree shrinks to a chain.
+Beside k, the policy sizes a token tree's siblings (`siblings`) with one more term of the
+same cost model each (`gateway.round.widths`).
 
 Under `--pipeline auto` the same search runs once per pipeline with that pipeline's
 round model (`gateway.round.pipeline_choice`), and the round takes the pipeline and ks with
@@ -48,9 +43,9 @@ from gateway.round.acceptance import Acceptance, HitRate
 from gateway.round.costs import CostModel, Ewma, SizedCost, verified_positions
 from gateway.round.pipeline_choice import MODES as PIPELINES
 from gateway.round.pipeline_choice import Calibration, Overlap, RoundModel
+from gateway.round.widths import SIBLING_PRIOR, sibling_width
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
-SIBLING_PRIOR = 0.25  # a sibling's hit rate before any is seen
 
 # The policy's heuristics on top of the cost model, each of which `--policy-off` can switch off
 # for an A/B run with `specd bench --server` (docs/pipeline.md, "What each heuristic buys"):
@@ -393,25 +388,14 @@ class SpeculationPolicy:
 
     def siblings(self, ks: Sequence[int], most: int) -> int:
         """How many siblings each drafting sequence's chain gets this round, of at most `most`:
-        the m with the best predicted rate (the module's docstring); `most` until the services
+        the m with the best predicted rate (`widths.sibling_width`); `most` until the services
         are timed (so the verify's width is measured too)."""
-        drafting = sum(1 for k in ks if k > 0)
-        if most <= 0 or not drafting:
+        if most <= 0 or not any(k > 0 for k in ks):
             return 0
         choice = self.last_choice
         if not self.costs.ready or choice is None or choice.predicted_rate <= 0:
             return most
-        round_ns = self.costs.round_ns(ks)
-        tokens = choice.predicted_rate * round_ns / 1e9
-        hit = self.sibling_hits.value(SIBLING_PRIOR)
-        verify = self.costs.verify.predict(verified_positions(ks))
-
-        def rate(m: int) -> float:
-            wider = verified_positions([k + m if k > 0 else 0 for k in ks])
-            extra_ns = max(0.0, self.costs.verify.predict(wider) - verify)
-            return (tokens + hit * drafting * m) / (round_ns + extra_ns)
-
-        return max(range(most + 1), key=lambda m: (rate(m), -m))
+        return sibling_width(self.costs, ks, choice.predicted_rate, self.sibling_hits.value(SIBLING_PRIOR), most)
 
     def observe_siblings(self, sent: int, hit: bool) -> None:
         """A verdict on a block with `sent` siblings; `hit`: its accepted path ended in one."""
