@@ -24,8 +24,8 @@ The rate sum_s E_s(k_s) / R is a ratio, maximised per sequence with Dinkelbach's
 iteration: for a rate lambda each sequence independently maximises
 E_s(k) - lambda * marginal verify cost * k.
 
-Beside k, the policy sizes a token tree's siblings (`siblings`) with one more term of the
-same cost model each (`gateway.round.widths`).
+Beside k, the policy sizes a token tree's siblings (`siblings`) and a draft-ahead's fan-out
+(`branches`) with one more term of the same cost model each (`gateway.round.widths`).
 
 Under `--pipeline auto` the same search runs once per pipeline with that pipeline's
 round model (`gateway.round.pipeline_choice`), and the round takes the pipeline and ks with
@@ -43,7 +43,7 @@ from gateway.round.acceptance import Acceptance, HitRate
 from gateway.round.costs import CostModel, Ewma, SizedCost, verified_positions
 from gateway.round.pipeline_choice import MODES as PIPELINES
 from gateway.round.pipeline_choice import Calibration, Overlap, RoundModel
-from gateway.round.widths import SIBLING_PRIOR, sibling_width
+from gateway.round.widths import BRANCH_PRIOR, SIBLING_PRIOR, Ahead, branch_width, sibling_width
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
 
@@ -276,6 +276,9 @@ class SpeculationPolicy:
         # Of the siblings sent (token trees), how often the accepted path ended in one. Until one
         # is seen a sibling is priced at SIBLING_PRIOR: tried, where width is cheap, then learnt.
         self.sibling_hits = HitRate(prior_weight=2.0, decay=0.999)
+        # Of the branches beside draft-ahead blocks whose verdict came (their main block missed),
+        # how often their guess at the verifier's token was right: priced at BRANCH_PRIOR until seen.
+        self.branch_hits = HitRate(prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
         self.overlap = Overlap(prior=1.0 if config.on("overlap-prior") else 0.5)
         self.calibration = Calibration()
@@ -401,6 +404,21 @@ class SpeculationPolicy:
         """A verdict on a block with `sent` siblings; `hit`: its accepted path ended in one."""
         for i in range(sent):
             self.sibling_hits.observe(hit and i == 0)
+
+    def branches(self, ks: Sequence[int], ahead: Sequence[Ahead], most: int) -> int:
+        """How many branches each auto sequence drafting ahead (`ahead`) gets this round, of at
+        most `most`, in a round verifying `ks`: the m with the shortest predicted round
+        (`widths.branch_width`); `most` until the services are timed."""
+        if most <= 0 or not ahead:
+            return 0
+        if not self.costs.ready:
+            return most
+        hit = self.branch_hits.value(BRANCH_PRIOR)
+        return branch_width(self.costs, self.overlap.value, ks, ahead, hit, most)
+
+    def observe_branch(self, hit: bool) -> None:
+        """A branch whose verdict came, its main block having missed: `hit`, its guess was right."""
+        self.branch_hits.observe(hit)
 
     def drafts_for(self, batch: int, pipelines: Sequence[str] = PIPELINES) -> bool:
         """Whether a round of `batch` sequences, each free to draft the full k at the acceptance
