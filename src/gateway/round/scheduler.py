@@ -563,10 +563,13 @@ class Scheduler:
                 spans,
                 sum(n for _, n in plan.prefill),
                 [item.num_draft_tokens for item in plan.pre_draft] if result.pre is not None else [],
-                [item.num_draft_tokens for item in items if not item.prefill] if ahead else [],
+                result.ahead_drafted(),
                 result.joined_tokens,
                 applied.guesses,
                 sum(item.prefill for item in items),
+                applied.branches,
+                applied.branch_hits,
+                applied.branch_outcomes,
             )
         )
 
