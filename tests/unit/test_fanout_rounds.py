@@ -1,14 +1,16 @@
 """Fan-out draft-ahead at the gateway (DraftTask.num_branches): which draft-aheads ask for
 branches, the drafter's branches checked before anything commits, the branch a verdict confirms
-adopted where the main block missed, and what that teaches."""
+adopted where the main block missed, what that teaches, and the whole round over fake services
+with a drafter that fans out, token-identical to target-only."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
-from fake_backends import EOS
-from test_round_steps import K, limits, plan_for, policy, running, verified
+from fake_backends import EOS, FakeDrafter, FakeVerifier, reference
+from test_round_steps import CharTokenizer, K, limits, plan_for, policy, running, verified
 
 from gateway.metrics import GatewayMetrics, RoundTimes
 from gateway.round.apply import Applied, apply
@@ -17,9 +19,14 @@ from gateway.round.exchange import DraftExchange, assume_block
 from gateway.round.messages import Block, DraftItem, DraftVerdicts, RoundPlan, draft_request, proposal_problem
 from gateway.round.observer import RoundObserver, RoundOutcome
 from gateway.round.prefill_budget import DrafterPrefillBudget
-from specd.engine.params import Penalties
+from gateway.round.scheduler import Delta, GenerationParams, Scheduler
+from specd.engine.params import Penalties, SamplingParams
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
 from specd.rpc.tracing import Tracing
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [[3, 4, 5], [9], [1, 2, 3, 4, 5, 6, 7], [11, 12], [20, 21, 22], [5, 5]]
+
 
 # -- decide ---------------------------------------------------------------------------------
 
@@ -168,3 +175,108 @@ def test_observe_counts_branches_and_teaches_their_hit_rate() -> None:
     assert metrics.registry.get_sample_value("specd_spec_decode_num_branches_total") == 3.0
     assert metrics.registry.get_sample_value("specd_spec_decode_num_branch_hits_total") == 1.0
     assert p.branch_hits.value(0.0) == pytest.approx(1 / (2 + 2), rel=0.01)  # two prior weights
+
+
+# -- the scheduler over fake services whose drafter fans out ------------------------------------
+
+
+def scheduler(verifier: Any, drafter: Any, pipeline: str = "ahead", branches: int = 2) -> Scheduler:
+    return Scheduler(
+        CharTokenizer(), verifier, drafter, K, 16, [EOS], speculative_mode="fixed", pipeline=pipeline, branches=branches
+    )
+
+
+def generate(sched: Scheduler, prompts: list[list[int]], max_tokens: int = 40) -> list[list[int]]:
+    async def collect(seq: Any) -> list[int]:
+        return [t async for e in sched.events(seq) if isinstance(e, Delta) for t in e.token_ids]
+
+    async def main() -> list[list[int]]:
+        sched.start()
+        try:
+            seqs = [sched.submit(p, GenerationParams(max_tokens, GREEDY)) for p in prompts]
+            return await asyncio.gather(*(collect(s) for s in seqs))
+        finally:
+            await sched.stop()
+
+    return asyncio.run(main())
+
+
+def counter(sched: Scheduler, name: str) -> float:
+    return sched.metrics.registry.get_sample_value(name) or 0.0
+
+
+def pre_drafts(drafter: FakeDrafter) -> int:
+    """Draft tasks on the round's critical path (drafted after committed tokens, before a verify)."""
+    return sum(1 for r in drafter.requests for t in r.tasks if t.num_draft_tokens and not t.guess_first)
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_fan_out_is_token_identical_to_target_only_and_its_branches_are_used(n: int) -> None:
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter)
+    for prompt, ids in zip(PROMPTS, generate(sched, PROMPTS[:n]), strict=False):
+        assert ids == reference(prompt, 40)
+    # Only blocks drafted after exactly the committed tokens are verified, adopted branches included.
+    assert verifier.stale_blocks == 0 and verifier.bad_q_blocks == 0
+    assert drafter.branches > 0 and counter(sched, "specd_spec_decode_num_branches_total") == drafter.branches
+    assert counter(sched, "specd_spec_decode_num_branch_hits_total") > 0
+    assert sched.policy.branch_hits.tried > 0
+    assert max(t.num_branches for r in drafter.requests for t in r.tasks) == 2
+
+
+def test_a_branch_stands_in_for_a_missed_guess_and_saves_the_critical_path_draft() -> None:
+    """n % 5 == 2 with a 7-token prompt and k = 4: every block is accepted whole and every guess
+    at the verifier's own token is wrong, so every main ahead block misses; the branch after
+    "all accepted, another guess" is right."""
+    runs = {}
+    for branches in (0, 2):
+        drafter = FakeDrafter(wrong=lambda n: n % 5 == 2)
+        verifier = FakeVerifier(drafter=drafter)
+        sched = scheduler(verifier, drafter, branches=branches)
+        [ids] = generate(sched, [PROMPTS[2]], max_tokens=60)
+        assert ids == reference(PROMPTS[2], 60) and verifier.stale_blocks == 0
+        runs[branches] = (sched, drafter)
+    (plain, plain_drafter), (fanned, fanned_drafter) = runs[0], runs[2]
+    assert counter(plain, "specd_spec_decode_num_branch_hits_total") == 0
+    hits = counter(fanned, "specd_spec_decode_num_branch_hits_total")
+    assert hits >= 5
+    assert pre_drafts(fanned_drafter) <= pre_drafts(plain_drafter) - hits + 1
+
+
+def test_non_ahead_pipelines_never_ask_for_branches() -> None:
+    for pipeline in ("sequential", "cohort"):
+        drafter = FakeDrafter()
+        verifier = FakeVerifier(drafter=drafter)
+        for prompt, ids in zip(PROMPTS, generate(scheduler(verifier, drafter, pipeline), PROMPTS[:4]), strict=False):
+            assert ids == reference(prompt, 40)
+        assert all(t.num_branches == 0 for r in drafter.requests for t in r.tasks), pipeline
+
+
+class BadBranchDrafter(FakeDrafter):
+    """Fans out out of protocol: a branch assuming more tokens than the task did, or one q row short."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def add_branches(self, proposal: Any, committed: list[int], assumed: list[int], n: int, most: int) -> None:
+        super().add_branches(proposal, committed, assumed, n, most)
+        if self.fault == "num_assumed":
+            proposal.branches[0].num_assumed = len(assumed) + 1
+        else:
+            del proposal.branches[0].distributions[-1]
+
+
+@pytest.mark.parametrize("fault", ["num_assumed", "distributions"])
+def test_a_branch_out_of_protocol_is_refused_before_it_commits_anything(fault: str) -> None:
+    drafter = BadBranchDrafter(fault)
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter)
+    assert generate(sched, PROMPTS[:2]) == [reference(p, 40) for p in PROMPTS[:2]]
+    assert drafter.branches > 0 and counter(sched, "specd_spec_decode_num_branch_hits_total") == 0
+    # Refused as any proposal out of protocol: its sequence drafts no more, nothing of it verified.
+    fanned = [t for r in drafter.requests for t in r.tasks if t.num_branches]
+    assert len(fanned) == 2  # one refused draft-ahead each, and then target-only
+    last_fanned = max(i for i, r in enumerate(drafter.requests) if any(t.num_branches for t in r.tasks))
+    assert drafter.requests[last_fanned + 1 :] == []
