@@ -53,6 +53,14 @@ class GatewayConfig:
         "measured hit rate and verify costs (docs/pipeline.md, token trees), fixed mode sends this many; capped "
         "by each round's k; 0: chains only",
     )
+    speculative_branches: int = field(
+        0,
+        "fan-out draft-ahead: the most other blocks each draft-ahead drafts beside its main one, each after "
+        "another likely verdict on the block being verified (a draft rejected, or another token after it), so "
+        "that a missed guess still finds a block ready; auto mode picks 0..this per round from the measured "
+        "branch hit rate and draft costs (docs/pipeline.md, fan-out draft-ahead), fixed mode asks this many; "
+        "at most one more than the block verified; only the ahead pipeline fans out; 0: one block",
+    )
     drafter_overlap: bool = field(
         True,
         "run the drafter's exchanges of a round (draft-ahead, the other cohort's drafts, its prefill of joining "

@@ -116,6 +116,16 @@ class GatewayMetrics:
             "Sibling drafts accepted (the chain's draft beside them was not)",
             registry=r,
         )
+        # Fan-out draft-ahead: the other blocks drafted beside draft-ahead blocks, and those adopted
+        # because the verdict was theirs (the main block's assumption or guess missed).
+        self.num_branches = Counter(
+            "specd_spec_decode_num_branches", "Branches (fan-out draft-ahead) drafted beside ahead blocks", registry=r
+        )
+        self.num_branch_hits = Counter(
+            "specd_spec_decode_num_branch_hits",
+            "Branches adopted as a sequence's next block (its main ahead block missed)",
+            registry=r,
+        )
         self.wasted_draft_tokens = Counter(
             "specd_spec_decode_num_wasted_draft_tokens",
             "Draft tokens drafted ahead (or for a cohort) and discarded before verification",

@@ -137,6 +137,7 @@ def _start_scheduler(
         request_timeout_s=config.request_timeout_s,
         pipeline=config.pipeline,
         siblings=config.speculative_siblings,
+        branches=config.speculative_branches,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         drafter_overlap=config.drafter_overlap,
     )

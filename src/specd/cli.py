@@ -158,6 +158,7 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-mode", choices=["auto", "fixed"], default="auto", help="see specd gateway --help")
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
     p.add_argument("--speculative-siblings", type=int, default=0, help="see specd gateway --help; 0: chains only")
+    p.add_argument("--speculative-branches", type=int, default=0, help="see specd gateway --help; 0: one block")
     p.add_argument(
         "--pipeline",
         choices=["sequential", "cohort", "ahead", "auto"],
@@ -511,6 +512,7 @@ def _gateway_command(
         "--speculative-disable-by-batch-size", str(args.speculative_disable_by_batch_size),
         "--pipeline", args.pipeline,
         "--speculative-siblings", str(args.speculative_siblings),
+        "--speculative-branches", str(args.speculative_branches),
         "--max-batch", str(args.max_batch),
         "--max-sequences-per-key", str(args.max_sequences_per_key),
         "--tool-call-parser", args.tool_call_parser,

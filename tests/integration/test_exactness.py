@@ -114,3 +114,19 @@ def test_greedy_token_identical_with_token_trees(gateway_for, references, tok, c
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     assert counter(gateway, "specd_spec_decode_num_sibling_tokens_total") > sent
     assert counter(gateway, "specd_spec_decode_num_refused_draft_blocks_total") == 0
+
+
+@pytest.mark.parametrize(("concurrency", "by"), [(1, "request"), (16, "request"), (16, "gateway flag")])
+def test_greedy_token_identical_with_fan_out_draft_ahead(gateway_for, references, tok, concurrency, by):
+    """Draft-ahead with branches beside each ahead block: a branch is verified only where the
+    committed tokens end in exactly the verdict it assumed, so the text is the target's. Asked for
+    per request, or by the gateway's --speculative-branches for its fixed k."""
+    flag = by == "gateway flag"
+    gateway = gateway_for(4, "--pipeline", "ahead", "--speculative-branches", "2") if flag else gateway_for(4)
+    extra = {} if flag else {"pipeline": "ahead", "speculative_branches": 2}
+    drafted = counter(gateway, "specd_spec_decode_num_branches_total")
+    prompts = (PROMPTS * 2)[:concurrency]
+    for prompt, text in zip(prompts, concurrent_texts(gateway, prompts, **extra), strict=True):
+        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+    assert counter(gateway, "specd_spec_decode_num_branches_total") > drafted
+    assert counter(gateway, "specd_spec_decode_num_refused_draft_blocks_total") == 0

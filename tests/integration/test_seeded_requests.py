@@ -72,6 +72,12 @@ def test_token_trees_do_not_change_seeded_text(gateway_for, target_only, clients
     assert run_all(gateway_for(4), clients, speculative_siblings=2) == target_only
 
 
+@pytest.mark.parametrize("clients", [1, 8])
+def test_fan_out_draft_ahead_does_not_change_seeded_text(gateway_for, target_only, clients):
+    """Branches guess the verifier's token with the request's own noise, as the main guess does."""
+    assert run_all(gateway_for(4), clients, pipeline="ahead", speculative_branches=2) == target_only
+
+
 def test_seeds_matter(gateway_for, target_only):
     other = [complete(gateway_for(0), {**req, "seed": req["seed"] + 1}) for req in REQUESTS]
     assert sum(a != b for a, b in zip(other, target_only, strict=True)) >= len(REQUESTS) - 1

@@ -235,6 +235,7 @@ class FakeDrafter(_FakeService):
         self.prompt_len: dict[str, int] = {}
         self.misplaced_rows = 0
         self.drafted_without_rows = 0
+        self.branches = 0  # fan-out branches proposed
 
     async def open(self, specs: list[Any]) -> list[Any]:
         results = await super().open(specs)
@@ -297,7 +298,28 @@ class FakeDrafter(_FakeService):
             proposal.distributions.extend(common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in drafts)
             if task.num_siblings and drafts:
                 self.add_siblings(proposal, context, drafts, task.num_siblings)
+            if task.num_branches and task.guess_first and not self.feature_size:
+                self.add_branches(
+                    proposal, tokens, list(task.assumed_token_ids), task.num_draft_tokens, task.num_branches
+                )
         return reply
+
+    def add_branches(self, proposal: Any, committed: list[int], assumed: list[int], n: int, most: int) -> None:
+        """Blocks after the other verdicts on `assumed` (DraftTask.num_branches): the first j accepted
+        and another token than assumed[j], or all accepted and another guess than the main one.
+        Those it drafted wrong come first (there its "next likeliest" is the target's token, the
+        verdict that comes), then the others in order (a token that is not the target's)."""
+        main_guess = proposal.token_ids[0] if proposal.token_ids else None
+        verdicts = sorted(range(len(assumed) + 1), key=lambda j: not self.wrong(len(committed) + j))[:most]
+        for j in verdicts:
+            context = committed + assumed[:j]
+            right = target_next(context)
+            other = assumed[j] if j < len(assumed) else main_guess
+            guess = right if right != other else 1 + right % (VOCAB - 1)
+            tokens = [guess, *self.propose([*context, guess], n - 1)]
+            branch = proposal.branches.add(num_assumed=j, token_ids=tokens)
+            branch.distributions.extend(common_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in tokens)
+            self.branches += 1
 
     def add_siblings(self, proposal: Any, context: list[int], drafts: list[int], most: int) -> None:
         """Leaves beside the chain, the depths it drafted wrong first (there a sibling is the

@@ -177,6 +177,9 @@ def test_modes_map_to_the_request_extension():
     assert mode_extra("auto-pipeline", 3) == {"num_speculative_tokens": "auto", "pipeline": "auto"}
     tree = {"num_speculative_tokens": 3, "pipeline": "sequential", "speculative_siblings": 2}
     assert mode_extra("tree", 3, 2) == tree
+    fanout = {"num_speculative_tokens": 3, "pipeline": "ahead", "speculative_branches": 1}
+    assert mode_extra("fanout", 3, branches=1) == fanout
+    assert mode_extra("fanout", 4)["speculative_branches"] == 2
 
 
 def test_compare_outputs_counts_differences_from_target():

@@ -23,6 +23,7 @@ from gateway.round.speculation import (
     expected_tokens_table,
     leviathan_speedup,
 )
+from gateway.round.widths import Ahead, other_verdicts, stands_with
 
 
 def test_expected_tokens_matches_the_geometric_series() -> None:
@@ -504,3 +505,46 @@ def test_siblings_are_sent_as_asked_until_timed_and_never_without_drafts() -> No
     assert policy.siblings([4], most=0) == 0
     policy.observe_siblings(3, True)  # one hit of three siblings sent
     assert policy.sibling_hits.value(0.0) == pytest.approx(1 / (3 + 2), rel=0.01)  # two prior weights
+
+
+def test_the_verdicts_other_than_the_main_block_s_are_all_the_rest() -> None:
+    others = other_verdicts([0.9, 0.5], 2, 0.6)
+    # Rejected at the first draft, at the second, then both accepted with the guess wrong.
+    assert others == pytest.approx([0.1, 0.45, 0.45 * 0.4])
+    assert sum(others) + 0.9 * 0.5 * 0.6 == pytest.approx(1.0)
+    seq = Ahead(2, [0.9, 0.5], 0.6)
+    assert stands_with(seq, 0.5, 0) == pytest.approx(0.27)
+    # The likeliest other verdict first (a rejection at the second draft), at the branch hit rate.
+    assert stands_with(seq, 0.5, 1) == pytest.approx(0.27 + 0.5 * 0.45)
+    assert stands_with(seq, 1.0, 3) == pytest.approx(1.0)
+
+
+def branch_policy(step_per_seq_ms: float) -> SpeculationPolicy:
+    """Timed services: a 20 ms verify plus 1 ms a position, a 1 ms draft step plus this much a row."""
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    policy.costs = costs(verify_fixed_ms=20, verify_per_token_ms=1, step_ms=1, step_per_seq_ms=step_per_seq_ms)
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("step_per_seq_ms", "hits", "want"), [(0.05, 0.5, 2), (2.0, 0.5, 1), (10.0, 0.5, 0), (2.0, 0.0, 0)]
+)
+def test_branches_are_drafted_where_the_drafts_they_save_pay_for_the_wider_ahead_exchange(
+    step_per_seq_ms: float, hits: float, want: int
+) -> None:
+    """Rows hidden behind the verify are free; rows that outlast it are paid for by the pre-verify
+    drafts the branches' hits save, or not."""
+    policy = branch_policy(step_per_seq_ms)
+    for i in range(400):  # the hit rate measured: `hits` of the branches whose verdict came
+        policy.observe_branch(i % 100 < hits * 100)
+    assert policy.branches([4], [Ahead(4, [0.8] * 4, 0.5)], most=2) == want
+
+
+def test_branches_are_asked_as_named_until_timed_and_never_without_a_draft_ahead() -> None:
+    policy = SpeculationPolicy(PolicyConfig(k_max=4))
+    ahead = [Ahead(4, [0.8] * 4, 0.5)]
+    assert policy.branches([4], ahead, most=2) == 2  # untimed: the wider exchange gets measured
+    assert policy.branches([4], [], most=2) == 0
+    assert policy.branches([4], ahead, most=0) == 0
+    policy.observe_branch(True)
+    assert policy.branch_hits.value(0.0) == pytest.approx(1 / (1 + 2))  # two prior weights

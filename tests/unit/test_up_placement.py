@@ -138,3 +138,11 @@ def test_cpu_model_names_the_cpu_beyond_its_family(tmp_path):
     info.write_text("processor\t: 0\n")
     assert cpu_model("fallback", cpuinfo=str(info)) == "fallback"
     assert cpu_model("fallback", cpuinfo=str(tmp_path / "missing")) == "fallback"
+
+
+def test_up_forwards_the_token_tree_and_fan_out_flags_to_the_gateway() -> None:
+    args = cli._up_parser().parse_args(["--speculative-siblings", "1", "--speculative-branches", "2"])
+    cli.apply_placement(args, placement.CpuPlacement(False))
+    command = cli._gateway_command(args, "model", False, [], [])
+    flags = dict(zip(command[1::2], command[2::2], strict=False))
+    assert (flags["--speculative-siblings"], flags["--speculative-branches"]) == ("1", "2")

@@ -70,6 +70,9 @@ BAD: list[tuple[str, dict[str, Any] | None, str, dict[str, Any] | None]] = [
     ("num_speculative_tokens", {"num_speculative_tokens": -1}, COMPLETIONS, NO_GRPC),
     ("speculative_siblings", {"speculative_siblings": -1}, CHAT, NO_GRPC),
     ("speculative_siblings", {"speculative_siblings": "two"}, COMPLETIONS, NO_GRPC),
+    ("speculative_branches", {"speculative_branches": -1}, COMPLETIONS, NO_GRPC),
+    ("speculative_branches", {"speculative_branches": 1.5}, CHAT, NO_GRPC),
+    ("speculative_branches", {"speculative_branches": True}, COMPLETIONS, NO_GRPC),
     ("prompt", {"prompt": "\ud800"}, COMPLETIONS, NO_GRPC),
     ("messages", {"messages": [{"role": "user", "content": "\udfff"}]}, CHAT, NO_GRPC),
 ]
@@ -232,3 +235,16 @@ def test_speculative_siblings_reach_the_scheduler_from_either_api() -> None:
     assert generation_params(requested(gateway_pb2.GenerationParams()), 100).siblings is None
     by_http = CompletionRequest(model=MODEL, prompt="x", speculative_siblings=3)
     assert generation_params(by_http.requested(), 100).siblings == 3
+
+
+def test_speculative_branches_reach_the_scheduler_from_either_api() -> None:
+    from gateway.api.grpc_api import requested
+    from gateway.api.protocol import ChatCompletionRequest
+    from specd.proto.speculative.v1 import gateway_pb2
+
+    by_grpc = requested(gateway_pb2.GenerationParams(speculative_branches=2))
+    assert generation_params(by_grpc, 100).branches == 2
+    assert generation_params(requested(gateway_pb2.GenerationParams(speculative_branches=0)), 100).branches == 0
+    assert generation_params(requested(gateway_pb2.GenerationParams()), 100).branches is None
+    by_http = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}], speculative_branches=3)
+    assert generation_params(by_http.requested(), 100).branches == 3

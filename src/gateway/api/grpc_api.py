@@ -194,6 +194,7 @@ def requested(params: gateway_pb2.GenerationParams) -> RequestedParams:
         prompt_logprobs=params.prompt_logprobs,
         pipeline=params.pipeline or None,
         siblings=params.speculative_siblings if params.HasField("speculative_siblings") else None,
+        branches=params.speculative_branches if params.HasField("speculative_branches") else None,
         response_format=response_format(params.json_schema),
         guided_regex=params.guided_regex or None,
         guided_choice=list(params.guided_choice) or None,

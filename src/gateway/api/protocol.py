@@ -94,6 +94,9 @@ class _Request(BaseModel):
     # specd extension: the most siblings (alternative drafts, a token tree) beside each block's
     # chain for this request; absent follows the gateway's --speculative-siblings.
     speculative_siblings: int | None = None
+    # specd extension: the most branches (blocks drafted after other likely verdicts) beside each
+    # draft-ahead block for this request; absent follows the gateway's --speculative-branches.
+    speculative_branches: int | None = None
     # vLLM's structured-output extensions (checked by gateway.api.validation): the output is a
     # full match of this regular expression, or exactly one of these strings.
     guided_regex: str | None = None
@@ -136,6 +139,7 @@ class _Request(BaseModel):
             speculation=self.num_speculative_tokens,
             pipeline=self.pipeline,
             siblings=self.speculative_siblings,
+            branches=self.speculative_branches,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

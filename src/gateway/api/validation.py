@@ -95,6 +95,8 @@ class RequestedParams:
     pipeline: str | None = None
     # None: the gateway's --speculative-siblings; else the most siblings beside a block's chain.
     siblings: int | None = None
+    # None: the gateway's --speculative-branches; else the most branches beside a draft-ahead block.
+    branches: int | None = None
     # OpenAI's response_format, as sent: {"type": "text" | "json_object" | "json_schema", ...}.
     response_format: Mapping[str, Any] | None = None
     # vLLM's structured-output extensions: a regular expression the whole output matches, or
@@ -147,10 +149,8 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
         raise InvalidParameter("num_speculative_tokens", f"num_speculative_tokens must be 'auto' or >= 0, got {spec!r}")
     if raw.pipeline is not None and raw.pipeline not in PIPELINES:
         raise InvalidParameter("pipeline", f"pipeline must be one of {', '.join(PIPELINES)}, got {raw.pipeline!r}")
-    siblings = raw.siblings
-    if siblings is not None and (isinstance(siblings, bool) or not isinstance(siblings, int) or siblings < 0):
-        problem = f"speculative_siblings must be an integer >= 0, got {siblings!r}"
-        raise InvalidParameter("speculative_siblings", problem)
+    siblings = extension_count("speculative_siblings", raw.siblings)
+    branches = extension_count("speculative_branches", raw.branches)
     top_k = raw.top_k if raw.top_k is not None and raw.top_k > 0 else 0  # -1 and 0 both disable it
     constraint = structured_output(raw)
     check_min_tokens(raw, constraint)
@@ -176,10 +176,18 @@ def generation_params(raw: RequestedParams, vocab_size: int) -> GenerationParams
         logprobs=logprobs_request(raw),
         pipeline=raw.pipeline,
         siblings=siblings,
+        branches=branches,
         skip_special_tokens=raw.skip_special_tokens,
         include_stop=raw.include_stop_str_in_output,
         **constraint,
     )
+
+
+def extension_count(name: str, value: Any) -> int | None:
+    """A specd extension's count (speculative_siblings, speculative_branches): unset, or an integer >= 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise InvalidParameter(name, f"{name} must be an integer >= 0, got {value!r}")
+    return value
 
 
 def check_min_tokens(raw: RequestedParams, constraint: Mapping[str, str]) -> None:

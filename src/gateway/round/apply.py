@@ -2,7 +2,8 @@
 
 `apply(plan, result, eos)` reads the verifier's reply against the request it answered, commits
 each sequence's verdict on its own (an exception for one fails that one alone), keeps the blocks
-drafted ahead, drops those the commits made stale, and records what the plan taught each
+drafted ahead (where a draft-ahead fanned out, the branch its verdict confirms if its main block
+missed), drops those the commits made stale, and records what the plan taught each
 sequence. It returns an `Applied`: what the observer turns into metrics, spans and learning.
 The sequences' events (text deltas, their finish) are queued here, as their tokens commit.
 """
@@ -47,6 +48,11 @@ class Applied:
     emitted: list[Emission] = field(default_factory=list)
     finished: list[tuple[Any, str]] = field(default_factory=list)  # (sequence, "stop" or "length")
     refused: int = 0  # verify blocks the verifier refused (bad drafts or q): their sequences went target-only
+    # Fan-out draft-ahead: the branches drafted, those adopted (a missed main block's replacement),
+    # and, for each branch whose verdict came as its main block missed, whether its guess was right.
+    branches: int = 0
+    branch_hits: int = 0
+    branch_outcomes: list[bool] = field(default_factory=list)
 
 
 def internal_error(what: str, exc: BaseException) -> GenerationError:
@@ -66,21 +72,25 @@ def apply(plan: RoundPlan, result: RoundResult, eos: Collection[int]) -> Applied
         s.rounds_drafting += drafted
     for s in plan.joined_for_auto:
         s.joined_for_auto = True
-    _keep_ahead(result)
+    fans = _keep_ahead(result)
     everything = read_verdicts(result.request, result.reply, [*plan.verify, *(s for s, _ in plan.prefill)])
     for v in everything:
         apply_verdict(v, eos, applied)
     applied.verdicts = [v for v in everything if v.prefill_pending is None]
     ahead = [(item.seq, item.seq.block) for item in result.ahead_items]
     applied.guesses = read_guesses([(s, b) for s, b in ahead if b is not None and b.tail], applied.verdicts)
-    applied.wasted = drop_stale_blocks([item.seq for item in result.ahead_items])
+    for seq, base, branches in fans:
+        adopt_branch(seq, base, branches, applied)
+    applied.wasted += drop_stale_blocks([item.seq for item in result.ahead_items])
     return applied
 
 
-def _keep_ahead(result: RoundResult) -> None:
-    """What the drafter made beside the verify: each sequence's next block, or its prefill left."""
+def _keep_ahead(result: RoundResult) -> list[tuple[Any, int, list[Block]]]:
+    """What the drafter made beside the verify: each sequence's next block, or its prefill left;
+    returns the branches of each draft-ahead that fanned out, with its committed length now."""
+    fans: list[tuple[Any, int, list[Block]]] = []
     if result.ahead is None:
-        return
+        return fans
     for item in result.ahead_items:
         proposal = result.ahead.verdicts.proposals.get(item.seq.id)
         if item.prefill:
@@ -88,6 +98,9 @@ def _keep_ahead(result: RoundResult) -> None:
                 item.seq.drafter_prefill_pending = proposal.prefill_pending
             continue
         item.seq.block = ahead_block(item, proposal)
+        if proposal is not None and proposal.branches:
+            fans.append((item.seq, len(item.seq.tokens), branch_blocks(item, proposal)))
+    return fans
 
 
 def ahead_block(item: DraftItem, proposal: drafter_pb2.DraftProposal | None) -> Block | None:
@@ -103,12 +116,50 @@ def ahead_block(item: DraftItem, proposal: drafter_pb2.DraftProposal | None) -> 
     return Block(tokens[1:], dists[1:], base + len(tail), tail)
 
 
+def branch_blocks(item: DraftItem, proposal: drafter_pb2.DraftProposal) -> list[Block]:
+    """A fan-out's other blocks: each drafted after the first `num_assumed` of the assumed tokens
+    and its own guess at the verifier's token there, so valid where the verify commits exactly those."""
+    assumed, base = item.assumed or (), len(item.seq.tokens)
+    blocks = []
+    for branch in proposal.branches:
+        tokens, dists, a = list(branch.token_ids), list(branch.distributions), branch.num_assumed
+        blocks.append(Block(tokens[1:], dists[1:], base + a + 1, (*assumed[:a], tokens[0])))
+    return blocks
+
+
+def adopt_branch(seq: Any, base: int, branches: list[Block], applied: Applied) -> None:
+    """After the verdict on the block a draft-ahead assumed (the sequence `base` tokens long before
+    it): where its main block missed, the branch the commits confirm replaces it. What a verdict
+    that came teaches of its branch's guess is noted; every branch not adopted is wasted."""
+    applied.branches += len(branches)
+    main_stands = seq.block is not None and seq.block.valid_for(seq.tokens)
+    adopted = None
+    if not main_stands:
+        committed = seq.tokens[base:]
+        for block in branches:
+            a = len(block.tail) - 1
+            if len(committed) == a + 1 and tuple(committed[:a]) == block.tail[:-1]:  # its verdict came
+                applied.branch_outcomes.append(committed[a] == block.tail[-1])
+                if adopted is None and not seq.done and block.valid_for(seq.tokens):
+                    adopted = block
+    if adopted is not None:
+        applied.wasted += block_size(seq.block) if seq.block is not None else 0
+        seq.block = adopted
+        applied.branch_hits += 1
+    applied.wasted += sum(block_size(b) for b in branches if b is not adopted)
+
+
+def block_size(block: Block) -> int:
+    """Drafts a block holds, its guess at the verifier's token included."""
+    return len(block.tokens) + (1 if block.tail else 0)
+
+
 def drop_stale_blocks(seqs: list[Any]) -> int:
     """Forget blocks the committed tokens no longer match; returns how many drafts that throws away."""
     wasted = 0
     for s in seqs:
         if s.block is not None and (s.done or ready_block(s) is None):
-            wasted += len(s.block.tokens) + (1 if s.block.tail else 0)
+            wasted += block_size(s.block)
             s.block = None
     return wasted
 

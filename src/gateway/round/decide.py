@@ -19,6 +19,7 @@ from gateway.round.messages import Block, DraftItem, RoundPlan, plan_prefill
 from gateway.round.pipeline_choice import MODES
 from gateway.round.prefill_budget import DrafterPrefillBudget
 from gateway.round.speculation import Candidate, SpeculationPolicy
+from gateway.round.widths import Ahead
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Limits:
     prefill_chunk_tokens: int = 0  # the verifier's prefill per round (0: whole prompts at their open)
     siblings: int = 0  # --speculative-siblings: the most siblings beside a block's chain (token trees)
     draft_room: int = 1 << 30  # drafts a task may hold, a tree's chain and siblings together
+    branches: int = 0  # --speculative-branches: the most branches beside a draft-ahead block (fan-out)
 
 
 @dataclass
@@ -68,6 +70,36 @@ def siblings_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
     else:
         wanted = auto if speculation(seq, limits) == "auto" else limits.siblings
     return max(0, min(wanted, k, limits.draft_room - k))
+
+
+def branches_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
+    """The branches the sequence's draft-ahead drafts beside its main block, while its block of
+    `k` drafts is verified: what its request named, else what the policy chose for the round's
+    auto sequences (`auto`) or the gateway's flag for a fixed k; at most one per verdict the main
+    block does not assume (a rejection at each of the k drafts, or another token after them).
+    None where the drafter drafts one history only: penalties and grammars."""
+    params = seq.params
+    if params.penalties.active or params.json_schema or params.grammar:
+        return 0
+    if params.branches is not None:
+        wanted = int(params.branches)
+    else:
+        wanted = auto if speculation(seq, limits) == "auto" else limits.branches
+    return max(0, min(wanted, k + 1))
+
+
+def choose_branches(seqs: list[Any], choice: Choice, limits: Limits, policy: SpeculationPolicy) -> int:
+    """The branches beside each draft-ahead of the round's auto sequences (the policy's choice)."""
+    if limits.branches <= 0:
+        return 0
+    ahead = [
+        Ahead(choice.ks[s.id], s.acceptance.rates(), policy.guess_rate(s.guess))
+        for s in seqs
+        if choice.ks[s.id] > 0
+        and speculation(s, limits) == "auto"
+        and pipeline_of(s, limits, choice.auto_pipeline) == "ahead"
+    ]
+    return policy.branches([choice.ks[s.id] for s in seqs], ahead, limits.branches)
 
 
 def drafts_now(seq: Any) -> bool:
@@ -194,7 +226,9 @@ def drafting_beside(policy: SpeculationPolicy, items: list[DraftItem]) -> float:
     costs = policy.costs
     if not drafting or not costs.ready:
         return 0.0
-    return costs.draft_ns(len(drafting), max(drafting), beside=True)
+    # A fan-out's branches are rows of the same forwards.
+    rows = len(drafting) + sum(item.branches for item in items if item.num_draft_tokens > 0)
+    return costs.draft_ns(rows, max(drafting), beside=True)
 
 
 def open_chunks(
@@ -247,6 +281,7 @@ class _Round:
     paired: bool  # both cohorts have a sequence drafting in turns (cohort pipeline)
     auto_pipeline: str
     auto_siblings: int = 0  # siblings beside the chains of the auto sequences (the policy's choice)
+    auto_branches: int = 0  # branches beside the draft-aheads of the auto sequences (the policy's choice)
 
 
 def decide(
@@ -290,6 +325,7 @@ def decide(
         len({s.cohort for s in turns}) == 2,
         choice.auto_pipeline,
         policy.siblings(auto_ks, limits.siblings),
+        choose_branches(seqs, choice, limits, policy),
     )
     for s in seqs:
         _place(plan, s, choice.ks[s.id], context)
@@ -334,9 +370,11 @@ def _place(plan: RoundPlan, s: Any, k: int, r: _Round) -> None:
         # Drafted while the verifier checks this block, assuming all of it is
         # accepted: the first draft is a guess at the verifier's own token.
         # As many as this round's k, the best guess at the next round's.
-        n = min(cap(s, limits, after=plan.ks.get(s.id, 0) + 1), limits.ahead_limit, k)
+        verified = plan.ks.get(s.id, 0)
+        n = min(cap(s, limits, after=verified + 1), limits.ahead_limit, k)
         if n > 0:
-            plan.ahead.append(DraftItem(s, n + 1, assumed=()))
+            branches = branches_for(s, verified, limits, r.auto_branches)
+            plan.ahead.append(DraftItem(s, n + 1, assumed=(), branches=branches))
 
 
 def _place_first(plan: RoundPlan, s: Any, k: int, mode: str, r: _Round) -> None:
@@ -350,4 +388,5 @@ def _place_first(plan: RoundPlan, s: Any, k: int, mode: str, r: _Round) -> None:
     limits = r.limits
     n = min(cap(s, limits, after=1), limits.ahead_limit, k, fits_in_verify(r.policy, limits.k_limit, r.verified))
     if mode == "ahead" and n > 0:
-        plan.ahead.append(DraftItem(s, n + 1, assumed=()))
+        # Its verify checks no drafts: the one other verdict is another token than the guess.
+        plan.ahead.append(DraftItem(s, n + 1, assumed=(), branches=branches_for(s, 0, limits, r.auto_branches)))

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gateway.backends import BackendError, DrafterClient, VerifierClient
@@ -60,6 +60,18 @@ class RoundResult:
     joined_tokens: int  # prompt tokens the drafter was sent to open joining sequences
     times: RoundTimes
 
+    def ahead_drafted(self) -> list[int]:
+        """Drafts asked per row of the exchange beside the verify, none if it failed: a fan-out's
+        branches are rows of its forwards, one each the drafter proposed."""
+        if self.ahead is None:
+            return []
+        rows = []
+        for item in self.ahead_items:
+            if not item.prefill:
+                proposal = self.ahead.verdicts.proposals.get(item.seq.id)
+                rows += [item.num_draft_tokens] * (1 + (len(proposal.branches) if proposal is not None else 0))
+        return rows
+
 
 async def settle(task: asyncio.Task[Any] | None) -> BaseException | None:
     """Wait for a task beside the verify; its exception, if it failed."""
@@ -90,12 +102,14 @@ def spec(seq: Any, prefill_tokens: int | None = None) -> common_pb2.SequenceSpec
 
 
 def assume_block(item: DraftItem, blocks: dict[str, Block], ks: dict[str, int]) -> DraftItem:
-    """A draft-ahead item assumes the block now being verified is accepted whole."""
+    """A draft-ahead item assumes the block now being verified is accepted whole; its branches,
+    the other verdicts on that block, are at most one more than its drafts."""
     if item.assumed is None:  # not verified this round (cohort): nothing to assume
         return item
     block = blocks.get(item.seq.id)
     k = ks.get(item.seq.id, 0)
-    return DraftItem(item.seq, item.num_draft_tokens, tuple(block.tokens[:k]) if block is not None else ())
+    assumed = tuple(block.tokens[:k]) if block is not None else ()
+    return replace(item, assumed=assumed, branches=min(item.branches, len(assumed) + 1))
 
 
 async def close_quietly(backend: Any, ids: list[str]) -> None:

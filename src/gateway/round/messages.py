@@ -105,6 +105,8 @@ class DraftItem:
     prefill: int = 0
     # Alternatives to propose beside the chain's drafts (DraftTask.num_siblings).
     siblings: int = 0
+    # A draft-ahead's other blocks, each after another verdict on `assumed` (DraftTask.num_branches).
+    branches: int = 0
 
 
 @dataclass
@@ -162,6 +164,7 @@ def draft_request(
             # A draft-ahead's first token guesses the verifier's own token after the block it assumes.
             guess_first=item.assumed is not None and not item.prefill,
             num_siblings=item.siblings,
+            num_branches=item.branches if item.assumed is not None and not item.prefill else 0,
         )
         if s.hidden is not None:
             task.hidden_start, task.hidden_states = s.hidden.since(s.drafter.hidden_sent)
@@ -243,7 +246,25 @@ def proposal_problem(item: DraftItem, proposal: drafter_pb2.DraftProposal) -> st
     if proposal.distributions and len(proposal.distributions) != tokens:
         return "the drafter's distributions do not match its drafts"
     problem = tree_problem(proposal.parents, tokens)
-    return f"the drafter's tree is malformed: {problem}" if problem else ""
+    if problem:
+        return f"the drafter's tree is malformed: {problem}"
+    return branches_problem(item, proposal)
+
+
+def branches_problem(item: DraftItem, proposal: drafter_pb2.DraftProposal) -> str:
+    """Why a proposal's branches (fan-out draft-ahead) do not answer its task ("" if they do)."""
+    if len(proposal.branches) > (item.branches if item.assumed is not None else 0):
+        return "the drafter proposed more branches than asked"
+    for branch in proposal.branches:
+        tokens = len(branch.token_ids)
+        if branch.num_assumed > len(item.assumed or ()):
+            return f"a branch assumes {branch.num_assumed} of {len(item.assumed or ())} tokens"
+        if not 0 < tokens <= item.num_draft_tokens:
+            return f"a branch of {tokens} tokens, for a task of {item.num_draft_tokens}"
+        # A sampled sequence's drafts each come with their q: its branches' as its main block's.
+        if (proposal.distributions or branch.distributions) and len(branch.distributions) != tokens:
+            return "a branch's distributions do not match its drafts"
+    return ""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class RoundOutcome:
     guesses: list[tuple[Any, bool]] = field(default_factory=list)
     # Prompt chunks the drafter prefilled beside the verify: the round's times are not its drafts' alone.
     drafter_prefill_tokens: int = 0
+    # Fan-out draft-ahead: branches drafted, those adopted, and the guesses of those whose verdict came.
+    branches: int = 0
+    branch_hits: int = 0
+    branch_outcomes: list[bool] = field(default_factory=list)
 
     @property
     def drafted(self) -> list[int]:
@@ -137,6 +141,7 @@ class RoundObserver:
         for seq, hit in outcome.guesses:
             self.policy.observe_guess(getattr(seq, "guess", None), hit)
             self.metrics.ahead_guesses.labels(outcome="right" if hit else "wrong").inc()
+        self._learn_branches(outcome)
         choice = self.policy.last_choice
         observed_gain = None
         if not outcome.prefill_tokens:
@@ -170,6 +175,14 @@ class RoundObserver:
         self.metrics.observe_ks(outcome.drafted)
         if outcome.wasted_drafts:
             self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
+
+    def _learn_branches(self, outcome: RoundOutcome) -> None:
+        """Fan-out draft-ahead: the branches drafted and adopted, and their guesses' hit rate."""
+        if outcome.branches:
+            self.metrics.num_branches.inc(outcome.branches)
+            self.metrics.num_branch_hits.inc(outcome.branch_hits)
+        for hit in outcome.branch_outcomes:
+            self.policy.observe_branch(hit)
 
     def _learn_acceptance(self, v: Verdict) -> None:
         """What one verdict teaches: the chain's acceptance per position, and its siblings' hits."""

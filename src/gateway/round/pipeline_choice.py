@@ -154,6 +154,22 @@ class Calibration:
         return min(high, max(low, (r + self.prior_tokens) / (p + self.prior_tokens)))
 
 
+def ahead_round_ns(costs: CostModel, overlap: float, ks: Sequence[int], stands: Sequence[float], rows: float) -> float:
+    """A draft-ahead round (the module's docstring): the verify of `ks` beside an ahead exchange
+    for `rows` (one per sequence drafting, more where a draft-ahead fans out), and the drafts
+    before the verify of those whose ahead block missed; `stands`: each drafting sequence's
+    chance that its ahead block stands."""
+    longest = max(ks, default=0)
+    all_stand = math.prod(stands)
+    # A missed block is drafted again before the verify; the exchange is as long as the longest.
+    misses = sum(1.0 - h for h in stands)
+    pre = costs.draft_ns(misses / (1.0 - all_stand), longest) if all_stand < 1.0 else 0.0
+    # The guess at the verifier's token, then k.
+    ahead = costs.draft_ns(rows, longest + 1, beside=True)
+    verify = costs.verify_beside_ns(verified_positions(ks)) if ks else 0.0
+    return costs.overhead.get() + (1.0 - all_stand) * pre + concurrent(verify, ahead, overlap)
+
+
 @dataclass(frozen=True)
 class RoundModel:
     """Expected tokens and time of one round (one cycle of two phases for cohort) per pipeline.
@@ -199,18 +215,7 @@ class RoundModel:
     def _ahead(self, ks: Sequence[int]) -> tuple[float, float]:
         drafting = [i for i, k in enumerate(ks) if k > 0]
         stands = [self._reach(i, ks[i]) * self.guesses[i] for i in drafting]
-        all_stand = math.prod(stands)
-        # A missed block is drafted again before the verify; the exchange is as long as the longest.
-        misses = sum(1.0 - h for h in stands)
-        pre = self.costs.draft_ns(misses / (1.0 - all_stand), max(ks)) if all_stand < 1.0 else 0.0
-        # The guess at the verifier's token, then k.
-        ahead = self.costs.draft_ns(len(drafting), max(ks) + 1, beside=True)
-        ns = (
-            self.costs.overhead.get()
-            + (1.0 - all_stand) * pre
-            + concurrent(self._verify_ns(ks, beside=True), ahead, self.overlap)
-        )
-        return self._tokens(range(len(ks)), ks), ns
+        return self._tokens(range(len(ks)), ks), ahead_round_ns(self.costs, self.overlap, ks, stands, len(drafting))
 
     def _cohort(self, ks: Sequence[int]) -> tuple[float, float]:
         tokens, ns = 0.0, 0.0

@@ -82,6 +82,7 @@ class Scheduler:
         request_timeout_s: float = 0.0,
         pipeline: str = "sequential",
         siblings: int = 0,
+        branches: int = 0,
         prefill_chunk_tokens: int = 0,
         drafter_overlap: bool = True,
     ) -> None:
@@ -109,9 +110,9 @@ class Scheduler:
         self.metrics.bind_policy(self.policy)
         self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
         self.pipeline = pipeline
-        if siblings < 0:
-            raise ValueError(f"siblings must be >= 0, got {siblings}")
-        self.siblings = siblings
+        if siblings < 0 or branches < 0:
+            raise ValueError(f"siblings and branches must be >= 0, got {siblings} and {branches}")
+        self.siblings, self.branches = siblings, branches
         self.max_waiting = max_waiting
         self.shares = Shares(max_sequences_per_key)
         self.request_timeout_s = request_timeout_s
@@ -351,6 +352,7 @@ class Scheduler:
             self.prefill_chunk_tokens,
             self.siblings,
             self.draft_room,
+            self.branches,
         )
 
     @property
@@ -561,10 +563,13 @@ class Scheduler:
                 spans,
                 sum(n for _, n in plan.prefill),
                 [item.num_draft_tokens for item in plan.pre_draft] if result.pre is not None else [],
-                [item.num_draft_tokens for item in items if not item.prefill] if ahead else [],
+                result.ahead_drafted(),
                 result.joined_tokens,
                 applied.guesses,
                 sum(item.prefill for item in items),
+                applied.branches,
+                applied.branch_hits,
+                applied.branch_outcomes,
             )
         )
 

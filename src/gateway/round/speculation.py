@@ -24,13 +24,8 @@ The rate sum_s E_s(k_s) / R is a ratio, maximised per sequence with Dinkelbach's
 iteration: for a rate lambda each sequence independently maximises
 E_s(k) - lambda * marginal verify cost * k.
 
-A token tree (`siblings`) adds m leaves beside each drafting sequence's chain: the verify
-checks k + 1 + m positions, and a sibling is worth one more token when the chain's draft
-beside it is rejected and the sibling is the target's token there, which happens for a
-fraction h of the siblings sent (measured: `sibling_hits`). With n sequences drafting, the
-round's rate with m siblings is (T + h * n * m) / (R + verify(k + m) - verify(k)), T and R the
-tokens and time of the round chosen without them; m is the one in 0..most with the best rate,
-so where verify width is not nearly free (a CPU) the tree shrinks to a chain.
+Beside k, the policy sizes a token tree's siblings (`siblings`) and a draft-ahead's fan-out
+(`branches`) with one more term of the same cost model each (`gateway.round.widths`).
 
 Under `--pipeline auto` the same search runs once per pipeline with that pipeline's
 round model (`gateway.round.pipeline_choice`), and the round takes the pipeline and ks with
@@ -48,9 +43,9 @@ from gateway.round.acceptance import Acceptance, HitRate
 from gateway.round.costs import CostModel, Ewma, SizedCost, verified_positions
 from gateway.round.pipeline_choice import MODES as PIPELINES
 from gateway.round.pipeline_choice import Calibration, Overlap, RoundModel
+from gateway.round.widths import BRANCH_PRIOR, SIBLING_PRIOR, Ahead, branch_width, sibling_width
 
 MODES = ("auto", "fixed")  # how the gateway picks k for requests that do not name one
-SIBLING_PRIOR = 0.25  # a sibling's hit rate before any is seen
 
 # The policy's heuristics on top of the cost model, each of which `--policy-off` can switch off
 # for an A/B run with `specd bench --server` (docs/pipeline.md, "What each heuristic buys"):
@@ -281,6 +276,9 @@ class SpeculationPolicy:
         # Of the siblings sent (token trees), how often the accepted path ended in one. Until one
         # is seen a sibling is priced at SIBLING_PRIOR: tried, where width is cheap, then learnt.
         self.sibling_hits = HitRate(prior_weight=2.0, decay=0.999)
+        # Of the branches beside draft-ahead blocks whose verdict came (their main block missed),
+        # how often their guess at the verifier's token was right: priced at BRANCH_PRIOR until seen.
+        self.branch_hits = HitRate(prior_weight=2.0, decay=0.999)
         self.costs = CostModel()
         self.overlap = Overlap(prior=1.0 if config.on("overlap-prior") else 0.5)
         self.calibration = Calibration()
@@ -393,30 +391,34 @@ class SpeculationPolicy:
 
     def siblings(self, ks: Sequence[int], most: int) -> int:
         """How many siblings each drafting sequence's chain gets this round, of at most `most`:
-        the m with the best predicted rate (the module's docstring); `most` until the services
+        the m with the best predicted rate (`widths.sibling_width`); `most` until the services
         are timed (so the verify's width is measured too)."""
-        drafting = sum(1 for k in ks if k > 0)
-        if most <= 0 or not drafting:
+        if most <= 0 or not any(k > 0 for k in ks):
             return 0
         choice = self.last_choice
         if not self.costs.ready or choice is None or choice.predicted_rate <= 0:
             return most
-        round_ns = self.costs.round_ns(ks)
-        tokens = choice.predicted_rate * round_ns / 1e9
-        hit = self.sibling_hits.value(SIBLING_PRIOR)
-        verify = self.costs.verify.predict(verified_positions(ks))
-
-        def rate(m: int) -> float:
-            wider = verified_positions([k + m if k > 0 else 0 for k in ks])
-            extra_ns = max(0.0, self.costs.verify.predict(wider) - verify)
-            return (tokens + hit * drafting * m) / (round_ns + extra_ns)
-
-        return max(range(most + 1), key=lambda m: (rate(m), -m))
+        return sibling_width(self.costs, ks, choice.predicted_rate, self.sibling_hits.value(SIBLING_PRIOR), most)
 
     def observe_siblings(self, sent: int, hit: bool) -> None:
         """A verdict on a block with `sent` siblings; `hit`: its accepted path ended in one."""
         for i in range(sent):
             self.sibling_hits.observe(hit and i == 0)
+
+    def branches(self, ks: Sequence[int], ahead: Sequence[Ahead], most: int) -> int:
+        """How many branches each auto sequence drafting ahead (`ahead`) gets this round, of at
+        most `most`, in a round verifying `ks`: the m with the shortest predicted round
+        (`widths.branch_width`); `most` until the services are timed."""
+        if most <= 0 or not ahead:
+            return 0
+        if not self.costs.ready:
+            return most
+        hit = self.branch_hits.value(BRANCH_PRIOR)
+        return branch_width(self.costs, self.overlap.value, ks, ahead, hit, most)
+
+    def observe_branch(self, hit: bool) -> None:
+        """A branch whose verdict came, its main block having missed: `hit`, its guess was right."""
+        self.branch_hits.observe(hit)
 
     def drafts_for(self, batch: int, pipelines: Sequence[str] = PIPELINES) -> bool:
         """Whether a round of `batch` sequences, each free to draft the full k at the acceptance

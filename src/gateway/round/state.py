@@ -50,6 +50,8 @@ class GenerationParams:
     pipeline: str | None = None
     # None: the gateway's --speculative-siblings; else the most siblings beside a block's chain.
     siblings: int | None = None
+    # None: the gateway's --speculative-branches; else the most branches beside a draft-ahead block.
+    branches: int | None = None
     # Structured output: canonical JSON Schema text the output must satisfy; "" = none.
     json_schema: str = ""
     # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.

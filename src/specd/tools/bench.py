@@ -9,6 +9,8 @@ from the same run:
 - auto: adaptive speculation (`num_speculative_tokens: "auto"`);
 - sequential, cohort, ahead: fixed k with that drafting pipeline (`pipeline: ...`);
 - tree: fixed k, sequential, with `--siblings` siblings beside each block's chain (a token tree);
+- fanout: fixed k, ahead, with `--branches` branches beside each draft-ahead block (fan-out
+  draft-ahead: blocks drafted after other likely verdicts on the block being verified);
 - auto-pipeline: adaptive k and pipeline, chosen per round (`pipeline: auto`); the
   rounds each pipeline ran are reported (`rounds_<pipeline>`);
 - server: no specd extension field, whatever the server does (other servers);
@@ -62,7 +64,7 @@ from specd.tools.benchstats import (
 from specd.tools.provenance import measured_at, source_commit
 from specd.tools.workloads import prompts_for, workload_names
 
-HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "tree", "auto-pipeline", "server")
+HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "tree", "fanout", "auto-pipeline", "server")
 HF_MODES = ("hf", "hf-target")
 
 
@@ -125,15 +127,18 @@ async def scrape(client: httpx.AsyncClient, url: str = "/metrics") -> dict[str, 
     return values
 
 
-def mode_extra(mode: str, k: int, siblings: int = 2) -> dict[str, Any]:
+def mode_extra(mode: str, k: int, siblings: int = 2, branches: int = 2) -> dict[str, Any]:
     """The specd request extension that selects a mode; `server` sends none.
 
     `fixed` leaves the pipeline to the gateway; `sequential`, `cohort` and `ahead`
     are fixed k with that pipeline, so the three compare scheduling alone; `tree` is
-    sequential with `siblings` beside each chain, so it compares with sequential.
+    sequential with `siblings` beside each chain, so it compares with sequential; `fanout`
+    is ahead with `branches` beside each draft-ahead block, so it compares with ahead.
     """
     if mode == "tree":
         return {"num_speculative_tokens": k, "pipeline": "sequential", "speculative_siblings": siblings}
+    if mode == "fanout":
+        return {"num_speculative_tokens": k, "pipeline": "ahead", "speculative_branches": branches}
     if mode in ("sequential", "cohort", "ahead"):
         return {"num_speculative_tokens": k, "pipeline": mode}
     if mode == "auto-pipeline":
@@ -222,7 +227,11 @@ async def run_level(
         for b, block in enumerate(blocks):
             for mode in block_order(modes, b):
                 name, server = split_mode(mode)
-                client, model, extra = clients[server], models[server], mode_extra(name, args.k, args.siblings)
+                client, model, extra = (
+                    clients[server],
+                    models[server],
+                    mode_extra(name, args.k, args.siblings, args.branches),
+                )
                 if b == 0:
                     # Untimed requests so first-call costs (and, for auto, the cost model's start) stay out.
                     warm = prompts[: min(2, len(prompts))]
@@ -382,6 +391,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("-k", type=int, default=4, help="draft tokens per round for fixed mode and the HF peer")
     p.add_argument("--siblings", type=int, default=2, help="siblings beside each block's chain in tree mode")
+    p.add_argument("--branches", type=int, default=2, help="branches beside each draft-ahead block in fanout mode")
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level; default max(16, 2 x concurrency)")
     p.add_argument(
