@@ -51,8 +51,8 @@ class DrafterConfig(ModelServiceConfig):
         -1,
         "KV slots beside the sequences' own for fan-out draft-ahead branches (DraftTask.num_branches), each "
         "kept until its sequence's next round; a round out of them drafts fewer branches. -1: as many as "
-        "--max-sequences (on a GPU the slots are reserved up front; on the CPU pages are backed as written); "
-        "0: no branches",
+        "--max-sequences on the CPU (pages are backed as written), a quarter as many on a GPU (the slots are "
+        "reserved up front); 0: no branches",
     )
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
     ngram_max: int = field(4, "longest suffix n-gram the n-gram drafter matches")

@@ -102,6 +102,13 @@ class _DrafterBase:
         return proposals, live
 
 
+def default_branch_slots(max_sequences: int, device: torch.device) -> int:
+    """Slots for fan-out branches (drafter_service.fanout) when the operator names none: one a
+    sequence on the CPU, whose cache pages are backed only as written; a quarter as many on an
+    accelerator, where every slot is reserved up front and a slot for each would double the cache."""
+    return max_sequences if device.type == "cpu" else max(1, max_sequences // 4)
+
+
 class ModelDrafter(_DrafterBase):
     """Drafts with a causal LM: one batched forward per draft position."""
 
@@ -116,8 +123,7 @@ class ModelDrafter(_DrafterBase):
         grammars: GrammarCompiler | None = None,
         branch_slots: int = -1,
     ) -> None:
-        # Fan-out branches (drafter_service.fanout) hold slots of their own; -1: one a sequence.
-        branch_slots = max_sequences if branch_slots < 0 else branch_slots
+        branch_slots = default_branch_slots(max_sequences, lm.device) if branch_slots < 0 else branch_slots
         table = SequenceTable(
             lm,
             lm.vocab_size,

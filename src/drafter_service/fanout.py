@@ -46,8 +46,9 @@ def check_branches(task: DraftTask, state: SequenceState) -> None:
         raise invalid(f"num_branches must be >= 0, got {task.num_branches}")
     if task.prefill_tokens > 0:
         raise invalid("a prefill task drafts no branches")
-    if not task.guess_first or not task.assumed:
-        raise invalid("num_branches needs guess_first and assumed tokens")
+    if not task.guess_first:
+        # Without assumed tokens (a target-only verify meanwhile) the other verdict is another guess.
+        raise invalid("num_branches needs guess_first")
     if task.num_siblings > 0:
         raise invalid("num_branches must be 0 with num_siblings")
     if state.grammar is not None or state.penalties.active:

@@ -130,3 +130,4 @@ def test_greedy_token_identical_with_fan_out_draft_ahead(gateway_for, references
         assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
     assert counter(gateway, "specd_spec_decode_num_branches_total") > drafted
     assert counter(gateway, "specd_spec_decode_num_refused_draft_blocks_total") == 0
+    assert "drafter refused" not in gateway.output()  # every task's branches were drafted, none refused

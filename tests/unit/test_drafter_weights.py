@@ -12,6 +12,7 @@ from torch import nn
 
 from drafter_service import server
 from drafter_service.config import DrafterConfig
+from drafter_service.engine import default_branch_slots
 from specd.engine import gemv
 from specd.engine.quant import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -97,3 +98,9 @@ def test_branch_slots_reach_the_engine_and_its_cache(model_dirs) -> None:
     assert engine.table.branch_slots == 3 and engine.lm.cache.max_slots == 2 + 3
     with pytest.raises(ValueError, match="branch_slots"):
         DrafterConfig(branch_slots=-2).validate()
+
+
+def test_default_branch_slots_double_the_cache_only_where_pages_are_backed_as_written() -> None:
+    assert default_branch_slots(8, torch.device("cpu")) == 8
+    assert default_branch_slots(8, torch.device("cuda")) == 2
+    assert default_branch_slots(2, torch.device("cuda")) == 1

@@ -156,6 +156,21 @@ def test_the_next_task_continues_the_branch_its_tokens_confirm(make_drafter, mon
     assert drafter.table.free_slots == free + 1 and drafter.table.branches_held == 0
 
 
+@pytest.mark.parametrize("on_device", [True, False])
+def test_without_assumed_tokens_the_branch_is_the_second_guess(make_drafter, tiny_draft, monkeypatch, on_device):
+    """A draft-ahead beside a target-only verify assumes nothing: its one other verdict is another
+    bonus token, and asking for more gives just that one."""
+    drafter = stepwise(make_drafter(), monkeypatch, on_device)
+    reference = make_drafter()
+    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
+    (proposal,), _ = drafter.draft([ahead("a", (), 3)])
+    assert proposal.error is None and [b.num_assumed for b in proposal.branches] == [0]
+    first, second = assumed_logits(tiny_draft, PROMPT, ())[-1].topk(2).indices.tolist()
+    assert (proposal.tokens[0], proposal.branches[0].tokens[0]) == (first, second)
+    drafts = plain_drafts(reference, "ref", [*PROMPT, second], GREEDY, K - 1)
+    assert proposal.branches[0].tokens[1:] == drafts
+
+
 def test_seeded_branch_guesses_are_the_noises_best_others(make_drafter, tiny_draft):
     drafter = make_drafter()
     reference = make_drafter()
@@ -254,7 +269,7 @@ def test_invalid_branch_requests_fail_only_their_own_task(
     penalized = Penalties(presence=0.5)
     open_ok(
         drafter,
-        *(SequenceSpec(sid, PROMPT, GREEDY) for sid in ("ok", "neg", "noguess", "noassumed", "sib", "pre")),
+        *(SequenceSpec(sid, PROMPT, GREEDY) for sid in ("ok", "neg", "noguess", "sib", "pre")),
         SequenceSpec("gram", PROMPT, GREEDY, grammar=choice_grammar(["red", "blue"])),
         SequenceSpec("pen", PROMPT, GREEDY, penalties=penalized),
     )
@@ -264,7 +279,6 @@ def test_invalid_branch_requests_fail_only_their_own_task(
             ahead("ok", (7,), 2),
             ahead("neg", (7,), -1),
             DraftTask("noguess", [], n, K, (7,), num_branches=1),
-            DraftTask("noassumed", [], n, K, (), guess_first=True, num_branches=1),
             DraftTask("sib", [], n, K, (7,), guess_first=True, num_siblings=1, num_branches=1),
             DraftTask("pre", [], n, 0, prefill_tokens=2, num_branches=1),
             ahead("gram", (7,), 1),
@@ -272,7 +286,7 @@ def test_invalid_branch_requests_fail_only_their_own_task(
         ]
     )
     assert proposals[0].error is None and len(proposals[0].branches) == 2
-    assert [p.error.kind if p.error else None for p in proposals[1:]] == [ErrorKind.INVALID_ARGUMENT] * 7
+    assert [p.error.kind if p.error else None for p in proposals[1:]] == [ErrorKind.INVALID_ARGUMENT] * 6
     assert all(p.tokens == [] and p.branches == [] for p in proposals[1:])
     ngram = make_ngram()
     open_ok(ngram, SequenceSpec("a", [5, 6, 7, 8, 5, 6], GREEDY))
