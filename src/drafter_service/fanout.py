@@ -1,15 +1,19 @@
 """Fan-out draft-ahead (DraftTask.num_branches): blocks drafted after other likely verdicts.
 
 A draft-ahead block assumes the verifier accepts every assumed token and then emits the drafter's
-guess. Fan-out also drafts after the next likeliest verdicts: all accepted and another guess at
-the bonus position, or the first j accepted and a replacement for assumed[j]. Their likelihood
-under the drafter's own q is prod_{i<j} q_i(assumed[i]) * q_j(guess), so the first forward of a
-fan-out row feeds every assumed token and keeps the logits of each (one forward for q at every
-position, the rows of all fan-out tasks together). The guesses follow the main guess's rule:
+guess. Fan-out also drafts after the next likeliest verdicts (j, guess): the first j assumed
+tokens accepted and a replacement for assumed[j], or all k accepted and another guess at the bonus
+position j = k. Its likelihood under the drafter's own q is prod_{i<j} q_i(assumed[i]) * q_j(guess),
+so the first forward of a fan-out row feeds every assumed token and keeps the logits of each (one
+forward for q at every position, the rows of all fan-out tasks together). For num_branches = m
+each position offers its m best guesses other than the token the verdict refuses, and the m
+likeliest of all (k + 1) * m verdicts are drafted, likeliest first (ties: smaller j, then the
+better guess), so two branches may share a num_assumed. The guesses follow the main guess's rule:
 
-- greedy: the likeliest token other than the one the verdict refuses (q: softmax of the logits);
-- seeded: the noise's best other, with the noise the verifier uses at that position;
-- unseeded: the likeliest other in the sparse q sent with it (the guess's dist, as guess_first's).
+- greedy: the likeliest tokens other than the refused one (q: softmax of the logits);
+- seeded: the noise's best others, with the noise the verifier uses at that position (the best
+  of log q + gumbel noise, as gumbel_argmax scores them);
+- unseeded: the likeliest others in the sparse q sent with them (the guess's dist, as guess_first's).
 
 Each chosen branch gets a slot of its own with the main slot's prefix up to its guess, and drafts
 as one more row of the same batched steps (it joins at step 1, when the main row feeds its guess);
@@ -27,11 +31,12 @@ from collections.abc import Sequence
 
 import torch
 
+from specd.engine import noise
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import invalid
 from specd.engine.host_threads import one_torch_thread
 from specd.engine.kvcache import to_device
-from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, truncate
+from specd.engine.sampling import GUMBEL_PROBES, probabilities, spans_keys, truncate
 from specd.engine.sequences import BranchCache, SequenceState, SequenceTable
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 
@@ -90,21 +95,50 @@ def branch_generator(state: SequenceState) -> torch.Generator:
 
 @dataclasses.dataclass
 class _Verdicts:
-    """One fan-out row's alternatives read back: per position j in 0..k, the guess and the log
-    likelihood of its verdict; for an unseeded row also the sparse q at j (ids, probs)."""
+    """One fan-out row's alternatives read back: per position j in 0..k, its m guesses and the log
+    likelihood of each one's verdict; for an unseeded row also the sparse q at j (ids, probs)."""
 
-    alts: list[int]
-    scores: list[float]
+    alts: list[list[int]]
+    scores: list[list[float]]
     dists: list[SparseDist]
+
+    def ranked(self) -> list[tuple[int, int]]:
+        """(j, guess's index at j) of every verdict q leaves possible, likeliest first; ties:
+        smaller j first, then the better guess."""
+        pairs = [(-s, j, r) for j, row in enumerate(self.scores) for r, s in enumerate(row) if s > -math.inf]
+        return [(j, r) for _, j, r in sorted(pairs)]
+
+
+def _gumbel_top(probs: torch.Tensor, keys: torch.Tensor, m: int) -> torch.Tensor:
+    """The m best tokens of each row of probs [R, V] by log p + g(key, token), best first, as
+    gumbel_argmax scores them (its first is gumbel_argmax's); keys [R]. Noise is hashed only where
+    a token could be among them: the m best probes' m-th noisy score bounds the m-th best from
+    below, and no token's noisy score exceeds log p + GUMBEL_MAX. Where fewer than m tokens have
+    p > 0, the rest are tokens of p = 0."""
+    logp = probs.log()  # -inf where p = 0: those never score
+    probes_logp, probes = logp.topk(min(max(GUMBEL_PROBES, m), probs.shape[-1]), dim=-1)
+    reached = (probes_logp + noise.gumbel(keys[:, None], probes)).topk(m, dim=-1).values[:, -1]
+    could = (logp >= (reached - noise.GUMBEL_MAX)[:, None]) & (logp > float("-inf"))
+    rows, tokens = could.nonzero(as_tuple=True)
+    scores = torch.full_like(logp, float("-inf"))
+    scores[rows, tokens] = logp[rows, tokens] + noise.gumbel(keys[rows], tokens)
+    return scores.topk(m, dim=-1).indices
 
 
 def alternatives(
-    logits: torch.Tensor, assumed: torch.Tensor, guess: torch.Tensor, state: SequenceState, max_support: int
+    logits: torch.Tensor,
+    assumed: torch.Tensor,
+    guess: torch.Tensor,
+    state: SequenceState,
+    max_support: int,
+    m: int,
 ) -> torch.Tensor:
     """For logits [k + 1, V] at the last committed token and each assumed one, the refused tokens
-    `assumed` [k] then the main guess (0-d): per position, the best other token and its verdict's
-    log likelihood (-inf where q has no other), float64 [k + 1, 2]; an unseeded row's sparse q
-    follows, ids then probs, [k + 1, 2 + 2 * max_support]."""
+    `assumed` [k] then the main guess (0-d): per position j, the m best tokens other than the
+    refused one (best first, by the main guess's rule) and each one's verdict's log likelihood,
+    log P(the first j assumed accepted) + log q_j(guess) (-inf where q has no such other),
+    float64 [k + 1, 2 * m]: the m guesses, then their m scores; an unseeded row's sparse q at j
+    follows, ids then probs, [k + 1, 2 * m + 2 * max_support]. m is at most V."""
     params = state.params
     count = logits.shape[0]
     q = logits.float().softmax(dim=-1) if params.greedy else probabilities(logits, [params] * count)
@@ -117,25 +151,28 @@ def alternatives(
     if params.seeded:
         assert params.seed is not None
         start = len(state.committed)  # assumed[j] sits at position start + j, the bonus at start + k
-        alt = gumbel_argmax(others, spans_keys([(params.seed, start, count)], q.device))
+        alts = _gumbel_top(others, spans_keys([(params.seed, start, count)], q.device), m)
     else:
-        alt = others.argmax(dim=-1)
+        alts = others.topk(m, dim=-1).indices
     taken = q.gather(1, refused)[:, 0].log()
     before = torch.cat([taken.new_zeros(1), taken[:-1].cumsum(0)])  # the accepted tokens' part
-    score = before + q.gather(1, alt[:, None])[:, 0].log()
-    score = score.masked_fill(~(others.gather(1, alt[:, None])[:, 0] > 0), float("-inf"))
-    out = torch.stack([alt.double(), score.double()], dim=1)
+    score = before[:, None] + q.gather(1, alts).log()
+    score = score.masked_fill(~(others.gather(1, alts) > 0), float("-inf"))
+    out = torch.cat([alts.double(), score.double()], dim=1)
     return out if sparse is None else torch.cat([out, sparse], dim=1)
 
 
-def _parse(values: list[list[float]], max_support: int) -> _Verdicts:
+def _parse(values: list[float], count: int, m: int, max_support: int) -> _Verdicts:
+    """A row's `alternatives`, read back flat: `count` positions, m guesses each."""
+    width = len(values) // count
+    rows = [values[j * width : (j + 1) * width] for j in range(count)]
     dists = []
-    for row in values:
-        if len(row) > 2:
-            ids, probs = row[2 : 2 + max_support], row[2 + max_support :]
+    for row in rows:
+        if width > 2 * m:
+            ids, probs = row[2 * m : 2 * m + max_support], row[2 * m + max_support :]
             kept = sum(1 for p in probs if p > 0)
             dists.append(SparseDist([int(t) for t in ids[:kept]], probs[:kept]))
-    return _Verdicts([int(row[0]) for row in values], [row[1] for row in values], dists)
+    return _Verdicts([[int(t) for t in row[:m]] for row in rows], [row[m : 2 * m] for row in rows], dists)
 
 
 class FanOut:
@@ -182,21 +219,24 @@ class FanOut:
         branches, give each a slot with its prefix and a proposal (appended to `proposals`, its
         guess first), and return those that draft on, as rows for the next steps."""
         device = guesses.device
+        # No more guesses per position than branches this round could get (FanOut leaves room for one).
+        room = self.table.branch_slots - self.table.branches_held
+        widths = [min(self.tasks[i].num_branches, room, self._logits[n].shape[-1]) for n, i in enumerate(self.rows)]
         with one_torch_thread(device):
-            rows = []
+            flat = []
             for n, (i, state) in enumerate(self.rows.items()):
                 assumed = to_device(list(self.tasks[i].assumed), device)
-                rows.append(alternatives(self._logits[n], assumed, guesses[n], state, max_support))
-            values = read_back(torch.cat(rows)) if rows else []
+                out = alternatives(self._logits[n], assumed, guesses[n], state, max_support, widths[n])
+                flat.append(out.flatten())  # rows differ in width (m, a sparse q): one flat read back
+            values = read_back(torch.cat(flat)) if flat else []
         joined: list[Active] = []
         offset = 0
-        for i, state in self.rows.items():
-            count = len(self.tasks[i].assumed) + 1
-            verdicts = _parse(values[offset : offset + count], max_support)
-            offset += count
-            ranked = sorted((-s, j) for j, s in enumerate(verdicts.scores) if s > -math.inf)
-            for _, j in ranked[: self.tasks[i].num_branches]:
-                row = self._branch(i, state, j, verdicts, proposals, contexts, feed)
+        for n, (i, state) in enumerate(self.rows.items()):
+            size = flat[n].numel()
+            verdicts = _parse(values[offset : offset + size], len(self.tasks[i].assumed) + 1, widths[n], max_support)
+            offset += size
+            for j, r in verdicts.ranked()[: widths[n]]:
+                row = self._branch(i, state, j, r, verdicts, proposals, contexts, feed)
                 if row is None:
                     break  # out of branch slots: fewer branches
                 if row[2] > 1:
@@ -208,13 +248,14 @@ class FanOut:
         i: int,
         state: SequenceState,
         j: int,
+        r: int,
         verdicts: _Verdicts,
         proposals: list[DraftProposal],
         contexts: dict[int, list[int]],
         feed: dict[int, list[int]],
     ) -> Active | None:
-        """Branch j of row i (its first j assumed tokens accepted): a slot, a copy of the main
-        slot's prefix before its guess, a proposal; None where no slot is free."""
+        """Row i's branch after its first j assumed tokens accepted and guess r at j: a slot, a copy
+        of the main slot's prefix before its guess, a proposal; None where no slot is free."""
         slot = self.table.take_branch_slot()
         if slot is None:
             return None
@@ -233,7 +274,7 @@ class FanOut:
             sibling_generator=None,
             branches=[],
         )
-        guess = verdicts.alts[j]
+        guess = verdicts.alts[j][r]
         b = len(proposals)
         proposals.append(DraftProposal(state.sequence_id, [guess], [verdicts.dists[j]] if sampled else []))
         contexts[b] = prefix

@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_leases import Context
 
+from drafter_service import fanout
 from drafter_service.engine import ModelDrafter
 from drafter_service.servicer import DrafterServicer
 from specd.engine import noise
@@ -21,7 +22,7 @@ from specd.engine.errors import ErrorKind
 from specd.engine.grammar import choice_grammar
 from specd.engine.kvcache import BatchedCausalLM
 from specd.engine.params import Penalties, SamplingParams
-from specd.engine.sampling import probabilities
+from specd.engine.sampling import gumbel_argmax, probabilities
 from specd.engine.sequences import BranchCache, SequenceTable
 from specd.engine.tasks import DraftProposal, DraftTask, SequenceSpec
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
@@ -53,25 +54,30 @@ def assumed_logits(model, prompt: list[int], assumed: tuple[int, ...]) -> torch.
     return out[len(prompt) - 1 :]
 
 
-def expected_verdicts(q: torch.Tensor, assumed: tuple[int, ...], main_guess: int, pick) -> list[tuple[float, int, int]]:
-    """(log likelihood, num_assumed, guess) of every other verdict, likeliest first; `pick(j,
-    refused)` is the guess at position j other than `refused`."""
+def expected_verdicts(
+    q: torch.Tensor, assumed: tuple[int, ...], main_guess: int, pick, m: int
+) -> list[tuple[float, int, int]]:
+    """(log likelihood, num_assumed, guess) of the m likeliest other verdicts, likeliest first (ties:
+    smaller num_assumed, then the better guess); `pick(j, refused, m)` is the m best guesses at
+    position j other than `refused`, best first."""
     out = []
     before = 0.0
     for j in range(len(assumed) + 1):
         refused = assumed[j] if j < len(assumed) else main_guess
-        guess = pick(j, refused)
-        out.append((before + math.log(float(q[j, guess])), j, guess))
+        for rank, guess in enumerate(pick(j, refused, m)):
+            score = before + math.log(float(q[j, guess]))
+            if score > -math.inf:
+                out.append((score, j, rank, guess))
         if j < len(assumed):
             before += math.log(float(q[j, assumed[j]]))
-    return sorted(out, key=lambda v: (-v[0], v[1]))
+    return [(score, j, guess) for score, j, _, guess in sorted(out, key=lambda v: (-v[0], v[1], v[2]))[:m]]
 
 
 def greedy_pick(logits: torch.Tensor):
-    def pick(j: int, refused: int) -> int:
+    def pick(j: int, refused: int, m: int) -> list[int]:
         others = logits[j].clone()
         others[refused] = float("-inf")
-        return int(others.argmax())
+        return others.topk(m).indices.tolist()
 
     return pick
 
@@ -93,11 +99,12 @@ def stepwise(drafter: ModelDrafter, monkeypatch, on_device: bool) -> ModelDrafte
 @pytest.mark.parametrize("on_device", [True, False])
 def test_greedy_branches_draft_after_the_likeliest_other_verdicts(make_drafter, tiny_draft, monkeypatch, on_device):
     drafter = stepwise(make_drafter(), monkeypatch, on_device)
-    reference = make_drafter()
+    reference = make_drafter(max_sequences=16)
     own = tuple(plain_drafts(reference, "own", PROMPT, GREEDY, 3))  # as a real block: the drafter's own
     cases = {"own": own, "odd": (7, 300, 9)}
+    wanted = {"own": 3, "odd": 5}  # the drafter's 8 branch slots
     open_ok(drafter, *(SequenceSpec(sid, PROMPT, GREEDY) for sid in ("own", "odd", "plain")))
-    proposals, timing = drafter.draft([ahead("own", own, 3), ahead("odd", cases["odd"], 9), ahead("plain", own, 0)])
+    proposals, timing = drafter.draft([ahead("own", own, 3), ahead("odd", cases["odd"], 5), ahead("plain", own, 0)])
     assert all(p.error is None for p in proposals)
     assert proposals[0].tokens == proposals[2].tokens and proposals[2].branches == []
     assert timing.batch_size == 3
@@ -105,8 +112,9 @@ def test_greedy_branches_draft_after_the_likeliest_other_verdicts(make_drafter, 
         assumed = cases[proposal.sequence_id]
         logits = assumed_logits(tiny_draft, PROMPT, assumed)
         assert proposal.tokens[0] == int(logits[-1].argmax())  # the main guess, as without branches
-        want = expected_verdicts(logits.softmax(-1), assumed, proposal.tokens[0], greedy_pick(logits))
-        want = want[: 3 if proposal.sequence_id == "own" else len(want)]
+        m = wanted[proposal.sequence_id]
+        want = expected_verdicts(logits.softmax(-1), assumed, proposal.tokens[0], greedy_pick(logits), m)
+        assert len(want) == m
         assert [(b.num_assumed, b.tokens[0]) for b in proposal.branches] == [(j, g) for _, j, g in want]
         for n, branch in enumerate(proposal.branches):
             prefix = [*PROMPT, *assumed[: branch.num_assumed], branch.tokens[0]]
@@ -114,15 +122,37 @@ def test_greedy_branches_draft_after_the_likeliest_other_verdicts(make_drafter, 
             assert branch.tokens[1:] == drafts and branch.dists == []
 
 
-def test_the_bonus_branch_is_the_second_likeliest_guess(make_drafter, tiny_draft):
-    drafter = make_drafter()
-    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
-    assumed = (7, 300, 9)
-    (proposal,), _ = drafter.draft([ahead("a", assumed, 4)])
-    bonus = [b for b in proposal.branches if b.num_assumed == len(assumed)]
-    assert len(bonus) == 1
-    first, second = assumed_logits(tiny_draft, PROMPT, assumed)[-1].topk(2).indices.tolist()
-    assert (proposal.tokens[0], bonus[0].tokens[0]) == (first, second)
+def ranked_alternatives(logits: torch.Tensor, assumed: tuple[int, ...], m: int) -> list[tuple[int, int]]:
+    """(num_assumed, guess) of the m verdicts fanout ranks first, for a greedy sequence whose
+    logits at the last committed token and each assumed one are `logits`."""
+    table = SequenceTable(None, logits.shape[-1], 1, 64, torch.device("cpu"))
+    assert table.open([SequenceSpec("a", PROMPT, GREEDY)])[0] == [None]
+    main = logits[-1].argmax()
+    out = fanout.alternatives(logits, torch.tensor(assumed), main, table.get("a"), 0, m)
+    verdicts = fanout._parse(out.flatten().tolist(), len(assumed) + 1, m, 0)
+    return [(j, verdicts.alts[j][r]) for j, r in verdicts.ranked()[:m]]
+
+
+def test_the_likeliest_verdicts_of_all_positions_several_guesses_each():
+    logits = 2 * torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    assumed = (5, 6, 7)
+    for j, token in enumerate(assumed):
+        logits[j, token] += 7.0
+    got = ranked_alternatives(logits, assumed, 6)
+    want = expected_verdicts(logits.softmax(-1), assumed, int(logits[-1].argmax()), greedy_pick(logits), 6)
+    assert got == [(j, g) for _, j, g in want]
+    positions = [j for j, _ in got]
+    assert len(set(positions)) > 1 and len(set(positions)) < len(positions)  # across positions, some shared
+
+
+def test_the_bonus_branches_are_the_next_likeliest_guesses():
+    """Assumed tokens q is sure of: the likeliest verdicts accept them all, then guess again."""
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(4))
+    assumed = (5, 6, 7)
+    for j, token in enumerate(assumed):
+        logits[j, token] += 30.0
+    ranked = logits[-1].topk(4).indices.tolist()
+    assert ranked_alternatives(logits, assumed, 3) == [(3, t) for t in ranked[1:]]
 
 
 @pytest.mark.parametrize("on_device", [True, False])
@@ -157,18 +187,25 @@ def test_the_next_task_continues_the_branch_its_tokens_confirm(make_drafter, mon
 
 
 @pytest.mark.parametrize("on_device", [True, False])
-def test_without_assumed_tokens_the_branch_is_the_second_guess(make_drafter, tiny_draft, monkeypatch, on_device):
-    """A draft-ahead beside a target-only verify assumes nothing: its one other verdict is another
-    bonus token, and asking for more gives just that one."""
+def test_without_assumed_tokens_the_branches_are_the_next_guesses(make_drafter, tiny_draft, monkeypatch, on_device):
+    """A draft-ahead beside a target-only verify assumes nothing: its other verdicts are other
+    bonus tokens, the 2nd and 3rd likeliest for two branches."""
     drafter = stepwise(make_drafter(), monkeypatch, on_device)
     reference = make_drafter()
     open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
-    (proposal,), _ = drafter.draft([ahead("a", (), 3)])
-    assert proposal.error is None and [b.num_assumed for b in proposal.branches] == [0]
-    first, second = assumed_logits(tiny_draft, PROMPT, ())[-1].topk(2).indices.tolist()
-    assert (proposal.tokens[0], proposal.branches[0].tokens[0]) == (first, second)
-    drafts = plain_drafts(reference, "ref", [*PROMPT, second], GREEDY, K - 1)
-    assert proposal.branches[0].tokens[1:] == drafts
+    (proposal,), _ = drafter.draft([ahead("a", (), 2)])
+    assert proposal.error is None and [b.num_assumed for b in proposal.branches] == [0, 0]
+    first, second, third = assumed_logits(tiny_draft, PROMPT, ())[-1].topk(3).indices.tolist()
+    assert [proposal.tokens[0], *(b.tokens[0] for b in proposal.branches)] == [first, second, third]
+    for n, branch in enumerate(proposal.branches):
+        drafts = plain_drafts(reference, f"ref{n}", [*PROMPT, branch.tokens[0]], GREEDY, K - 1)
+        assert branch.tokens[1:] == drafts
+
+
+def noisy_scores(q: torch.Tensor, j: int) -> torch.Tensor:
+    """SEEDED's log q + gumbel noise at position j after PROMPT, over the whole vocabulary."""
+    key = torch.tensor(noise.noise_key(5, len(PROMPT) + j))
+    return q[j].log() + noise.gumbel(key, torch.arange(q.shape[-1]))
 
 
 def test_seeded_branch_guesses_are_the_noises_best_others(make_drafter, tiny_draft):
@@ -179,23 +216,48 @@ def test_seeded_branch_guesses_are_the_noises_best_others(make_drafter, tiny_dra
     (proposal,), _ = drafter.draft([ahead("s", assumed, 4)])
     q = probabilities(assumed_logits(tiny_draft, PROMPT, assumed), [SEEDED] * (len(assumed) + 1))
 
-    def scores(j: int) -> torch.Tensor:
-        key = torch.tensor(noise.noise_key(5, len(PROMPT) + j))
-        return q[j].log() + noise.gumbel(key, torch.arange(q.shape[-1]))
-
-    def pick(j: int, refused: int) -> int:
-        s = scores(j)
+    def pick(j: int, refused: int, m: int) -> list[int]:
+        s = noisy_scores(q, j)
         s[refused] = float("-inf")
-        return int(s.argmax())
+        return s.topk(m).indices.tolist()
 
-    assert proposal.tokens[0] == int(scores(len(assumed)).argmax()) and proposal.dists == []
-    want = expected_verdicts(q, assumed, proposal.tokens[0], pick)
+    assert proposal.tokens[0] == int(noisy_scores(q, len(assumed)).argmax()) and proposal.dists == []
+    want = expected_verdicts(q, assumed, proposal.tokens[0], pick, 4)
     assert [(b.num_assumed, b.tokens[0]) for b in proposal.branches] == [(j, g) for _, j, g in want]
     for n, branch in enumerate(proposal.branches):
         prefix = [*PROMPT, *assumed[: branch.num_assumed], branch.tokens[0]]
         # Coupled at the same positions, so the drafts of a fresh sequence on that prefix.
         assert branch.tokens[1:] == plain_drafts(reference, f"s{n}", prefix, SEEDED, K - 1)
         assert branch.dists == []
+
+
+def test_two_seeded_guesses_at_a_position_are_the_noises_second_and_third(make_drafter, tiny_draft):
+    """No assumed tokens, two branches: both at the bonus position, the noise's 2nd and 3rd best
+    (its best is the main guess), likelier under q first."""
+    drafter = make_drafter()
+    open_ok(drafter, SequenceSpec("s", PROMPT, SEEDED))
+    (proposal,), _ = drafter.draft([ahead("s", (), 2)])
+    q = probabilities(assumed_logits(tiny_draft, PROMPT, ()), [SEEDED])
+    best, second, third = noisy_scores(q, 0).topk(3).indices.tolist()
+    assert proposal.tokens[0] == best and [b.num_assumed for b in proposal.branches] == [0, 0]
+    guesses = [b.tokens[0] for b in proposal.branches]
+    assert sorted(guesses) == sorted([second, third])
+    assert q[0, guesses[0]] >= q[0, guesses[1]]
+
+
+def test_the_noises_best_tokens_are_found_below_the_likeliest(tiny_draft):
+    """Where q is peaked, the noise's 2nd and 3rd best lie far below the likeliest token: the
+    tokens hashed must reach them, as scoring the whole vocabulary does."""
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 500, generator=generator)
+    logits[:, 17] += 40.0  # one token near certain
+    logits[3, 200] += 20.0
+    probs = logits.softmax(-1)
+    keys = torch.tensor([noise.noise_key(9, n) for n in range(6)])
+    for m in (1, 3, 5):
+        full = probs.log() + noise.gumbel(keys[:, None], torch.arange(500))
+        assert fanout._gumbel_top(probs, keys, m).tolist() == full.topk(m).indices.tolist()
+        assert fanout._gumbel_top(probs, keys, 1)[:, 0].tolist() == gumbel_argmax(probs, keys).tolist()
 
 
 def sampled_rounds(drafter: ModelDrafter, branches: int) -> list[DraftProposal]:
@@ -213,7 +275,7 @@ def sampled_rounds(drafter: ModelDrafter, branches: int) -> list[DraftProposal]:
 def test_unseeded_branches_leave_the_main_draws_as_they_were(make_drafter):
     plain = sampled_rounds(make_drafter(max_support=8), 0)
     fanned = sampled_rounds(make_drafter(max_support=8), 3)
-    assert [len(p.branches) for p in fanned] == [3, 3, 3, 3, 2, 2]  # one assumed token: two other verdicts
+    assert [len(p.branches) for p in fanned] == [3] * 6  # one assumed token: two positions, three guesses each
     for without, with_branches in zip(plain, fanned, strict=True):
         assert with_branches.tokens == without.tokens
         for a, b in zip(with_branches.dists, without.dists, strict=True):
@@ -230,12 +292,13 @@ def test_an_unseeded_guess_is_the_likeliest_other_in_its_dist(make_drafter):
     open_ok(drafter, SequenceSpec("u", PROMPT, UNSEEDED))
     (proposal,), _ = drafter.draft([ahead("u", assumed, 4)])
     assert len(proposal.branches) == 4
-    for branch in proposal.branches:
-        j = branch.num_assumed
+    for j in {b.num_assumed for b in proposal.branches}:
+        at = [b for b in proposal.branches if b.num_assumed == j]  # likeliest first: the best others in order
         refused = assumed[j] if j < len(assumed) else proposal.tokens[0]
-        dist = branch.dists[0]
-        others = [(p, t) for p, t in zip(dist.probs, dist.token_ids, strict=True) if t != refused]
-        assert branch.tokens[0] == max(others)[1]
+        dist = at[0].dists[0]
+        assert all(b.dists[0].token_ids == dist.token_ids for b in at)
+        others = sorted(((p, t) for p, t in zip(dist.probs, dist.token_ids, strict=True) if t != refused), reverse=True)
+        assert [b.tokens[0] for b in at] == [t for _, t in others[: len(at)]]
 
 
 def test_fewer_branches_when_out_of_slots_and_opens_never_starve(tiny_draft, fingerprint):
@@ -370,3 +433,29 @@ def test_a_round_mixing_siblings_branches_and_plain_tasks_drafts_each_as_alone(m
         (want,), _ = alone.draft([task])
         assert (got.tokens, got.parents, got.branches) == (want.tokens, want.parents, want.branches)
     assert len(together[1].branches) == 2 and together[0].parents
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_greedy_seeded_and_unseeded_fan_out_in_one_round(make_drafter, monkeypatch, on_device):
+    """Their alternatives differ in width (an unseeded row's sparse q): one round, each as alone."""
+    specs = [SequenceSpec("g", PROMPT, GREEDY), SequenceSpec("s", PROMPT, SEEDED), SequenceSpec("u", PROMPT, UNSEEDED)]
+    tasks = [ahead("g", (7, 300), 2), ahead("s", (7,), 3), ahead("u", (7, 300, 9), 2)]
+
+    def fixed(drafter: ModelDrafter, sid: str) -> None:
+        if sid == "u":
+            drafter.table.get(sid).generator = torch.Generator().manual_seed(11)
+
+    mixed = stepwise(make_drafter(max_support=8), monkeypatch, on_device)
+    open_ok(mixed, *specs)
+    fixed(mixed, "u")
+    together, _ = mixed.draft(tasks)
+    for spec, task, got in zip(specs, tasks, together, strict=True):
+        alone = stepwise(make_drafter(max_support=8), monkeypatch, on_device)
+        open_ok(alone, spec)
+        fixed(alone, spec.sequence_id)
+        (want,), _ = alone.draft([task])
+        assert got.error is None and len(got.branches) == task.num_branches
+        assert (got.tokens, [(b.num_assumed, b.tokens) for b in got.branches]) == (
+            want.tokens,
+            [(b.num_assumed, b.tokens) for b in want.branches],
+        )

@@ -14,7 +14,7 @@ from test_round_steps import CharTokenizer, K, limits, plan_for, policy, running
 
 from gateway.metrics import GatewayMetrics, RoundTimes
 from gateway.round.apply import Applied, apply
-from gateway.round.decide import Limits, branches_for, decide
+from gateway.round.decide import MAX_BRANCHES, Limits, branches_for, decide
 from gateway.round.exchange import DraftExchange, assume_block
 from gateway.round.messages import Block, DraftItem, DraftVerdicts, RoundPlan, draft_request, proposal_problem
 from gateway.round.observer import RoundObserver, RoundOutcome
@@ -42,15 +42,14 @@ def test_only_draft_aheads_ask_for_branches_and_never_more_than_the_other_verdic
     )
     seqs = [plain, penalised, schema, grammar, named, many]
     plan = plan_for(seqs, "ahead", branches=2)
-    # The drafter drafts penalties and grammars one history: no branches. A block of K drafts
-    # has K + 1 other verdicts (a rejection at each, or another token after them).
-    assert {i.seq.id: i.branches for i in plan.ahead} == {"a": 2, "b": 0, "c": 0, "d": 0, "e": 1, "f": K + 1}
+    # The drafter drafts penalties and grammars one history: no branches; at most MAX_BRANCHES.
+    assert {i.seq.id: i.branches for i in plan.ahead} == {"a": 2, "b": 0, "c": 0, "d": 0, "e": 1, "f": MAX_BRANCHES}
     assert all(i.branches == 0 for i in plan.pre_draft)
     for pipeline in ("sequential", "cohort"):
         other = plan_for([running("a"), running("b", branches=2)], pipeline, branches=2)
         assert all(i.branches == 0 for i in [*other.pre_draft, *other.ahead]), pipeline
-    # A first round verifies no drafts: the one other verdict is another token than the guess.
-    assert branches_for(running("g", output=()), 0, limits("ahead", branches=2), 0) == 1
+    # A first round verifies no drafts: its other verdicts are other tokens than the guess.
+    assert branches_for(running("g", output=()), 0, limits("ahead", branches=2), 0) == 2
 
 
 def test_auto_sequences_fan_out_as_the_policy_chooses() -> None:
@@ -74,13 +73,14 @@ def test_the_draft_task_asks_branches_of_draft_aheads_alone() -> None:
     assert [t.guess_first for t in request.tasks] == [True, False, False]
 
 
-def test_a_draft_ahead_fans_out_to_at_most_one_more_than_the_block_it_assumes() -> None:
+def test_a_draft_ahead_assumes_the_drafts_verified_and_keeps_its_branches() -> None:
     s = running("a")
     item = DraftItem(s, 4, assumed=(), branches=K + 1)
     block = Block([11, 12, 13], [], len(s.tokens))
     assumed = assume_block(item, {"a": block}, {"a": 1})
-    assert (assumed.assumed, assumed.branches) == ((11,), 2)
-    assert assume_block(item, {}, {}).branches == 1  # no block verified: only another guess
+    assert (assumed.assumed, assumed.branches) == ((11,), K + 1)
+    # No block verified: its branches guess other tokens than the main guess.
+    assert assume_block(item, {}, {}).branches == K + 1
 
 
 # -- the drafter's branches, checked before anything commits ----------------------------------

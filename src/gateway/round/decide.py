@@ -23,6 +23,10 @@ from gateway.round.widths import Ahead
 
 log = logging.getLogger(__name__)
 
+# The most fan-out branches a draft-ahead drafts beside its main block: each is one more row of
+# the drafter's forwards and one more KV slot held until the next round.
+MAX_BRANCHES = 8
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -75,9 +79,8 @@ def siblings_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
 def branches_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
     """The branches the sequence's draft-ahead drafts beside its main block, while its block of
     `k` drafts is verified: what its request named, else what the policy chose for the round's
-    auto sequences (`auto`) or the gateway's flag for a fixed k; at most one per verdict the main
-    block does not assume (a rejection at each of the k drafts, or another token after them).
-    None where the drafter drafts one history only: penalties and grammars."""
+    auto sequences (`auto`) or the gateway's flag for a fixed k; at most MAX_BRANCHES. None where
+    the drafter drafts one history only: penalties and grammars."""
     params = seq.params
     if params.penalties.active or params.json_schema or params.grammar:
         return 0
@@ -85,7 +88,7 @@ def branches_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
         wanted = int(params.branches)
     else:
         wanted = auto if speculation(seq, limits) == "auto" else limits.branches
-    return max(0, min(wanted, k + 1))
+    return max(0, min(wanted, MAX_BRANCHES))
 
 
 def choose_branches(seqs: list[Any], choice: Choice, limits: Limits, policy: SpeculationPolicy) -> int:

@@ -102,14 +102,14 @@ def spec(seq: Any, prefill_tokens: int | None = None) -> common_pb2.SequenceSpec
 
 
 def assume_block(item: DraftItem, blocks: dict[str, Block], ks: dict[str, int]) -> DraftItem:
-    """A draft-ahead item assumes the block now being verified is accepted whole; its branches,
-    the other verdicts on that block, are at most one more than its drafts."""
+    """A draft-ahead item assumes the block now being verified is accepted whole (its branches
+    assume the likeliest other verdicts on it)."""
     if item.assumed is None:  # not verified this round (cohort): nothing to assume
         return item
     block = blocks.get(item.seq.id)
     k = ks.get(item.seq.id, 0)
     assumed = tuple(block.tokens[:k]) if block is not None else ()
-    return replace(item, assumed=assumed, branches=min(item.branches, len(assumed) + 1))
+    return replace(item, assumed=assumed)
 
 
 async def close_quietly(backend: Any, ids: list[str]) -> None:
