@@ -773,7 +773,8 @@ def free_port() -> int:
 def services_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
     """`specd up` on the device with dummy weights, benched at 1 and 8 clients: sequential rounds
     for the overhead, token trees (two siblings beside each chain) for what the verify's width costs
-    there, draft-ahead for the shared GPU, without MPS and (where it can be had) with."""
+    there, draft-ahead for the shared GPU, without MPS and (where it can be had) with, and fan-out
+    draft-ahead (two branches) for what the drafter's extra rows cost there."""
     from specd import mps
 
     model_dir = logs / "model-135m"
@@ -869,7 +870,7 @@ def bench_stack(
         bench = [
             sys.executable, "-m", "specd.cli", "bench", "--base-url", base, "-k", "4",
             "--max-tokens", "16" if dry else "48", "--num-prompts", "2" if dry else "8",
-            "--concurrency", "1" if dry else "1,8", "--modes", "sequential,tree,ahead", "--workload", "chat",
+            "--concurrency", "1" if dry else "1,8", "--modes", "sequential,tree,ahead,fanout", "--workload", "chat",
             "--output-dir", str(logs), "--name", "bench",
             "--service-metrics", f"drafter=http://127.0.0.1:{dm}/metrics,verifier=http://127.0.0.1:{vm}/metrics",
         ]  # fmt: skip
