@@ -126,6 +126,11 @@ class GatewayMetrics:
             "Branches adopted as a sequence's next block (its main ahead block missed)",
             registry=r,
         )
+        self.num_fan_out_misses = Counter(
+            "specd_spec_decode_num_fan_out_misses",
+            "Fanned-out draft-aheads whose verdict neither their main block nor a branch assumed",
+            registry=r,
+        )
         self.wasted_draft_tokens = Counter(
             "specd_spec_decode_num_wasted_draft_tokens",
             "Draft tokens drafted ahead (or for a cohort) and discarded before verification",

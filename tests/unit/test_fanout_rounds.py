@@ -133,6 +133,7 @@ def test_the_branch_a_verdict_confirms_replaces_the_main_block_that_missed() -> 
     assert s.output == [7, 11, 41]
     assert s.block == Block([60, 61], [], len(s.tokens), (11, 41)) and s.block.valid_for(s.tokens)
     assert (applied.branches, applied.branch_hits, applied.branch_outcomes) == (2, 1, [True])
+    assert applied.fan_out_misses == 0
     assert applied.wasted == 3 + 2  # the main block (its guess and two drafts), the other branch
     assert applied.guesses == []  # the main block's assumption missed: its guess says nothing
 
@@ -141,6 +142,7 @@ def test_branches_are_wasted_where_the_main_block_stands() -> None:
     s, applied = fanned_out((2, 40))
     assert s.block == Block([50, 51], [], len(s.tokens), (11, 12, 40))
     assert (applied.branches, applied.branch_hits, applied.branch_outcomes) == (2, 0, [])
+    assert applied.fan_out_misses == 0
     assert applied.wasted == 3 + 2 and [hit for _, hit in applied.guesses] == [True]
 
 
@@ -151,7 +153,7 @@ def test_branches_are_wasted_where_the_main_block_stands() -> None:
 )
 def test_a_verdict_no_branch_guessed_keeps_no_block(answer: tuple[int, int], outcomes: list[bool]) -> None:
     s, applied = fanned_out(answer)
-    assert s.block is None and applied.branch_hits == 0
+    assert s.block is None and (applied.branch_hits, applied.fan_out_misses) == (0, 1)
     assert applied.branch_outcomes == outcomes  # what the policy learns: the branches whose verdict came
     assert applied.wasted == 3 + 3 + 2
 
@@ -164,16 +166,17 @@ def test_a_sequence_that_finished_adopts_no_branch() -> None:
     result.ahead = DraftExchange(DraftVerdicts(proposals={"a": p}), common_pb2.ServiceTimings(), 0)
     result.ahead_items = [DraftItem(s, 2, (11, 12), branches=1)]
     applied = apply(RoundPlan(verify=[s], ks={"a": 2}), result, {EOS})
-    assert s.done and s.block is None and applied.branch_hits == 0
+    assert s.done and s.block is None and (applied.branch_hits, applied.fan_out_misses) == (0, 0)
 
 
 def test_observe_counts_branches_and_teaches_their_hit_rate() -> None:
     metrics, p = GatewayMetrics(K), policy()
-    outcome = RoundOutcome(1, [], RoundTimes(1, 0, 1, 0, 1, 0, 1), branches=3, branch_hits=1)
+    outcome = RoundOutcome(1, [], RoundTimes(1, 0, 1, 0, 1, 0, 1), branches=3, branch_hits=1, fan_out_misses=2)
     outcome.branch_outcomes = [True, False]
     RoundObserver(metrics, p, Tracing("test")).observe(outcome)
     assert metrics.registry.get_sample_value("specd_spec_decode_num_branches_total") == 3.0
     assert metrics.registry.get_sample_value("specd_spec_decode_num_branch_hits_total") == 1.0
+    assert metrics.registry.get_sample_value("specd_spec_decode_num_fan_out_misses_total") == 2.0
     assert p.branch_hits.value(0.0) == pytest.approx(1 / (2 + 2), rel=0.01)  # two prior weights
 
 

@@ -53,6 +53,7 @@ class Applied:
     branches: int = 0
     branch_hits: int = 0
     branch_outcomes: list[bool] = field(default_factory=list)
+    fan_out_misses: int = 0  # fanned-out draft-aheads whose verdict neither the main block nor a branch assumed
 
 
 def internal_error(what: str, exc: BaseException) -> GenerationError:
@@ -146,6 +147,8 @@ def adopt_branch(seq: Any, base: int, branches: list[Block], applied: Applied) -
         applied.wasted += block_size(seq.block) if seq.block is not None else 0
         seq.block = adopted
         applied.branch_hits += 1
+    elif not main_stands and not seq.done:
+        applied.fan_out_misses += 1
     applied.wasted += sum(block_size(b) for b in branches if b is not adopted)
 
 

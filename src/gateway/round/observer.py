@@ -43,6 +43,7 @@ class RoundOutcome:
     branches: int = 0
     branch_hits: int = 0
     branch_outcomes: list[bool] = field(default_factory=list)
+    fan_out_misses: int = 0  # fanned-out draft-aheads left with no block (the next round drafts first)
 
     @property
     def drafted(self) -> list[int]:
@@ -181,6 +182,7 @@ class RoundObserver:
         if outcome.branches:
             self.metrics.num_branches.inc(outcome.branches)
             self.metrics.num_branch_hits.inc(outcome.branch_hits)
+            self.metrics.num_fan_out_misses.inc(outcome.fan_out_misses)
         for hit in outcome.branch_outcomes:
             self.policy.observe_branch(hit)
 

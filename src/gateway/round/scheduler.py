@@ -570,6 +570,7 @@ class Scheduler:
                 applied.branches,
                 applied.branch_hits,
                 applied.branch_outcomes,
+                applied.fan_out_misses,
             )
         )
 
