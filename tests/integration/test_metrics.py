@@ -80,17 +80,19 @@ def test_drafter_equal_to_target_accepts_every_draft_token(backends, model_dirs,
     assert delta("specd_generation_tokens_total") == 23
     assert delta("specd_request_success_total{finished_reason=length}") == 1
     # The drafter's own metrics: four draft rounds, nothing left open, its KV cache reserved at
-    # --max-sequences (64) x --max-context (2048, capped at the tiny model's 512 positions), said
-    # at startup, and none of it backed by memory once its sequence closed where CPU pages go back
-    # (on a GPU, with SPECD_DRAFTER_DEVICE=cuda, the whole reservation is allocated up front).
+    # --max-sequences (64) and --branch-slots' default (as many on the CPU, a quarter on a GPU)
+    # x --max-context (2048, capped at the tiny model's 512 positions), said at startup, and none
+    # of it backed by memory once its sequence closed where CPU pages go back (on a GPU, with
+    # SPECD_DRAFTER_DEVICE=cuda, the whole reservation is allocated up front).
     assert drafter_metrics["specd_drafter_rounds_total"] == 4
     assert drafter_metrics["specd_drafter_open_sequences"] == 0
+    up_front = "allocated up front" in drafter.output()
+    branches = 16 if up_front else 64
     per_token = drafter_metrics["specd_drafter_kv_cache_bytes_per_token"]
     reserved = drafter_metrics["specd_drafter_kv_cache_reserved_bytes"]
-    assert per_token > 0 and reserved == per_token * 64 * 512
+    assert per_token > 0 and reserved == per_token * (64 + branches) * 512
     assert f"KV cache: {int(reserved)} bytes" in drafter.output()
-    up_front = "allocated up front" in drafter.output()
     assert up_front == (os.environ.get("SPECD_DRAFTER_DEVICE", "cpu") != "cpu")
     assert drafter_metrics["specd_drafter_kv_cache_bytes"] == (reserved if up_front else 0)
-    assert "reserved for 64 sequences x 512 positions" in drafter.output()
+    assert f"reserved for 64 sequences + {branches} fan-out branches x 512 positions" in drafter.output()
     assert drafter_metrics["specd_drafter_forward_seconds_count"] == 4

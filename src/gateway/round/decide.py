@@ -61,34 +61,29 @@ def speculation(seq: Any, limits: Limits) -> int | str:
     return spec
 
 
-def siblings_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
-    """The siblings the sequence's next block of `k` drafts carries: what its request named, else
-    what the policy chose for the round's auto sequences (`auto`) or the gateway's flag for a
-    fixed k; at most one per draft, within what the services take. None where the verifier
-    checks only chains: penalties and grammars follow one history."""
+def _width(seq: Any, limits: Limits, named: int | None, auto: int, flag: int) -> int:
+    """A tree's or a fan-out's width for the sequence: what its request named, else what the
+    policy chose for the round's auto sequences (`auto`) or the gateway's flag for a fixed k.
+    None where the services follow one history only: penalties and grammars."""
     params = seq.params
     if params.penalties.active or params.json_schema or params.grammar:
         return 0
-    if params.siblings is not None:
-        wanted = int(params.siblings)
-    else:
-        wanted = auto if speculation(seq, limits) == "auto" else limits.siblings
+    if named is not None:
+        return int(named)
+    return auto if speculation(seq, limits) == "auto" else flag
+
+
+def siblings_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
+    """The siblings the sequence's next block of `k` drafts carries (`_width`): at most one per
+    draft, within what the services take."""
+    wanted = _width(seq, limits, seq.params.siblings, auto, limits.siblings)
     return max(0, min(wanted, k, limits.draft_room - k))
 
 
 def branches_for(seq: Any, k: int, limits: Limits, auto: int) -> int:
-    """The branches the sequence's draft-ahead drafts beside its main block, while its block of
-    `k` drafts is verified: what its request named, else what the policy chose for the round's
-    auto sequences (`auto`) or the gateway's flag for a fixed k; at most MAX_BRANCHES. None where
-    the drafter drafts one history only: penalties and grammars."""
-    params = seq.params
-    if params.penalties.active or params.json_schema or params.grammar:
-        return 0
-    if params.branches is not None:
-        wanted = int(params.branches)
-    else:
-        wanted = auto if speculation(seq, limits) == "auto" else limits.branches
-    return max(0, min(wanted, MAX_BRANCHES))
+    """The branches the sequence's draft-ahead drafts beside its main block while its block of
+    `k` drafts is verified (`_width`): at most MAX_BRANCHES."""
+    return max(0, min(_width(seq, limits, seq.params.branches, auto, limits.branches), MAX_BRANCHES))
 
 
 def choose_branches(seqs: list[Any], choice: Choice, limits: Limits, policy: SpeculationPolicy) -> int:

@@ -464,8 +464,10 @@ def kv_cache_summary(table: Any) -> str:
         if cache.lazy
         else "allocated up front"
     )
+    branches = getattr(table, "branch_slots", 0)
+    slots = f"{table.max_sequences} sequences" + (f" + {branches} fan-out branches" if branches else "")
     return (
-        f"KV cache: {reserved} bytes ({reserved / 2**30:.2f} GiB) reserved for {cache.max_slots} sequences x "
+        f"KV cache: {reserved} bytes ({reserved / 2**30:.2f} GiB) reserved for {slots} x "
         f"{cache.max_positions} positions x {cache.bytes_per_token()} bytes/token; {backing}"
     )
 
