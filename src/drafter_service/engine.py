@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from drafter_service.constraints import mask_rows, push_token, sync_grammars
-from drafter_service.fanout import FanOut, check_branches, settle
+from drafter_service.fanout import FanOut, check_branches, confirmed, settle
 from drafter_service.siblings import SiblingNotes, check_siblings, greedy_notes, seeded_notes, wanting
 from specd.engine import hidden_states, ngram
 from specd.engine.errors import EngineError, invalid, precondition
@@ -156,10 +156,7 @@ class ModelDrafter(_DrafterBase):
         """Keep the cached prefix that the context (committed + assumed tokens) confirms; drop the rest.
 
         A feature drafter also drops what it fed without the real feature, once that feature is here."""
-        n = 0
-        limit = min(len(state.cached), len(context) - 1)
-        while n < limit and state.cached[n] == context[n]:
-            n += 1
+        n = confirmed(state.cached, context)
         if state.features is not None:
             n = state.features.keep(n, len(state.cached))
         del state.cached[n:]

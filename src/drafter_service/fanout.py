@@ -31,12 +31,11 @@ from collections.abc import Sequence
 
 import torch
 
-from specd.engine import noise
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import invalid
 from specd.engine.host_threads import one_torch_thread
 from specd.engine.kvcache import to_device
-from specd.engine.sampling import GUMBEL_PROBES, probabilities, spans_keys, truncate
+from specd.engine.sampling import gumbel_top, probabilities, spans_keys, truncate
 from specd.engine.sequences import BranchCache, SequenceState, SequenceTable
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 
@@ -109,22 +108,6 @@ class _Verdicts:
         return [(j, r) for _, j, r in sorted(pairs)]
 
 
-def _gumbel_top(probs: torch.Tensor, keys: torch.Tensor, m: int) -> torch.Tensor:
-    """The m best tokens of each row of probs [R, V] by log p + g(key, token), best first, as
-    gumbel_argmax scores them (its first is gumbel_argmax's); keys [R]. Noise is hashed only where
-    a token could be among them: the m best probes' m-th noisy score bounds the m-th best from
-    below, and no token's noisy score exceeds log p + GUMBEL_MAX. Where fewer than m tokens have
-    p > 0, the rest are tokens of p = 0."""
-    logp = probs.log()  # -inf where p = 0: those never score
-    probes_logp, probes = logp.topk(min(max(GUMBEL_PROBES, m), probs.shape[-1]), dim=-1)
-    reached = (probes_logp + noise.gumbel(keys[:, None], probes)).topk(m, dim=-1).values[:, -1]
-    could = (logp >= (reached - noise.GUMBEL_MAX)[:, None]) & (logp > float("-inf"))
-    rows, tokens = could.nonzero(as_tuple=True)
-    scores = torch.full_like(logp, float("-inf"))
-    scores[rows, tokens] = logp[rows, tokens] + noise.gumbel(keys[rows], tokens)
-    return scores.topk(m, dim=-1).indices
-
-
 def alternatives(
     logits: torch.Tensor,
     assumed: torch.Tensor,
@@ -151,7 +134,7 @@ def alternatives(
     if params.seeded:
         assert params.seed is not None
         start = len(state.committed)  # assumed[j] sits at position start + j, the bonus at start + k
-        alts = _gumbel_top(others, spans_keys([(params.seed, start, count)], q.device), m)
+        alts = gumbel_top(others, spans_keys([(params.seed, start, count)], q.device), m)
     else:
         alts = others.topk(m, dim=-1).indices
     taken = q.gather(1, refused)[:, 0].log()

@@ -59,7 +59,7 @@ class GatewayConfig:
         "another likely verdict on the block being verified (a draft rejected, or another token after it), so "
         "that a missed guess still finds a block ready; auto mode picks 0..this per round from the measured "
         "branch hit rate and draft costs (docs/pipeline.md, fan-out draft-ahead), fixed mode asks this many; "
-        "at most one more than the block verified; only the ahead pipeline fans out; 0: one block",
+        "at most 8; only the ahead pipeline fans out; 0: one block",
     )
     drafter_overlap: bool = field(
         True,

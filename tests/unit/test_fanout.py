@@ -22,7 +22,7 @@ from specd.engine.errors import ErrorKind
 from specd.engine.grammar import choice_grammar
 from specd.engine.kvcache import BatchedCausalLM
 from specd.engine.params import Penalties, SamplingParams
-from specd.engine.sampling import gumbel_argmax, probabilities
+from specd.engine.sampling import gumbel_argmax, gumbel_top, probabilities
 from specd.engine.sequences import BranchCache, SequenceTable
 from specd.engine.tasks import DraftProposal, DraftTask, SequenceSpec
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
@@ -256,8 +256,8 @@ def test_the_noises_best_tokens_are_found_below_the_likeliest(tiny_draft):
     keys = torch.tensor([noise.noise_key(9, n) for n in range(6)])
     for m in (1, 3, 5):
         full = probs.log() + noise.gumbel(keys[:, None], torch.arange(500))
-        assert fanout._gumbel_top(probs, keys, m).tolist() == full.topk(m).indices.tolist()
-        assert fanout._gumbel_top(probs, keys, 1)[:, 0].tolist() == gumbel_argmax(probs, keys).tolist()
+        assert gumbel_top(probs, keys, m).tolist() == full.topk(m).indices.tolist()
+        assert gumbel_top(probs, keys, 1)[:, 0].tolist() == gumbel_argmax(probs, keys).tolist()
 
 
 def sampled_rounds(drafter: ModelDrafter, branches: int) -> list[DraftProposal]:

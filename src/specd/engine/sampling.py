@@ -205,14 +205,32 @@ def gumbel_argmax(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     token's noisy score cannot win, and the row's few most likely tokens give such a
     score. The argmax, ties included, is the one over every token.
     """
+    return _noisy_scores(probs, keys, 1).argmax(dim=-1)
+
+
+def gumbel_top(probs: torch.Tensor, keys: torch.Tensor, m: int) -> torch.Tensor:
+    """The m best tokens of each row of probs [R, V] by log p + g(key, token), best first, as
+    `gumbel_argmax` scores them (its first is gumbel_argmax's); keys [R]. Where fewer than m
+    tokens have p > 0, the rest are tokens of p = 0."""
+    return _noisy_scores(probs, keys, m).topk(m, dim=-1).indices
+
+
+def _noisy_scores(probs: torch.Tensor, keys: torch.Tensor, m: int) -> torch.Tensor:
+    """log p + g(key, token) at every token that could be among a row's m best, -inf elsewhere:
+    the m best probes' m-th noisy score bounds the m-th best from below, and no token's noisy
+    score exceeds its log p + GUMBEL_MAX."""
     logp = probs.log()  # -inf where p = 0: those never win
     hashed = _vocabulary_hashes(probs.shape[-1], probs.device)
-    probes_logp, probes = logp.topk(min(GUMBEL_PROBES, probs.shape[-1]), dim=-1)
-    reached = (probes_logp + noise.gumbel_of(keys[:, None], hashed[probes])).amax(dim=-1)
-    rows, tokens = (logp >= (reached - noise.GUMBEL_MAX)[:, None]).nonzero(as_tuple=True)
+    probes_logp, probes = logp.topk(min(max(GUMBEL_PROBES, m), probs.shape[-1]), dim=-1)
+    probed = probes_logp + noise.gumbel_of(keys[:, None], hashed[probes])
+    reached = probed.amax(dim=-1) if m == 1 else probed.topk(m, dim=-1).values[:, -1]
+    could = logp >= (reached - noise.GUMBEL_MAX)[:, None]
+    if m > 1:
+        could &= logp > float("-inf")  # a row with fewer than m possible tokens reaches -inf
+    rows, tokens = could.nonzero(as_tuple=True)
     scores = torch.full_like(logp, float("-inf"))
     scores[rows, tokens] = logp[rows, tokens] + noise.gumbel_of(keys[rows], hashed[tokens])
-    return scores.argmax(dim=-1)
+    return scores
 
 
 @functools.lru_cache(maxsize=8)
