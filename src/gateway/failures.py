@@ -56,6 +56,14 @@ class GenerationError(Exception):
         return failure_kind(self.status)
 
 
+class InvalidParameter(GenerationError):
+    """A parameter outside its range; `param` names it, as OpenAI's error body does."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(400, message, code)
+        self.param = param
+
+
 CANCELLED = GenerationError(499, "the client closed the request", "cancelled")
 
 

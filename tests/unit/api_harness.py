@@ -12,10 +12,11 @@ from typing import Any
 
 import grpc
 import httpx
+from fake_backends import EOS, FakeDrafter, FakeVerifier
 
 from gateway.api.grpc_api import GatewayServicer
 from gateway.api.openai_api import OpenAIApi
-from gateway.round.scheduler import Delta, Finished, GenerationParams
+from gateway.round.scheduler import Delta, Finished, GenerationParams, Scheduler
 from specd.proto.speculative.v1 import gateway_pb2
 
 MODEL = "target"
@@ -62,6 +63,24 @@ class ScriptedScheduler(RefusingScheduler):
         yield Finished(self.reason, 1, len(self.pieces), self.spec_steps)
 
 
+class GatewayScheduler(Scheduler):
+    """The gateway's own scheduler, with its flags, over in-process fake services, never started:
+    what it refuses at submission (what the gateway's flags decide) is refused as the gateway
+    refuses it; what it takes finishes at once. `drafter` False: a gateway without one."""
+
+    def __init__(self, tok: Any, k: int = 4, drafter: bool = True, **flags: Any) -> None:
+        super().__init__(tok, FakeVerifier(), FakeDrafter() if drafter else None, k, 16, [EOS], **flags)
+        self.submitted: list[GenerationParams] = []
+
+    def submit_group(self, prompt: list[int], group: Any, trace_parent: Any = None, client: str = "") -> list[Any]:
+        seqs = super().submit_group(prompt, group, trace_parent, client)
+        self.submitted.extend(group)
+        return seqs
+
+    async def events(self, seq: Any):
+        yield Finished("length", 1, 0)
+
+
 def body_for(endpoint: str, fields: dict[str, Any]) -> dict[str, Any]:
     base: dict[str, Any] = {"model": MODEL, "max_tokens": 4}
     base |= {"prompt": "Hello"} if endpoint == COMPLETIONS else {"messages": [{"role": "user", "content": "Hi"}]}
@@ -82,10 +101,10 @@ def http_post(
     tok,
     path: str,
     body: dict[str, Any],
-    scheduler: RefusingScheduler | None = None,
+    scheduler: RefusingScheduler | GatewayScheduler | None = None,
     tool_parser: str = "",
     spec_metrics: str = "off",
-) -> tuple[httpx.Response, RefusingScheduler]:
+) -> tuple[httpx.Response, Any]:
     """With a tool_parser, the tokenizer serves a template that renders tools (auto needs both)."""
     scheduler = scheduler or RefusingScheduler()
     tok = with_tools_template(tok) if tool_parser else tok
@@ -118,8 +137,10 @@ class FakeContext:
         raise Aborted(code, details)
 
 
-def grpc_generate(tok, fields: dict[str, Any]) -> tuple[Aborted | None, RefusingScheduler]:
-    scheduler = RefusingScheduler()
+def grpc_generate(
+    tok, fields: dict[str, Any], scheduler: RefusingScheduler | GatewayScheduler | None = None
+) -> tuple[Aborted | None, Any]:
+    scheduler = scheduler or RefusingScheduler()
     servicer = GatewayServicer(scheduler, tok, MODEL, max_n=8)  # type: ignore[arg-type]
     request = gateway_pb2.GenerateRequest(prompt="Hello", params=gateway_pb2.GenerationParams(**fields))
     try:

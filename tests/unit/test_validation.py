@@ -9,7 +9,16 @@ from typing import Any
 
 import grpc
 import pytest
-from api_harness import CHAT, COMPLETIONS, MODEL, body_for, grpc_generate, grpc_generate_stream, http_post
+from api_harness import (
+    CHAT,
+    COMPLETIONS,
+    MODEL,
+    GatewayScheduler,
+    body_for,
+    grpc_generate,
+    grpc_generate_stream,
+    http_post,
+)
 
 from gateway.api.validation import RequestedParams, generation_params
 from specd.engine.params import LogprobsRequest
@@ -248,3 +257,143 @@ def test_speculative_branches_reach_the_scheduler_from_either_api() -> None:
     assert generation_params(requested(gateway_pb2.GenerationParams()), 100).branches is None
     by_http = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}], speculative_branches=3)
     assert generation_params(by_http.requested(), 100).branches == 3
+
+
+# -- speculative_siblings and speculative_branches that could never apply ----------------------
+# A positive value the rounds would only drop (decide._width) is a 400 naming the field, from
+# the gateway's own scheduler, which knows its flags: (param, body fields, gateway flags).
+FORCED_TOOL = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
+}
+NEVER_APPLY: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    # The services follow one history for penalties and structured output: chains only.
+    ("speculative_siblings", {"speculative_siblings": 2, "presence_penalty": 0.5}, {}),
+    ("speculative_siblings", {"speculative_siblings": 1, "frequency_penalty": -0.5}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "repetition_penalty": 1.1}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "logit_bias": {"5": 1.0}}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "min_tokens": 2}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "response_format": {"type": "json_object"}}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "guided_regex": "a+"}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "guided_choice": ["yes", "no"]}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "guided_json": {"type": "object"}}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, **FORCED_TOOL}, {}),
+    ("speculative_branches", {"pipeline": "ahead", "speculative_branches": 2, "presence_penalty": 0.5}, {}),
+    ("speculative_branches", {"speculative_branches": 2, "guided_regex": "a+"}, {"pipeline": "ahead"}),
+    ("speculative_branches", {"pipeline": "auto", "speculative_branches": 1, **FORCED_TOOL}, {}),
+    # Only the ahead pipeline fans out (auto, when it picks ahead).
+    ("speculative_branches", {"speculative_branches": 2}, {}),
+    ("speculative_branches", {"pipeline": "sequential", "speculative_branches": 2}, {"pipeline": "ahead"}),
+    ("speculative_branches", {"pipeline": "cohort", "speculative_branches": 1}, {}),
+    ("speculative_branches", {"speculative_branches": 2}, {"pipeline": "cohort"}),
+    # No drafting at all: the request turned it off, or the gateway has no drafter or k.
+    ("speculative_siblings", {"num_speculative_tokens": 0, "speculative_siblings": 2}, {}),
+    ("speculative_branches", {"num_speculative_tokens": 0, "pipeline": "ahead", "speculative_branches": 2}, {}),
+    ("speculative_siblings", {"speculative_siblings": 1}, {"k": 0, "drafter": False}),
+    ("speculative_siblings", {"speculative_siblings": 1}, {"drafter": False}),
+    ("speculative_branches", {"pipeline": "ahead", "speculative_branches": 1}, {"k": 0, "drafter": False}),
+    ("speculative_branches", {"speculative_branches": 1}, {"drafter": False, "pipeline": "auto"}),
+]
+
+MAY_APPLY: list[tuple[dict[str, Any], dict[str, Any]]] = [
+    ({"speculative_siblings": 2}, {}),
+    ({"speculative_siblings": 9}, {}),  # more than k: at most k
+    ({"speculative_siblings": 2, "pipeline": "cohort"}, {}),
+    ({"speculative_siblings": 2, "pipeline": "ahead"}, {}),  # a block drafted before its verify
+    ({"speculative_siblings": 2, "pipeline": "auto", "num_speculative_tokens": "auto"}, {}),
+    ({"speculative_siblings": 2}, {"pipeline": "ahead"}),
+    ({"speculative_siblings": 2, "num_speculative_tokens": 1}, {}),
+    ({"speculative_branches": 2, "pipeline": "ahead"}, {}),
+    ({"speculative_branches": 9, "pipeline": "ahead"}, {}),  # more than MAX_BRANCHES: at most 8
+    ({"speculative_branches": 2, "pipeline": "auto"}, {}),
+    ({"speculative_branches": 2}, {"pipeline": "ahead"}),
+    ({"speculative_branches": 2}, {"pipeline": "auto"}),
+    ({"speculative_branches": 2, "speculative_siblings": 2, "pipeline": "ahead"}, {}),
+    # 0 or unset is always fine.
+    ({"speculative_branches": 0, "speculative_siblings": 0, "presence_penalty": 0.5}, {}),
+    ({"speculative_branches": 0, "guided_regex": "a+"}, {}),
+    ({"speculative_siblings": 0, "speculative_branches": 0, "num_speculative_tokens": 0}, {}),
+    ({"speculative_siblings": 0, "speculative_branches": 0}, {"k": 0, "drafter": False}),
+    ({"presence_penalty": 0.5, "guided_regex": "a+"}, {"siblings": 2, "branches": 2, "pipeline": "ahead"}),
+    ({"num_speculative_tokens": 0}, {"siblings": 2, "branches": 2, "pipeline": "ahead"}),
+    ({}, {"k": 0, "drafter": False, "siblings": 2}),
+]
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(("param", "fields", "flags"), NEVER_APPLY, ids=[f"{i}" for i in range(len(NEVER_APPLY))])
+def test_a_width_that_can_never_apply_is_refused(tok, endpoint, param, fields, flags):
+    if endpoint == COMPLETIONS and {"tools", "response_format"} & set(fields):
+        pytest.skip("chat's fields")
+    r, scheduler = http_post(tok, endpoint, body_for(endpoint, fields), GatewayScheduler(tok, **flags))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
+    assert error["param"] == param and param in error["message"], error
+    assert not scheduler.submitted and not scheduler.waiting
+
+
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(("fields", "flags"), MAY_APPLY, ids=[f"{i}" for i in range(len(MAY_APPLY))])
+def test_a_width_that_may_apply_is_taken_at_most(tok, endpoint, fields, flags):
+    r, scheduler = http_post(tok, endpoint, body_for(endpoint, fields), GatewayScheduler(tok, **flags))
+    assert r.status_code == 200, r.text
+    assert len(scheduler.submitted) == 1
+
+
+GRPC_NEVER_APPLY = [
+    ("speculative_siblings", {"speculative_siblings": 2, "presence_penalty": 0.5}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "min_tokens": 2}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "json_schema": '{"type": "object"}'}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2, "num_speculative_tokens": 0}, {}),
+    ("speculative_siblings", {"speculative_siblings": 2}, {"drafter": False}),
+    ("speculative_branches", {"speculative_branches": 2, "guided_choice": ["a", "b"], "pipeline": "ahead"}, {}),
+    ("speculative_branches", {"speculative_branches": 2}, {}),
+    ("speculative_branches", {"speculative_branches": 2, "pipeline": "cohort"}, {"pipeline": "ahead"}),
+    ("speculative_branches", {"speculative_branches": 1, "pipeline": "ahead"}, {"k": 0, "drafter": False}),
+]
+
+
+@pytest.mark.parametrize(("param", "fields", "flags"), GRPC_NEVER_APPLY)
+def test_a_width_that_can_never_apply_is_invalid_argument_over_grpc(tok, param, fields, flags):
+    aborted, scheduler = grpc_generate(tok, fields, GatewayScheduler(tok, **flags))
+    assert aborted is not None and aborted.code == grpc.StatusCode.INVALID_ARGUMENT, aborted
+    assert param in aborted.details and not scheduler.submitted
+
+
+def test_same_width_refusal_over_both_apis(tok):
+    fields = {"speculative_branches": 2, "pipeline": "cohort"}
+    r, _ = http_post(tok, COMPLETIONS, body_for(COMPLETIONS, fields), GatewayScheduler(tok))
+    aborted, _ = grpc_generate(tok, fields, GatewayScheduler(tok))
+    assert aborted is not None and r.json()["error"]["message"] == aborted.details
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"speculative_siblings": 2, "pipeline": "sequential"},
+        {"speculative_branches": 2, "pipeline": "ahead"},
+        {"speculative_branches": 2, "pipeline": "auto", "adaptive_speculation": True},
+        {"speculative_siblings": 0, "presence_penalty": 0.5},
+        {"speculative_branches": 0},
+    ],
+)
+def test_a_width_that_may_apply_is_taken_over_grpc(tok, fields):
+    aborted, scheduler = grpc_generate(tok, fields, GatewayScheduler(tok))
+    assert aborted is None and len(scheduler.submitted) == 1
+
+
+@pytest.mark.parametrize("mode", ["tree", "fanout"])
+@pytest.mark.parametrize("pipeline", ["sequential", "cohort", "ahead", "auto"])
+def test_what_specd_bench_sends_is_taken_whatever_the_gateways_pipeline(tok, mode, pipeline):
+    from specd.tools.bench import mode_extra
+
+    fields = mode_extra(mode, 4)
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, fields), GatewayScheduler(tok, pipeline=pipeline))
+    assert r.status_code == 200, r.text
+    assert len(scheduler.submitted) == 1
+
+
+def test_a_number_of_drafts_past_the_gateways_k_names_its_parameter(tok):
+    r, _ = http_post(tok, CHAT, body_for(CHAT, {"num_speculative_tokens": 5}), GatewayScheduler(tok))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "num_speculative_tokens", r.text

@@ -160,7 +160,8 @@ class OpenAIApi:
         try:
             return self.scheduler.submit_group(prompt, group, carrier, client)
         except GenerationError as exc:
-            return error_response(exc.status, exc.message, exc.code)
+            # The scheduler's refusals of a parameter (one the gateway's flags decide) name it.
+            return error_response(exc.status, exc.message, exc.code, getattr(exc, "param", None))
 
     def _params(self, body: _Request) -> tuple[GenerationParams, Choices]:
         """The body's generation parameters and choices; raises InvalidParameter for anything refused."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from gateway.api.choices import Choices
 from gateway.api.json_schemas import closed
-from gateway.failures import GenerationError
+from gateway.failures import InvalidParameter  # there for the scheduler's refusals too
 from gateway.round.scheduler import PIPELINES, GenerationParams
 from specd.engine.grammar import (
     JSON_OBJECT_SCHEMA,
@@ -54,14 +54,6 @@ def validation_refusal(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str, s
         f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in errors
     )
     return message, "invalid_value", ".".join(loc) or None
-
-
-class InvalidParameter(GenerationError):
-    """A parameter outside its range; `param` names it, as OpenAI's error body does."""
-
-    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
-        super().__init__(400, message, code)
-        self.param = param
 
 
 @dataclass(frozen=True)

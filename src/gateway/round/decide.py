@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.failures import InvalidParameter
 from gateway.round.messages import Block, DraftItem, RoundPlan, plan_prefill
 from gateway.round.pipeline_choice import MODES
 from gateway.round.prefill_budget import DrafterPrefillBudget
@@ -61,12 +62,61 @@ def speculation(seq: Any, limits: Limits) -> int | str:
     return spec
 
 
+def one_history(params: Any) -> str:
+    """What makes the services follow one history for the request, so that it drafts chains
+    only, never a tree or a fan-out: "penalties" (min_tokens among them), "structured output"
+    (a JSON schema or a grammar), or "" for neither."""
+    if params.penalties.active or params.penalties.min_tokens:
+        return "penalties"
+    return "structured output" if params.json_schema or params.grammar else ""
+
+
+WIDE_PIPELINES = ("ahead", "auto")  # those that may fan out: auto picks ahead for some rounds
+
+ONE_HISTORY = {
+    "penalties": "presence_penalty, frequency_penalty, repetition_penalty, logit_bias or min_tokens",
+    "structured output": "response_format json_schema or json_object, guided_*, or tool calls forced by grammar",
+}
+
+
+def width_refusal(params: Any, limits: Limits, drafts: bool) -> InvalidParameter | None:
+    """The 400 for a request whose speculative_siblings or speculative_branches is positive but
+    can never apply to it (`_width` would make it 0 every round), naming the first such field;
+    None where both may apply. `drafts`: the gateway has a drafter. Values over what a round
+    can use (siblings beyond k, branches beyond MAX_BRANCHES) are "at most", not refused."""
+    for param, value in (("speculative_siblings", params.siblings), ("speculative_branches", params.branches)):
+        if not value:
+            continue
+        if not drafts or limits.k_limit <= 0:
+            return InvalidParameter(param, f"{param} needs drafting; this gateway drafts nothing (no drafter, or -k 0)")
+        if params.speculation == 0:
+            return InvalidParameter(param, f"{param} needs drafting; num_speculative_tokens is 0 (target-only)")
+        if kind := one_history(params):
+            return InvalidParameter(
+                param,
+                f"{param} cannot be combined with {kind} ({ONE_HISTORY[kind]}): with them a request drafts one "
+                "chain, never a tree or a fan-out; send 0 or leave it unset",
+            )
+        named = params.pipeline or limits.pipeline
+        if param == "speculative_branches" and named not in WIDE_PIPELINES:
+            given = (
+                "this request's pipeline" if params.pipeline else "the gateway's --pipeline (the request names none)"
+            )
+            return InvalidParameter(
+                param,
+                f"speculative_branches fans out draft-ahead blocks, which only the ahead pipeline drafts (or auto, "
+                f"in its ahead rounds); {given} is {named!r}",
+            )
+    return None
+
+
 def _width(seq: Any, limits: Limits, named: int | None, auto: int, flag: int) -> int:
     """A tree's or a fan-out's width for the sequence: what its request named, else what the
     policy chose for the round's auto sequences (`auto`) or the gateway's flag for a fixed k.
-    None where the services follow one history only: penalties and grammars."""
+    None where the services follow one history only (`one_history`); a request that names a
+    width there is refused at submission (`width_refusal`)."""
     params = seq.params
-    if params.penalties.active or params.json_schema or params.grammar:
+    if one_history(params):
         return 0
     if named is not None:
         return int(named)

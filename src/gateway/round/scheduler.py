@@ -33,10 +33,10 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 
 from gateway.backends import BackendError, DrafterClient, VerifierClient
-from gateway.failures import CANCELLED, GenerationError, open_error, unavailable
+from gateway.failures import CANCELLED, GenerationError, InvalidParameter, open_error, unavailable
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.round.apply import Applied, apply, drop_stale_blocks, internal_error
-from gateway.round.decide import Limits, decide, early_joins, open_chunks, speculation
+from gateway.round.decide import Limits, decide, early_joins, open_chunks, speculation, width_refusal
 from gateway.round.detokenize import TextStream
 from gateway.round.drafter_link import DrafterLink
 from gateway.round.exchange import Exchange, RoundResult, close_quietly, settle, spec
@@ -247,9 +247,12 @@ class Scheduler:
             raise GenerationError(400, f"pipeline must be one of {', '.join(PIPELINES)}, got {params.pipeline!r}")
         spec = params.speculation
         if spec is not None and spec != "auto" and not (isinstance(spec, int) and 0 <= spec <= self.k_limit):
-            raise GenerationError(
-                400, f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}"
+            raise InvalidParameter(
+                "num_speculative_tokens",
+                f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}",
             )
+        if (refused := width_refusal(params, self.limits, self.drafter is not None)) is not None:
+            raise refused  # a tree or a fan-out it names could never apply: not ignored
         return max_tokens
 
     def _sequence(
