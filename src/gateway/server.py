@@ -77,7 +77,7 @@ async def run(config: GatewayConfig) -> None:
     log.info(
         "gateway ready: model %r, k=%d, HTTP %s://%s:%d/v1, gRPC %s%s%s",
         model_name,
-        config.num_speculative_tokens,
+        scheduler.k_limit,  # what it drafts at most: the flag within what the services take
         "https" if api_tls else "http",
         config.host,
         config.http_port,

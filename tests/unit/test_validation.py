@@ -397,3 +397,14 @@ def test_what_specd_bench_sends_is_taken_whatever_the_gateways_pipeline(tok, mod
 def test_a_number_of_drafts_past_the_gateways_k_names_its_parameter(tok):
     r, _ = http_post(tok, CHAT, body_for(CHAT, {"num_speculative_tokens": 5}), GatewayScheduler(tok))
     assert r.status_code == 400 and r.json()["error"]["param"] == "num_speculative_tokens", r.text
+
+
+@pytest.mark.parametrize(("spec", "status"), [(2, 400), (0, 200), ("auto", 200), (None, 200)])
+def test_without_a_drafter_only_target_only_requests_are_taken(tok, spec, status):
+    fields = {} if spec is None else {"num_speculative_tokens": spec}
+    r, scheduler = http_post(tok, CHAT, body_for(CHAT, fields), GatewayScheduler(tok, drafter=False))
+    assert r.status_code == status, r.text
+    if status == 400:
+        error = r.json()["error"]
+        assert error["param"] == "num_speculative_tokens" and "no drafter" in error["message"], error
+        assert not scheduler.submitted

@@ -139,7 +139,8 @@ class Scheduler:
         """The drafts, context and batch both services can take."""
         assert verifier.info is not None
         self.max_context = verifier.info.max_context
-        self.k_limit = min(self.k, verifier.info.max_draft_tokens)
+        # Without a drafter nothing is drafted: a request asking for drafts is refused, not run target-only.
+        self.k_limit = min(self.k, verifier.info.max_draft_tokens) if drafter is not None else 0
         # A token tree's drafts, chain and siblings together, that both services take.
         self.draft_room = verifier.info.max_draft_tokens
         self.drafter_context = self.max_context
@@ -249,7 +250,8 @@ class Scheduler:
         if spec is not None and spec != "auto" and not (isinstance(spec, int) and 0 <= spec <= self.k_limit):
             raise InvalidParameter(
                 "num_speculative_tokens",
-                f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}",
+                f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}"
+                + ("" if self.drafter is not None else " (this gateway has no drafter)"),
             )
         if (refused := width_refusal(params, self.limits, self.drafter is not None)) is not None:
             raise refused  # a tree or a fan-out it names could never apply: not ignored
