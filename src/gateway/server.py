@@ -118,6 +118,24 @@ def _backend_pools(config: GatewayConfig, backend_tls: Any, token: str) -> tuple
     return verifier, drafter
 
 
+def idle_widths(config: GatewayConfig, k_limit: int) -> list[str]:
+    """The width flags this gateway takes but can never use, each as a line for its log."""
+    flags = [
+        ("--speculative-siblings", config.speculative_siblings),
+        ("--speculative-branches", config.speculative_branches),
+    ]
+    if k_limit <= 0:
+        return [
+            f"{flag} {n} is never used: this gateway drafts nothing (no drafter, or -k 0)" for flag, n in flags if n
+        ]
+    if config.speculative_branches and config.pipeline not in ("ahead", "auto"):
+        return [
+            f"--speculative-branches {config.speculative_branches} applies to requests that name the ahead or auto "
+            f"pipeline only: --pipeline is {config.pipeline}"
+        ]
+    return []
+
+
 def _start_scheduler(
     config: GatewayConfig, tokenizer: Any, verifier: Any, drafter: Any, eos: Any, tracing: Tracing
 ) -> Scheduler:
@@ -144,6 +162,8 @@ def _start_scheduler(
     if drafter is not None and drafter.info is not None:
         scheduler.policy.costs.seed_steps((t.sequences, t.forward_ns) for t in drafter.info.step_timings)
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))
+    for problem in idle_widths(config, scheduler.k_limit):
+        log.warning("%s", problem)
     scheduler.start(config.log_stats_interval_s)
     return scheduler
 

@@ -408,3 +408,26 @@ def test_without_a_drafter_only_target_only_requests_are_taken(tok, spec, status
         error = r.json()["error"]
         assert error["param"] == "num_speculative_tokens" and "no drafter" in error["message"], error
         assert not scheduler.submitted
+
+
+@pytest.mark.parametrize(
+    ("flags", "k_limit", "warned"),
+    [
+        ({"speculative_siblings": 2}, 4, []),
+        ({"speculative_branches": 2, "pipeline": "ahead"}, 4, []),
+        ({"speculative_branches": 2, "pipeline": "auto"}, 4, []),
+        ({"speculative_branches": 2, "pipeline": "sequential"}, 4, ["--speculative-branches"]),
+        (
+            {"speculative_siblings": 2, "speculative_branches": 2},
+            0,
+            ["--speculative-siblings", "--speculative-branches"],
+        ),
+        ({}, 0, []),
+    ],
+)
+def test_width_flags_a_gateway_can_never_use_are_logged(flags, k_limit, warned):
+    from gateway.config import GatewayConfig
+    from gateway.server import idle_widths
+
+    lines = idle_widths(GatewayConfig(**flags), k_limit)
+    assert [line.split()[0] for line in lines] == warned
