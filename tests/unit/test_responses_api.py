@@ -8,7 +8,7 @@ from typing import Any
 
 import pydantic
 import pytest
-from api_harness import CHAT, MODEL, ScriptedScheduler, http_post
+from api_harness import CHAT, MODEL, GatewayScheduler, ScriptedScheduler, http_post
 from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.api.responses_api import IGNORED, REFUSED, ResponsesRequest
@@ -215,3 +215,15 @@ def test_every_sdk_field_is_implemented_refused_or_ignored(tok, field):
         r, scheduler = post(tok, {"input": "Hi", field: {"x": 1}})
         assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter", r.text
         assert not scheduler.submitted
+
+
+def test_specds_speculation_fields_mean_what_they_mean_on_chat(tok):
+    fields = {"pipeline": "ahead", "speculative_siblings": 2, "speculative_branches": 3, "num_speculative_tokens": 4}
+    r, scheduler = post(tok, {"input": "Hi"} | fields)
+    assert r.status_code == 200, r.text
+    (params,) = scheduler.submitted
+    assert (params.pipeline, params.siblings, params.branches, params.speculation) == ("ahead", 2, 3, 4)
+    # What the gateway refuses on chat it refuses here: branches outside the ahead pipeline.
+    refused = {"input": "Hi", "model": MODEL, "pipeline": "sequential", "speculative_branches": 2}
+    r, _ = http_post(tok, RESPONSES, refused, GatewayScheduler(tok))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative_branches", r.text

@@ -101,6 +101,9 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     # specd's, as on chat: draft tokens per round (0 = target-only) or "auto".
     num_speculative_tokens: int | Literal["auto"] | None = None
+    pipeline: str | None = None
+    speculative_siblings: int | None = None
+    speculative_branches: int | None = None
     stream: bool | None = False
     stream_options: dict[str, Any] | None = None
     # REFUSED unless neutral.
@@ -150,6 +153,9 @@ class ResponsesRequest(BaseModel):
             "top_p": self.top_p,
             "seed": self.seed,
             "num_speculative_tokens": self.num_speculative_tokens,
+            "pipeline": self.pipeline,
+            "speculative_siblings": self.speculative_siblings,
+            "speculative_branches": self.speculative_branches,
             "response_format": response_format(self.text),
             "parallel_tool_calls": self.parallel_tool_calls if self.tools else None,
         }
