@@ -31,8 +31,10 @@ class LinearCost:
         self.n = 0.0
         self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.samples = 0
+        self._fit: tuple[float, float] | None = None  # the policy prices many rounds between observations
 
     def observe(self, x: float, y: float) -> None:
+        self._fit = None
         f = self.forget
         self.n = self.n * f + 1.0
         self.sx = self.sx * f + x
@@ -42,6 +44,11 @@ class LinearCost:
         self.samples += 1
 
     def coefficients(self) -> tuple[float, float]:
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         if self.n == 0:
             return 0.0, 0.0
         mean_x, mean_y = self.sx / self.n, self.sy / self.n

@@ -142,7 +142,15 @@ def choose_ks(
         tokens = sum(table[k] for table, k in zip(tables, ks, strict=True))
         return tokens / max(costs.round_ns(ks), 1.0) * 1e9
 
-    evaluate = rate or sequential
+    score = rate or sequential
+    scored: dict[tuple[int, ...], float] = {}
+
+    def evaluate(ks: list[int]) -> float:
+        # The search revisits ks (each m's uniform ks, a price that settles): score each once.
+        key = tuple(ks)
+        if key not in scored:
+            scored[key] = score(ks)
+        return scored[key]
 
     base = [c.fixed if c.fixed is not None else 0 for c in candidates]
     baseline_rate = evaluate([0] * len(candidates))
