@@ -24,6 +24,7 @@ from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.pool import drafter_pool, verifier_pool
 from gateway.pool_metrics import PoolCollector
+from gateway.round.decide import WIDE_PIPELINES
 from gateway.round.scheduler import Scheduler
 from specd.engine import checkpoints
 from specd.engine.end_tokens import end_token_ids
@@ -128,7 +129,7 @@ def idle_widths(config: GatewayConfig, k_limit: int) -> list[str]:
         return [
             f"{flag} {n} is never used: this gateway drafts nothing (no drafter, or -k 0)" for flag, n in flags if n
         ]
-    if config.speculative_branches and config.pipeline not in ("ahead", "auto"):
+    if config.speculative_branches and config.pipeline not in WIDE_PIPELINES:
         return [
             f"--speculative-branches {config.speculative_branches} applies to requests that name the ahead or auto "
             f"pipeline only: --pipeline is {config.pipeline}"

@@ -79,15 +79,15 @@ ONE_HISTORY = {
 }
 
 
-def width_refusal(params: Any, limits: Limits, drafts: bool) -> InvalidParameter | None:
+def width_refusal(params: Any, limits: Limits) -> InvalidParameter | None:
     """The 400 for a request whose speculative_siblings or speculative_branches is positive but
     can never apply to it (`_width` would make it 0 every round), naming the first such field;
-    None where both may apply. `drafts`: the gateway has a drafter. Values over what a round
-    can use (siblings beyond k, branches beyond MAX_BRANCHES) are "at most", not refused."""
+    None where both may apply. A gateway without a drafter has a k limit of 0. Values over what
+    a round can use (siblings beyond k, branches beyond MAX_BRANCHES) are "at most", not refused."""
     for param, value in (("speculative_siblings", params.siblings), ("speculative_branches", params.branches)):
         if not value:
             continue
-        if not drafts or limits.k_limit <= 0:
+        if limits.k_limit <= 0:
             return InvalidParameter(param, f"{param} needs drafting; this gateway drafts nothing (no drafter, or -k 0)")
         if params.speculation == 0:
             return InvalidParameter(param, f"{param} needs drafting; num_speculative_tokens is 0 (target-only)")

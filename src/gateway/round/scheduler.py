@@ -253,7 +253,7 @@ class Scheduler:
                 f"num_speculative_tokens must be 'auto' or an integer in [0, {self.k_limit}], got {spec!r}"
                 + ("" if self.drafter is not None else " (this gateway has no drafter)"),
             )
-        if (refused := width_refusal(params, self.limits, self.drafter is not None)) is not None:
+        if (refused := width_refusal(params, self.limits)) is not None:
             raise refused  # a tree or a fan-out it names could never apply: not ignored
         return max_tokens
 
