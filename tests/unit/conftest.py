@@ -58,9 +58,12 @@ def make_drafter(tiny_draft, fingerprint) -> Callable[..., ModelDrafter]:
         max_draft_tokens: int = 8,
         max_support: int = 16,
         model=None,
+        branch_slots: int = -1,
     ) -> ModelDrafter:
         lm = BatchedCausalLM(tinymodels.on_test_device(tiny_draft if model is None else model), DEVICE, torch.float32)
-        return ModelDrafter(lm, fingerprint, max_sequences, max_context, max_draft_tokens, max_support)
+        return ModelDrafter(
+            lm, fingerprint, max_sequences, max_context, max_draft_tokens, max_support, branch_slots=branch_slots
+        )
 
     return make
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tinymodels import backed_kv_bytes, device_under_test
 
-from drafter_service.engine import ModelDrafter, NgramDrafter
+from drafter_service.engine import ModelDrafter, NgramDrafter, default_branch_slots
 from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.params import SamplingParams
 from specd.engine.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
@@ -492,7 +492,10 @@ def test_the_kv_cache_is_reserved_once_at_the_flags_bound(engines, kind):
     tensors = cache_tensors(engine)
     # A drafter's fan-out branches have slots of their own beside the sequences'.
     slots = MAX_SEQUENCES + engine.table.branch_slots
-    assert engine.table.branch_slots == (MAX_SEQUENCES if kind == "drafter" else 0)
+    # The drafter's default: a slot a sequence on the CPU, a quarter as many where the cache is reserved up front.
+    expected = default_branch_slots(MAX_SEQUENCES, device_under_test()) if kind == "drafter" else 0
+    assert engine.table.branch_slots == expected
+    assert kind == "verifier" or device_under_test().type != "cpu" or expected == MAX_SEQUENCES
     assert tensors and all(t.shape[0] == slots and t.shape[2] == MAX_CONTEXT for t in tensors)
     per_token = engine.table.kv_bytes_per_token()
     assert engine.table.kv_reserved_bytes() == slots * MAX_CONTEXT * per_token

@@ -38,6 +38,17 @@ PROMPT = [11, 22, 33, 44, 55, 11, 22]
 K = 4  # tokens a block drafts: the guess, then K - 1 drafts
 
 
+@pytest.fixture
+def make_drafter(make_drafter):
+    """The engines' drafter with a branch slot for each sequence on every device (a GPU's default
+    is a quarter as many): the branch counts asserted here are the tasks' own."""
+
+    def make(**kwargs) -> ModelDrafter:
+        return make_drafter(branch_slots=kwargs.get("max_sequences", 8), **kwargs)
+
+    return make
+
+
 def open_ok(drafter: ModelDrafter, *specs: SequenceSpec) -> None:
     errors, _ = drafter.open(list(specs))
     assert errors == [None] * len(specs)
@@ -264,7 +275,7 @@ def sampled_rounds(drafter: ModelDrafter, branches: int) -> list[DraftProposal]:
     specs = [SequenceSpec(f"u{n}", PROMPT, UNSEEDED) for n in range(2)]
     open_ok(drafter, *specs)
     for n, spec in enumerate(specs):
-        drafter.table.get(spec.sequence_id).generator = torch.Generator().manual_seed(70 + n)
+        drafter.table.get(spec.sequence_id).generator = torch.Generator(drafter.lm.device).manual_seed(70 + n)
     out = []
     for assumed in ((7, 300, 9), (7, 300, 9, 12), (5,)):
         proposals, _ = drafter.draft([ahead(s.sequence_id, assumed, branches) for s in specs])
@@ -374,7 +385,7 @@ def test_branch_slots_are_lent_beside_the_sequences_and_never_starve_an_open():
 def test_branches_through_the_servicer(make_drafter):
     direct = make_drafter(max_support=8)
     open_ok(direct, SequenceSpec("a", PROMPT, UNSEEDED))
-    direct.table.get("a").generator = torch.Generator().manual_seed(3)
+    direct.table.get("a").generator = torch.Generator(direct.lm.device).manual_seed(3)
     (want,), _ = direct.draft([ahead("a", (7, 300), 2)])
     assert len(want.branches) == 2
     asyncio.run(_servicer_round(make_drafter(max_support=8), want))
@@ -391,7 +402,7 @@ async def _servicer_round(engine: ModelDrafter, want: DraftProposal) -> None:
         reply = await s.OpenDraftSequences(drafter_pb2.OpenDraftSequencesRequest(sequences=[spec]), Context())
         assert not any(r.error.code for r in reply.results)
         (state,) = engine.table.seqs.values()  # keyed by the lease owner too
-        state.generator = torch.Generator().manual_seed(3)
+        state.generator = torch.Generator(engine.lm.device).manual_seed(3)
 
         async def requests():
             request = drafter_pb2.DraftRequest(round_id=1)
@@ -443,7 +454,7 @@ def test_greedy_seeded_and_unseeded_fan_out_in_one_round(make_drafter, monkeypat
 
     def fixed(drafter: ModelDrafter, sid: str) -> None:
         if sid == "u":
-            drafter.table.get(sid).generator = torch.Generator().manual_seed(11)
+            drafter.table.get(sid).generator = torch.Generator(drafter.lm.device).manual_seed(11)
 
     mixed = stepwise(make_drafter(max_support=8), monkeypatch, on_device)
     open_ok(mixed, *specs)

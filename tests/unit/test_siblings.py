@@ -172,7 +172,7 @@ def test_unseeded_siblings_are_independent_draws_from_their_brothers_q(make_draf
     hot = SamplingParams(temperature=2.0)
     open_ok(drafter, *(SequenceSpec(f"u{n}", PROMPTS["a"], hot) for n in range(batch)))
     for n in range(batch):
-        drafter.table.get(f"u{n}").generator = torch.Generator().manual_seed(1000 + n)
+        drafter.table.get(f"u{n}").generator = torch.Generator(drafter.lm.device).manual_seed(1000 + n)
     pairs, q = [], None
     for _ in range(rounds):
         proposals, _ = drafter.draft([DraftTask(f"u{n}", [], 7, 1, num_siblings=1) for n in range(batch)])

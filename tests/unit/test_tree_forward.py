@@ -116,7 +116,8 @@ def test_a_tree_is_offered_to_the_native_forward_with_its_parents(tiny_target, m
     want = _lm(tiny_target).forward([Row(0, 0, PROMPT[:4], 0, parents=[-1, 0, 0, 1])])[0]
     got = lm.forward([Row(0, 0, PROMPT[:4], 0, parents=[-1, 0, 0, 1]), Row(1, 0, PROMPT[:2], 0)])[0]
     assert offered == [[[-1, 0, 0, 1], None]]
-    assert torch.equal(got, want)
+    # Padded beside another row: equal up to float rounding, which some CPUs' kernels change with the batch.
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
 
 
 @pytest.mark.parametrize("parents", [[-1, 0], [-1, 0, 2], [-2, 0, 1], [-1, 1, 1]])
