@@ -459,6 +459,8 @@ def compile_section(device: str, dry: bool, deadline: float) -> dict[str, Any]:
     rows = [Row(0, context, [5], 0)]
     out: dict[str, Any] = {"shape": "tiny" if dry else "smollm2-135m", "batch": 1, "mode": "default (inductor)"}
     # The compiled body is what the fused forward's capture records instead of the plain one.
+    # The packed inputs' views stay eager: inductor cannot lower the ancestor words' bool view on CUDA.
+    fused._views = torch.compiler.disable(fused._views)  # type: ignore[method-assign]
     fused._body = torch.compile(fused._body, dynamic=False)  # type: ignore[method-assign]
     start = time.monotonic()
     plain._fill(bucket, rows, None)
@@ -625,7 +627,7 @@ _OUTCOME_AFTER = re.compile(r"^(?:\[gw\d+\] \[\s*\d+%\] )?(PASSED|FAILED|SKIPPED
 
 
 def parse_pytest(text: str) -> dict[str, Any]:
-    """Counts and failing tests from `pytest -v -rA` output, complete or cut short."""
+    """Counts and failing tests from `pytest -v` output, complete or cut short."""
     outcomes: dict[str, str] = {}
     for line in text.splitlines():
         m = _OUTCOME.match(line)
@@ -652,7 +654,7 @@ def run_pytests(runs: dict[str, Run], env: dict[str, str], timeout_s: float, log
     start = time.monotonic()
     procs = {}
     for name, (args, extra) in runs.items():
-        cmd = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", *args]
+        cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-p", "no:cacheprovider", *args]
         f = (logs / f"{name}.log").open("w")
         proc = subprocess.Popen(
             cmd, cwd=ROOT, env={**env, **extra}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
@@ -674,9 +676,17 @@ def run_pytests(runs: dict[str, Run], env: dict[str, str], timeout_s: float, log
         result.update(command=" ".join(cmd[1:]), wall_s=round(time.monotonic() - start, 1), timed_out=timed_out)
         result["exit_code"] = proc.returncode
         if result["failing"] or result["collection_errors"]:
-            result["tail"] = text[-6000:]
+            result["tail"] = failure_text(text)
         out[name] = result
     return out
+
+
+def failure_text(text: str, limit: int = 6000) -> str:
+    """A run's tracebacks (pytest's FAILURES / ERRORS sections on), else its last lines: what
+    failed and why, for the JSON, when the log itself cannot come back."""
+    at = min((i for i in (text.find("= ERRORS ="), text.find("= FAILURES =")) if i >= 0), default=-1)
+    part = text[text.rfind("\n", 0, at) + 1 :] if at >= 0 else text
+    return part[:limit] if at >= 0 else part[-limit:]
 
 
 # The unit tests that exercise what only a GPU shows, first.
@@ -856,7 +866,7 @@ def bench_stack(
         "--http-port", str(http), "--grpc-port", str(grpc_port),
         "--drafter-port", str(dport), "--verifier-port", str(vport),
         "--drafter-metrics-port", str(dm), "--verifier-metrics-port", str(vm),
-        "--max-context", "1024", "--startup-timeout", str(max(30, int(deadline - time.monotonic() - 30))),
+        "--max-context", "1024", "--startup-timeout", str(max(90, int(deadline - time.monotonic()))),
         "--trace-file", str(logs / "trace.jsonl"),
     ]  # fmt: skip
     env = dict(os.environ)
@@ -865,7 +875,7 @@ def bench_stack(
         proc = subprocess.Popen(up, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{http}"
-        wait_healthy(base, proc, deadline)
+        wait_healthy(base, proc, deadline, logs / "up.log")
         out: dict[str, Any] = {"startup_s": round(time.monotonic() - start, 1)}
         bench = [
             sys.executable, "-m", "specd.cli", "bench", "--base-url", base, "-k", "4",
@@ -942,17 +952,24 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def wait_healthy(base: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
+def wait_healthy(base: str, proc: subprocess.Popen[bytes], deadline: float, log: Path | None = None) -> None:
+    """Until `base` answers /health; a stack that exits first raises with its log's tail."""
     import urllib.request
 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"specd up exited {proc.returncode} before it was healthy")
+            raise RuntimeError(f"specd up exited {proc.returncode} before it was healthy{_tail(log)}")
         with contextlib.suppress(OSError), urllib.request.urlopen(base + "/health", timeout=2) as r:
             if r.status == 200:
                 return
         time.sleep(1)
-    raise TimeoutError("specd up was not healthy in its time budget")
+    raise TimeoutError(f"specd up was not healthy in its time budget{_tail(log)}")
+
+
+def _tail(log: Path | None, limit: int = 3000) -> str:
+    if log is None or not log.is_file():
+        return ""
+    return ":\n" + log.read_text(errors="replace")[-limit:]
 
 
 def round_figures(report: dict[str, Any]) -> dict[str, Any]:

@@ -92,6 +92,8 @@ def tests_line(report: dict[str, Any]) -> str:
 
 
 def render(reports: list[dict[str, Any]]) -> str:
+    """The tables of `reports`, oldest run first (by each report's `started`)."""
+    reports = sorted(reports, key=lambda r: str(r.get("started", "")))
     out = [
         "| GPU | shape | weights GB | batch | step eager ms | step graphed ms | draft step graphed ms "
         "| bandwidth floor ms | graphed / floor |",

@@ -91,6 +91,20 @@ def test_pytest_outcomes_are_counted_from_a_run_cut_short() -> None:
     assert counts["collection_errors"] == ["tests/unit/test_c.py"]
 
 
+def test_a_failed_runs_report_keeps_its_tracebacks_not_its_pass_lines() -> None:
+    check = script("gpu_check")
+    passes = "\n".join(f"tests/unit/test_a.py::test_{n} PASSED [ {n}%]" for n in range(400))
+    failures = (
+        "=================== FAILURES ===================\n___ test_b ___\n"
+        "E   RuntimeError: Expected a 'cuda' device type for generator\n"
+    )
+    text = f"{passes}\n{failures}=== short test summary info ===\nFAILED tests/unit/test_b.py::test_b\n"
+    kept = check.failure_text(text)
+    assert kept.startswith("=================== FAILURES") and "Expected a 'cuda' device type" in kept
+    assert "PASSED" not in kept
+    assert check.failure_text(passes, limit=100) == passes[-100:]  # killed before its summary: the last lines
+
+
 def test_round_figures_take_the_forwards_out_of_a_round() -> None:
     check = script("gpu_check")
     bench = {
