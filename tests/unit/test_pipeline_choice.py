@@ -6,6 +6,7 @@ test, and again under planted wrong formulas, where at least one of them must fa
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import replace
@@ -592,3 +593,38 @@ def test_a_batch_far_beyond_the_sizes_run_beside_is_priced_no_lower_than_alone()
     )
     assert chosen.predicted_rate <= 1.1 * truth.rate(chosen.pipeline, chosen.ks)
     assert chosen.predicted_gain < 1.3
+
+
+def test_one_sequence_gets_the_k_its_round_model_rates_best() -> None:
+    """Alone, every k it may draft is scored: the choice is the best of them under each pipeline."""
+    rng = random.Random(7)
+    chosen_ks = set()
+    for _ in range(40):
+        model = costs(rng.uniform(1, 30), rng.uniform(0.05, 3), rng.uniform(0.2, 20))
+        (one,) = candidates = batch(1, rng.uniform(0.3, 0.99), cap=rng.randint(1, 4))
+        for mode in MODES:
+            chosen = choose_round(candidates, model, 4, 0.8, (mode,), mode)
+            rates = [round_model(model, candidates, 0.8).rate(mode, [k]) for k in range(one.cap + 1)]
+            assert rates[chosen.ks[0]] == pytest.approx(max(rates))
+            chosen_ks.add(chosen.ks[0])
+    assert chosen_ks == {0, 1, 2, 3, 4}  # the draws reach every k
+
+
+def test_cohorts_that_cannot_take_turns_are_not_weighed_and_change_nothing() -> None:
+    """One sequence, or all in one cohort, or the other cohort unable to draft: a cohort round would
+    be a sequential one, so it is not searched, and the choice is the one without it."""
+    unpaired = [
+        batch(1, 0.95),
+        [replace(c, cohort=0) for c in batch(4, 0.95)],
+        [replace(c, cap=0) if c.cohort else c for c in batch(4, 0.95)],
+    ]
+    for candidates in unpaired:
+        chosen = choose(expensive_drafter(), candidates)
+        assert [mode for mode, _, _ in chosen.offered] == ["sequential", "ahead"]
+        without = choose_round(candidates, expensive_drafter(), 4, 1.0, ("sequential", "ahead"), "sequential", 0.03)
+        assert (chosen.ks, chosen.pipeline, chosen.predicted_rate) == (
+            without.ks,
+            without.pipeline,
+            without.predicted_rate,
+        )
+    assert [mode for mode, _, _ in choose(expensive_drafter(), batch(2, 0.95)).offered] == list(MODES)

@@ -548,3 +548,15 @@ def test_branches_are_asked_as_named_until_timed_and_never_without_a_draft_ahead
     assert policy.branches([4], ahead, most=0) == 0
     policy.observe_branch(True)
     assert policy.branch_hits.value(0.0) == pytest.approx(1 / (1 + 2))  # two prior weights
+
+
+def test_a_size_costs_what_it_was_last_seen_to_cost_after_each_observation() -> None:
+    """Predictions are kept between observations: each observation moves them."""
+    cost = SizedCost()
+    cost.observe(4, 10 * MS)
+    assert cost.predict(4) == pytest.approx(10 * MS)
+    cost.observe(4, 30 * MS)
+    assert cost.predict(4) > 10 * MS
+    before = cost.predict(9)
+    cost.observe(9, 90 * MS)
+    assert cost.predict(9) != pytest.approx(before) and cost.predict(4) != pytest.approx(before)

@@ -92,6 +92,7 @@ class SizedCost:
         self.prior_weight = prior_weight
         self.explore = explore
         self._sizes: dict[int, tuple[float, float, float]] = {}  # key -> forgetting sums of (1, x, y)
+        self._predicted: dict[float, float] = {}  # x -> predict(x) since the last observation
 
     @classmethod
     def key(cls, x: float) -> int:
@@ -109,13 +110,20 @@ class SizedCost:
         if not (math.isfinite(x) and math.isfinite(y)):
             return
         self.line.observe(x, y)
+        self._predicted.clear()
         f = self.line.forget
         key = self.key(x)
         n, sx, sy = self._sizes.get(key, (0.0, 0.0, 0.0))
         self._sizes[key] = (n * f + 1.0, sx * f + x, sy * f + y)
 
     def predict(self, x: float) -> float:
-        w0, w1 = self.line.coefficients()  # once: the policy predicts many times a round
+        # The policy asks for the same few sizes many times a round, between observations.
+        if (known := self._predicted.get(x)) is None:
+            known = self._predicted[x] = self._predict(x)
+        return known
+
+    def _predict(self, x: float) -> float:
+        w0, w1 = self.line.coefficients()
         key = self.key(x)
         if key in self._sizes:
             return self._at(key, x, w0, w1)

@@ -155,6 +155,12 @@ def choose_ks(
     base = [c.fixed if c.fixed is not None else 0 for c in candidates]
     baseline_rate = evaluate([0] * len(candidates))
     best_ks, best_rate = base, evaluate(base)
+    if len(candidates) == 1 and candidates[0].fixed is None:
+        # One sequence: every k it may draft is scored, which is what the search below reaches.
+        for k in range(1, min(k_max, candidates[0].cap) + 1):
+            if evaluate([k]) > best_rate * (1 + 1e-9):
+                best_ks, best_rate = [k], evaluate([k])
+        return Choice(best_ks, best_rate, baseline_rate)
     _, marginal = (verify or costs.verify).coefficients()
     for m in range(1, k_max + 1):
         # Every sequence drafting m (what it may) is scored too: the price is a line, and where
@@ -220,6 +226,9 @@ def choose_round(
             return raw
         return raw * calibration.factor(_ran(model, mode, ks), len(ks))
 
+    if "cohort" in pipelines and not _can_pair(candidates):
+        # Cohorts that cannot take turns run sequential rounds, and are priced as those: one fewer search.
+        pipelines = tuple(mode for mode in pipelines if mode != "cohort") or ("sequential",)
     choices = []
     for mode in pipelines:
         # The overlapped pipelines' verifies run beside a draft exchange: priced as timed there.
@@ -239,6 +248,11 @@ def choose_round(
         if choice.pipeline == current and choice.predicted_rate * (1 + switch_margin) >= best.predicted_rate:
             return choice
     return best
+
+
+def _can_pair(candidates: Sequence[Candidate]) -> bool:
+    """Whether both cohorts hold a sequence that may draft: else a cohort round is a sequential one."""
+    return len({c.cohort for c in candidates if (c.fixed if c.fixed is not None else c.cap) > 0}) == 2
 
 
 def _ran(model: RoundModel, mode: str, ks: Sequence[int]) -> str:
