@@ -31,7 +31,9 @@ def test_drafts_beside_the_verify_leave_the_prefill_only_what_is_left_of_it():
     assert budget.tokens(busy_ns=0) == 150
     # 80 ms left: (80 - 50) / 1 by the fit, but never below what the mean (2 ms a token) fits.
     assert budget.tokens(busy_ns=120 * MS) == 39
-    assert budget.tokens(busy_ns=250 * MS) == MIN_CHUNK  # drafts outlast the verify: still progress
+    # Drafts outlast the verify: every chunk stalls the round by its 50 ms fixed cost at least, so a
+    # chunk may take twice that (50 tokens), not the minimum, which would make 6 times as many rounds pay it.
+    assert budget.tokens(busy_ns=250 * MS) == 50
 
 
 def test_a_very_slow_drafter_still_makes_progress():
@@ -104,3 +106,30 @@ def test_beside_the_verifiers_open_the_drafter_prefills_what_fits_in_it():
     slow.observe_open(100, 300 * MS)
     slow.observe_prefill(8, 2000 * MS)  # a drafter whose prefill costs seconds whatever its size
     assert slow.fits_beside_open(100) == 0
+
+
+def test_a_fixed_cost_above_the_verify_grows_the_chunks_to_twice_it_not_down_to_the_minimum():
+    """Shaped as a GPU stack traced (an H200, MPS): a 4 ms verify, the drafter's eager prefill 14 ms
+    whatever its length (0.01 ms a token). Chunks sized to the verify fell to the minimum and stayed
+    there, each stalling its round by 10 ms; they now double until twice the fixed cost."""
+    budget = DrafterPrefillBudget(0)
+    sizes = []
+    for _ in range(40):
+        n = budget.tokens()
+        sizes.append(n)
+        budget.observe_verify(4 * MS)
+        budget.observe_prefill(n, (14 + 0.01 * n) * MS)
+    assert sizes[0] == FIRST_CHUNK and min(sizes) >= MIN_CHUNK
+    assert all(n <= 2 * max(sizes[:i]) for i, n in enumerate(sizes) if i)  # never past twice those measured
+    assert sizes[3] > FIRST_CHUNK and sorted(sizes[1:]) == sizes[1:]  # growing from the second chunk on
+    assert sizes[-1] == 1400  # 14 ms / 0.01 ms: a chunk of 28 ms
+
+
+def test_a_drafter_slow_per_token_is_still_sized_to_the_verify():
+    """Where the per-token cost dominates (a CPU), chunks stay what fits behind the verify."""
+    budget = DrafterPrefillBudget(0)
+    for _ in range(12):
+        n = budget.tokens()
+        budget.observe_verify(40 * MS)
+        budget.observe_prefill(n, (2 + 1.5 * n) * MS)
+    assert 20 <= budget.tokens() <= 26  # (40 - 2) / 1.5 = 25

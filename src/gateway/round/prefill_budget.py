@@ -28,7 +28,9 @@ class DrafterPrefillBudget:
     the budget is the tokens whose time fits in a verify's. Until the chunks have varied in size
     the fit has no slope, and each token is charged the mean time per token, fixed cost included:
     a smaller budget, whose chunks then vary. The budget stays between what the mean fits and
-    twice that, so it reaches sizes the fit has not seen a step at a time."""
+    twice that, so it reaches sizes the fit has not seen a step at a time. Where the fixed cost
+    alone outlasts the verify, no chunk fits and each stalls its round anyway: chunks then grow
+    to what costs twice the fixed cost."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap  # --prefill-chunk-tokens; 0: no cap, only what fits behind a verify
@@ -75,11 +77,17 @@ class DrafterPrefillBudget:
         if self.cost.samples == 0 or verify is None:
             return FIRST_CHUNK
         verify -= busy_ns
+        mean_tokens, mean_ns = self.cost.means()
+        fixed, per_token = self.cost.coefficients()
+        if per_token > 0 and fixed > max(verify, 0.0):
+            # The exchange's fixed cost alone outlasts what is left of the verify (a GPU's eager
+            # prefill, a drafter busy with drafts): every chunk stalls the round by at least that,
+            # so fewer chunks stall it less in all. A chunk may take up to twice the fixed cost,
+            # reached by at most doubling the chunks measured so far.
+            return max(MIN_CHUNK, int(min(fixed / per_token, 2 * mean_tokens)))
         if verify <= 0:
             return MIN_CHUNK
-        mean_tokens, mean_ns = self.cost.means()
         at_mean = verify / (mean_ns / mean_tokens)  # every token charged the mean, fixed cost included
-        fixed, per_token = self.cost.coefficients()
         fit = (verify - fixed) / per_token if per_token > 0 else at_mean
         # Never below the mean's: where the exchange's fixed cost takes most of a verify, the fit
         # leaves almost nothing, yet that cost is paid whatever the chunk, so small chunks only
