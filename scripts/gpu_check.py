@@ -880,7 +880,8 @@ def bench_stack(
         bench = [
             sys.executable, "-m", "specd.cli", "bench", "--base-url", base, "-k", "4",
             "--max-tokens", "16" if dry else "48", "--num-prompts", "2" if dry else "8",
-            "--concurrency", "1" if dry else "1,8", "--modes", "sequential,tree,ahead,fanout", "--workload", "chat",
+            "--concurrency", "1" if dry else "1,8", "--modes", "target,sequential,tree,ahead,fanout",
+            "--workload", "chat",
             "--output-dir", str(logs), "--name", "bench",
             "--service-metrics", f"drafter=http://127.0.0.1:{dm}/metrics,verifier=http://127.0.0.1:{vm}/metrics",
         ]  # fmt: skip
@@ -981,6 +982,8 @@ def round_figures(report: dict[str, Any]) -> dict[str, Any]:
         parts = {k: r.get(k) for k in ("round_draft_ms", "round_verify_ms", "round_overhead_ms")}
         forwards = {k: r.get(k) for k in ("round_drafter_forward_ms", "round_verifier_forward_ms")}
         entry: dict[str, Any] = {"tok_s": r.get("output_tokens_per_s"), **parts, **forwards}
+        if isinstance(r.get("speedup_vs_target"), (int, float)):
+            entry["x_target"] = round(r["speedup_vs_target"], 3)
         if all(isinstance(v, (int, float)) for v in (*parts.values(), *forwards.values())):
             total = sum(parts.values())
             entry["round_ms"] = round(total, 3)

@@ -67,8 +67,11 @@ def service_rows(report: dict[str, Any]) -> list[str]:
                 continue
             mode, clients = key.split("@")
             exchange, forward = r.get("round_verify_ms"), r.get("round_verifier_forward_ms")
+            speed = r.get("x_target")
             rows.append(
-                f"| {gpu} | {variant.replace('_', ' ')} | {mode} | {clients} | {_ms(r.get('round_ms'))} "
+                f"| {gpu} | {variant.replace('_', ' ')} | {mode} | {clients} "
+                f"| {_ms(r.get('tok_s'))} | {f'{speed:.2f}x' if isinstance(speed, (int, float)) else '–'} "
+                f"| {_ms(r.get('round_ms'))} "
                 f"| {_ms(r.get('outside_forwards_ms'))} | {_ms(r.get('round_verify_ms'))} "
                 f"| {_ms(r.get('round_verifier_forward_ms'))} | {_ratio(exchange, forward)} |"
             )
@@ -112,9 +115,9 @@ def render(reports: list[dict[str, Any]]) -> str:
     if services:
         out += [
             "",
-            "| GPU | shared GPU | pipeline | clients | round ms | outside the forwards ms | verify exchange ms "
-            "| verifier forward ms | exchange / forward |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| GPU | shared GPU | pipeline | clients | tok/s | vs target-only | round ms | outside the forwards ms "
+            "| verify exchange ms | verifier forward ms | exchange / forward |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
             *services,
         ]
     for r in reports:

@@ -118,11 +118,12 @@ def test_round_figures_take_the_forwards_out_of_a_round() -> None:
                 "round_overhead_ms": 5.0,
                 "round_drafter_forward_ms": 8.0,
                 "round_verifier_forward_ms": 20.0,
+                "speedup_vs_target": 0.6667,
             }
         ]
     }
     figures = check.round_figures(bench)["ahead@1"]
-    assert figures["round_ms"] == 45.0
+    assert figures["round_ms"] == 45.0 and figures["x_target"] == 0.667 and figures["tok_s"] == 40.0
     assert figures["outside_forwards_ms"] == 17.0
     assert figures["verify_exchange_x_forward"] == 1.5
     services = {"no_mps": {"ahead@1": figures, "sequential@1": {**figures, "outside_forwards_ms": 4.0}}}
@@ -149,7 +150,17 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
             "llama-3.2-1b": {"error": "RuntimeError: out of memory"},
         },
         "verify_ms": {"smollm2-135m": {"ms": {"1": {"graphed": 1.5}}, "x_step": {"graphed": {"1": 1.0, "5": 1.2}}}},
-        "services": {"mps": {"ahead@1": {"round_ms": 9.0, "round_verify_ms": 3.0, "round_verifier_forward_ms": 2.5}}},
+        "services": {
+            "mps": {
+                "ahead@1": {
+                    "tok_s": 120.0,
+                    "x_target": 0.8,
+                    "round_ms": 9.0,
+                    "round_verify_ms": 3.0,
+                    "round_verifier_forward_ms": 2.5,
+                }
+            }
+        },
         "cuda_tests": {
             "unit_first": {"passed": 40, "failed": 1, "error": 0, "skipped": 2, "timed_out": True},
             "unit_0": {"passed": 10, "failed": 0, "error": 1, "skipped": 0, "timed_out": False},
@@ -160,7 +171,7 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
     assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.50 | 5.00 | 1.20x |" in text
     assert "| llama-3.2-1b | – | – | – | – | – | – | RuntimeError: out of memory |" in text
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
-    assert "| mps | ahead | 1 | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
+    assert "| mps | ahead | 1 | 120.00 | 0.80x | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
     assert "unit: 50 passed, 2 failed, 2 skipped, cut short; integration: 7 passed, 0 failed, 0 skipped." in text
 
 
