@@ -685,8 +685,9 @@ def failure_text(text: str, limit: int = 6000) -> str:
     """A run's tracebacks (pytest's FAILURES / ERRORS sections on), else its last lines: what
     failed and why, for the JSON, when the log itself cannot come back."""
     at = min((i for i in (text.find("= ERRORS ="), text.find("= FAILURES =")) if i >= 0), default=-1)
-    part = text[text.rfind("\n", 0, at) + 1 :] if at >= 0 else text
-    return part[:limit] if at >= 0 else part[-limit:]
+    if at < 0:
+        return text[-limit:]
+    return text[text.rfind("\n", 0, at) + 1 :][:limit]
 
 
 # The unit tests that exercise what only a GPU shows, first.

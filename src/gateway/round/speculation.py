@@ -158,8 +158,8 @@ def choose_ks(
     if len(candidates) == 1 and candidates[0].fixed is None:
         # One sequence: every k it may draft is scored, which is what the search below reaches.
         for k in range(1, min(k_max, candidates[0].cap) + 1):
-            if evaluate([k]) > best_rate * (1 + 1e-9):
-                best_ks, best_rate = [k], evaluate([k])
+            if (k_rate := evaluate([k])) > best_rate * (1 + 1e-9):
+                best_ks, best_rate = [k], k_rate
         return Choice(best_ks, best_rate, baseline_rate)
     _, marginal = (verify or costs.verify).coefficients()
     for m in range(1, k_max + 1):
