@@ -102,3 +102,28 @@ def test_layers_of_another_form_get_no_native_forward(kernel: gemv.Gemv) -> None
     fused = fused_llama.fuse(tinymodels.build_model(0, 96, 1, 2, hidden_size=48, head_dim=12))
     assert NativeLayers.build(fused.body, kernel) is None
     assert NativeLayers.build(fused_llama.fuse(tinymodels.build_model(0, 96, 1, 2)).body, None) is None
+
+
+def test_torch_runs_on_one_thread_where_the_kernel_takes_the_products(kernel: gemv.Gemv, monkeypatch) -> None:
+    # The kernel's own threads do the products; torch's idle workers spinning beside them would take
+    # their cores. A forward the kernel does not take (a long prefill) keeps torch's threads.
+    lm = _lm(kernel)
+    seen: list[tuple[int, int]] = []
+    real = lm.model.body.native_forward
+
+    def spy(tokens, *args, **kwargs):
+        fed = len(tokens) if isinstance(tokens, torch.Tensor) else sum(len(t) for t in tokens)
+        seen.append((fed, torch.get_num_threads()))
+        return real(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(lm.model.body, "native_forward", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _rounds(lm)
+        lm.forward_argmax([Row(1, 0, [4, 5, 6], 2)])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert {threads for fed, threads in seen if fed in ROWS} == {1}
+    assert {threads for fed, threads in seen if fed not in ROWS} == {2}

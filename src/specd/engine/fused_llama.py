@@ -184,6 +184,10 @@ class FusedLlamaBody(nn.Module):
             log.info("the decoder layers run in one native call each for forwards of %s tokens", sorted(chosen))
         return chosen
 
+    def kernel_takes(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens runs its products on the gemv kernel."""
+        return tokens in self.linears.kernel_rows
+
     def native_forward(
         self,
         tokens: list[list[int]] | torch.Tensor,

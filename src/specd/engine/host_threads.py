@@ -23,3 +23,12 @@ def one_torch_thread(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def around_forward(body: object, device: torch.device, tokens: int) -> contextlib.AbstractContextManager[None]:
+    """`one_torch_thread` for a forward of `tokens` tokens whose products run on the gemv kernel's
+    own threads (`body.kernel_takes`, specd.engine.fused_llama): torch then does only the small
+    work between the products, and its workers, spinning idle after it, would take the cores from
+    the kernel's threads in the middle of each product."""
+    takes = getattr(body, "kernel_takes", None)
+    return one_torch_thread(device) if takes is not None and takes(tokens) else contextlib.nullcontext()

@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache
 from specd.engine.attention_layout import layout
 from specd.engine.forward_masks import positions_and_mask, row_tree
 from specd.engine.head_product import HeadProduct
+from specd.engine.host_threads import around_forward
 from specd.engine.timing import best_time
 
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
@@ -47,9 +48,7 @@ CAN_MAP = bool(_MAP_FLAGS) and hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap.m
 
 def _lazy_cpu_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
     """Zeros whose pages the kernel backs only when written, or plain zeros where it cannot."""
-    count = 1
-    for n in shape:
-        count *= n
+    count = torch.Size(shape).numel()
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if not nbytes or not CAN_MAP:
         return torch.zeros(shape, dtype=dtype), None
@@ -110,8 +109,7 @@ class SlotKVCache(Cache):
         self.keys = [None] * self.num_layers
         self.values = [None] * self.num_layers
         # Dropped, not closed: views handed to the model may still hold them; the last reference unmaps.
-        self._key_regions = [None] * self.num_layers
-        self._value_regions = [None] * self.num_layers
+        self._key_regions, self._value_regions = [None] * self.num_layers, [None] * self.num_layers
         # Per slot: positions written since it was last released (what its pages back).
         self._high = [0] * max_slots
 
@@ -487,11 +485,12 @@ class BatchedCausalLM:
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not rows:
             return [], []
-        order, rows, hidden, wanted = self._run(rows, device_ids, keep)
-        with torch.inference_mode():
-            logits = self.head_product(wanted).float()
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
+        with around_forward(self._base, self.device, sum(len(r.tokens) for r in rows)):
+            order, rows, hidden, wanted = self._run(rows, device_ids, keep)
+            with torch.inference_mode():
+                logits = self.head_product(wanted).float()
+                if self.softcap:
+                    logits = torch.tanh(logits / self.softcap) * self.softcap
         out: list[torch.Tensor] = []
         offset = 0
         for r in rows:
@@ -513,11 +512,12 @@ class BatchedCausalLM:
             raise ValueError("forward_argmax wants one position of each row")
         if not rows:
             return torch.empty(0, dtype=torch.long, device=self.device)
-        order, _, _, wanted = self._run(rows, device_ids)
         argmax = getattr(self._head, "argmax", None)
-        with torch.inference_mode():
-            # A softcap is monotonic: it moves no argmax.
-            best = argmax(wanted) if argmax is not None else self.head_product(wanted).argmax(dim=-1)
+        with around_forward(self._base, self.device, sum(len(r.tokens) for r in rows)):
+            order, _, _, wanted = self._run(rows, device_ids)
+            with torch.inference_mode():
+                # A softcap is monotonic: it moves no argmax.
+                best = argmax(wanted) if argmax is not None else self.head_product(wanted).argmax(dim=-1)
         # Back from the slot order the forward ran in to the caller's.
         return best.index_select(0, to_device(sorted(range(len(order)), key=order.__getitem__), best.device))
 
