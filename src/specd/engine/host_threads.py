@@ -1,4 +1,5 @@
-"""torch's thread count around a forward's small follow-up work on the CPU."""
+"""torch's thread count on the CPU around the work beside the gemv kernel's own threads: a
+forward whose products the kernel runs, and a round's small follow-up work on its logits."""
 
 from __future__ import annotations
 
