@@ -4,6 +4,9 @@ torch forward wherever the native layers do not apply."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import tinymodels
 import torch
 from torch import nn
@@ -127,3 +130,55 @@ def test_torch_runs_on_one_thread_where_the_kernel_takes_the_products(kernel: ge
         torch.set_num_threads(before)
     assert {threads for fed, threads in seen if fed in ROWS} == {1}
     assert {threads for fed, threads in seen if fed not in ROWS} == {2}
+
+
+def _paced(lm: BatchedCausalLM, native_s: float, torch_s: float) -> fused_llama.ChunkForward:
+    """A round forward whose time says which layers ran it: `native_s` where the kernel takes
+    its token count (the native layers), `torch_s` where it does not."""
+    body = lm.model.body
+
+    def round_forward(tokens: int) -> Callable[[], object]:
+        return lambda: time.sleep(native_s if body.kernel_takes(tokens) else torch_s)
+
+    return round_forward
+
+
+def test_whole_forwards_take_back_counts_the_products_left_to_torch(kernel: gemv.Gemv) -> None:
+    # Where the products alone are about even, the native layers still save torch's attention,
+    # norms and rotations: the whole forward decides. Untimed counts follow the next timed one.
+    lm = _lm(kernel)
+    body = lm.model.body
+    body.linears.kernel_rows = frozenset(range(1, 17))
+    settled = body.settle_native(32, _paced(lm, native_s=0.002, torch_s=0.006))
+    assert settled == frozenset(range(1, 33))
+    assert body.linears.kernel_rows == frozenset(range(1, 17))  # as it was, for the caller to set
+
+
+def test_whole_forwards_leave_torch_where_it_runs_them_faster(kernel: gemv.Gemv) -> None:
+    lm = _lm(kernel)
+    body = lm.model.body
+    body.linears.kernel_rows = frozenset(range(1, 17))
+    assert body.settle_native(32, _paced(lm, native_s=0.006, torch_s=0.002)) == frozenset(range(1, 17))
+
+
+def test_the_calibration_times_whole_forwards_and_frees_its_slots(kernel: gemv.Gemv, monkeypatch) -> None:
+    lm = _lm(kernel)
+    body = lm.model.body
+
+    def products_say(linears: object, rows: int) -> frozenset[int]:
+        body.linears.kernel_rows = frozenset({1, 2})
+        return body.linears.kernel_rows
+
+    monkeypatch.setattr(body.linears, "calibrate", products_say)
+    timed: list[int] = []
+    real = lm.round_forward
+
+    def spy(tokens: int, context: int = 16) -> Callable[[], object] | None:
+        timed.append(tokens)
+        return real(tokens, context)
+
+    monkeypatch.setattr(lm, "round_forward", spy)
+    lm.calibrate_products(6)
+    assert timed == [3, 4, 5, 6]
+    assert body.kernel_takes(1) and body.native is not None
+    assert not any(lm.cache._high)  # every slot the timing filled is free again

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,8 +35,13 @@ from torch.nn import functional as F
 from specd.engine import DECODER_CHOICES
 from specd.engine.gemv import RowKernel
 from specd.engine.native_layer import NativeLayers, placement
+from specd.engine.timing import best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
+
+
+# A whole forward of so many tokens, ready to time (None where it cannot be run).
+ChunkForward = Callable[[int], Callable[[], object] | None]
 
 
 def supports(model: Any) -> bool:
@@ -171,18 +176,65 @@ class FusedLlamaBody(nn.Module):
         # The layers in one C call each (specd.engine.native_layer), made by `calibrate` where they apply.
         self.native: NativeLayers | None = None
 
-    def calibrate(self, max_rows: int) -> frozenset[int]:
+    def calibrate(self, max_rows: int, round_forward: ChunkForward | None = None) -> frozenset[int]:
         """Choose the float32 linears' product for forwards of up to max_rows tokens by timing every
         layer's products (`specd.engine.gemv.RowKernel.calibrate`); the token counts it took the
-        kernel for."""
+        kernel for. `round_forward(tokens)`: a whole forward of that many tokens to time, for
+        `settle_native`."""
         products = [
             m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
         chosen = self.linears.calibrate(products, max_rows)
         self.native = NativeLayers.build(self, self.linears.kernel) if chosen else None
+        if self.native is not None and round_forward is not None:
+            self.linears.kernel_rows = chosen = self.settle_native(max_rows, round_forward)
         if self.native is not None:
             log.info("the decoder layers run in one native call each for forwards of %s tokens", sorted(chosen))
         return chosen
+
+    def settle_native(self, max_rows: int, round_forward: ChunkForward) -> frozenset[int]:
+        """The kernel's token counts, with those its products alone left to torch taken back unless a
+        whole forward runs faster through torch's layers. The kernel's token counts also choose
+        the native layers, which replace a dozen torch operations a layer (attention, norms,
+        rotations) with one C call: where the products alone are about even (a few dozen rows),
+        that is what decides."""
+        kernel_rows = self.linears.kernel_rows
+        timed = calibration_rows(max_rows)
+        measured: dict[int, tuple[float, float]] = {}
+        for rows in (r for r in timed if r not in kernel_rows):
+            run = round_forward(rows)
+            if run is not None:
+                measured[rows] = self._both_ways(rows, run)
+        if not measured:
+            return kernel_rows
+        log.info(
+            "whole forwards, torch / native layers ms by tokens: %s",
+            ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in measured.items()),
+        )
+        # A tie goes to the native layers: their attention gains with context, and a round's rows
+        # have more context than these forwards (a few cached tokens each, to start up fast).
+        torch_faster = choose_rows({rows: (native, torch_s) for rows, (torch_s, native) in measured.items()})
+        verdicts = {rows: (0.0, 1.0) if rows in torch_faster else (1.0, 0.0) for rows in measured}
+        taken = {rows: (1.0, 0.0) for rows in timed if rows in kernel_rows}
+        return kernel_rows | choose_rows({**taken, **verdicts})
+
+    def _both_ways(self, rows: int, run: Callable[[], object]) -> tuple[float, float]:
+        """Seconds of `run` (a forward of `rows` tokens) through torch's layers and through the native ones."""
+        kernel_rows = self.linears.kernel_rows
+
+        def torch_layers() -> None:
+            self.linears.kernel_rows = kernel_rows
+            run()
+
+        def native_layers() -> None:
+            self.linears.kernel_rows = kernel_rows | {rows}
+            run()
+
+        try:
+            torch_s, native_s = best_times([torch_layers, native_layers], 3)
+        finally:
+            self.linears.kernel_rows = kernel_rows
+        return torch_s, native_s
 
     def kernel_takes(self, tokens: int) -> bool:
         """Whether a forward of `tokens` tokens runs its products on the gemv kernel."""

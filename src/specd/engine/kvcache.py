@@ -21,8 +21,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import mmap
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from specd.engine.attention_layout import layout
 from specd.engine.forward_masks import positions_and_mask, row_tree
 from specd.engine.head_product import HeadProduct
 from specd.engine.host_threads import around_forward
+from specd.engine.rows import Row
 from specd.engine.timing import best_time
 
 # Bounds of a BatchedCausalLM used on its own (tests); services reserve their flags' bounds.
@@ -359,22 +359,6 @@ def _dontneed(region: mmap.mmap, t: torch.Tensor, slot: int) -> None:
         region.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
-@dataclass
-class Row:
-    """One sequence's part of a batched forward."""
-
-    slot: int
-    start: int  # tokens already in the cache for this slot
-    tokens: list[int]  # new tokens to feed, written at start, start+1, ...
-    logits_from: int  # index into `tokens` of the first position whose logits are wanted
-    # For a model that reads features (a feature drafter, specd.engine.featurehead): [len(tokens), feature_size],
-    # the feature fed beside each token; None feeds zeros.
-    features: torch.Tensor | None = None
-    # A token tree (specd.engine.trees): each token's parent among them, or -1 for the last cached token;
-    # a node sits at position start + its depth and sees only its ancestors among them. None: a chain.
-    parents: list[int] | None = None
-
-
 class BatchedCausalLM:
     """An HF causal LM plus a slot KV cache; rows of any lengths in one forward."""
 
@@ -461,7 +445,21 @@ class BatchedCausalLM:
         self.head_product.calibrate(max_rows)
         calibrate = getattr(self._base, "calibrate", None)
         if calibrate is not None:
-            calibrate(max_rows)
+            calibrate(max_rows, self.round_forward)
+        for slot in range(self.cache.max_slots):
+            self.cache.release(slot)
+
+    def round_forward(self, tokens: int, context: int = 16) -> Callable[[], object] | None:
+        """A forward of `tokens` tokens spread over the cache's slots, one a slot where it has as
+        many (a round of that many sequences), each after `context` cached tokens, to time; None
+        where the cache cannot hold them. Start-up only: the caller releases the slots."""
+        slots = min(tokens, self.cache.max_slots)
+        counts = [tokens // slots + (i < tokens % slots) for i in range(slots)]
+        context = min(context, self.cache.max_positions - counts[0])
+        if context < 1:
+            return None
+        self.forward([Row(slot, 0, [0] * context, context - 1) for slot in range(slots)])
+        return lambda: self.forward([Row(slot, context, [0] * n, n - 1) for slot, n in enumerate(counts)])
 
     def forward(self, rows: Sequence[Row], ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Feed each row's tokens; return per row float32 logits [n_wanted, vocab].
