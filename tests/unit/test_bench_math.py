@@ -168,6 +168,12 @@ def test_bad_server_arguments_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_server_url_may_carry_an_openai_base_url_s_v1():
+    args = parse_args(["--base-url", "http://a:8000/v1/", "--server", "b=http://b:8100/v1", "--modes", "auto,auto@b"])
+    assert args.servers == {"": "http://a:8000", "b": "http://b:8100"}
+    assert parse_args(["--base-url", "http://a:8000/"]).servers == {"": "http://a:8000"}
+
+
 def test_modes_map_to_the_request_extension():
     assert mode_extra("target", 4) == {"num_speculative_tokens": 0}
     assert mode_extra("fixed", 4) == {"num_speculative_tokens": 4}

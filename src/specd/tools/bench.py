@@ -374,9 +374,19 @@ async def service_stats(args: argparse.Namespace, prompt_tokens: float) -> dict[
     return stats
 
 
+def server_root(url: str) -> str:
+    """A server's URL without a trailing slash or `/v1`: the bench adds `/v1/...` and `/metrics`."""
+    url = url.rstrip("/")
+    return url.removesuffix("/v1") if url.endswith("/v1") else url
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specd bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway (or any OpenAI-compatible server)")
+    p.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="the gateway (or any OpenAI-compatible server), with or without the /v1 an OpenAI client's base URL has",
+    )
     p.add_argument(
         "--server",
         action="append",
@@ -432,12 +442,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     hf.add_argument("--hf-device", default="cpu")
     args = p.parse_args(argv)
+    args.base_url = server_root(args.base_url)
     args.servers = {"": args.base_url}
     for item in args.server:
         name, sep, url = item.partition("=")
         if not sep or not name.strip() or not url.strip() or name.strip() in args.servers:
             p.error(f"--server needs a new NAME=URL, not {item!r}")
-        args.servers[name.strip()] = url.strip()
+        args.servers[name.strip()] = server_root(url.strip())
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
         name, server = split_mode(mode)
