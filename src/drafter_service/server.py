@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -12,12 +13,11 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.engine import checkpoints, cuda_graphs, fused_llama, gemv, models
+from specd.engine import checkpoints, cuda_graphs, fused_llama, gemv, models, timing
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.quant import calibrate_wide_rows, quantize_copy, set_wide_rows, weights_are_int4
-from specd.engine.timing import CALIBRATION_ROWS
 from specd.heap import trim_heap
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
@@ -54,23 +54,8 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
         config.branch_slots,
     )
-    if quantization != "none" and config.int8_wide_rows == -1:
-        calibrate_wide_rows(loaded.model, lambda rows: _prefill_once(lm, rows))
-    elif quantization != "none":
-        set_wide_rows(loaded.model, config.int8_wide_rows)
-    else:
-        # Where the float32 products of a CPU forward are faster through the kernel (from the exact
-        # 4-bit blocks of a Q4_1 model, say), they run there, as the verifier's do.
-        lm.calibrate_products(CALIBRATION_ROWS)
-    lm.warm_up(2)
-    # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
-    # A round's rows: every sequence's, and a fan-out branch's in each branch slot.
-    rows = config.max_sequences + engine.table.branch_slots
-    cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", rows)
-    # What a step costs for batches the gateway has not drafted for yet: on a CPU it grows with the
-    # batch far more than a line through a few small batches says.
-    step_timings = lm.time_steps([n for n in STEP_TIMING_SIZES if n <= config.max_sequences])
-    log.info("one-token step: %s", ", ".join(f"{n} sequences {ns / 1e6:.1f} ms" for n, ns in step_timings))
+    with timing.alone():
+        step_timings = _measure(lm, engine, config, loaded.model, quantization)
     if engine.feature_size:
         log.info(
             "the drafter is a feature head: it reads the target's hidden states (%d wide) beside each token",
@@ -89,6 +74,31 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         step_timings=[common_pb2.StepTiming(sequences=n, forward_ns=ns) for n, ns in step_timings],
     )
     return engine, info
+
+
+def _measure(
+    lm: BatchedCausalLM, engine: ModelDrafter, config: DrafterConfig, model: Any, quantization: str
+) -> list[tuple[int, int]]:
+    """The start-up timings: the products' kernels, the warm-up, CUDA graphs; the one-token step's
+    cost by batch size, returned."""
+    if quantization != "none" and config.int8_wide_rows == -1:
+        calibrate_wide_rows(model, lambda rows: _prefill_once(lm, rows))
+    elif quantization != "none":
+        set_wide_rows(model, config.int8_wide_rows)
+    else:
+        # Where the float32 products of a CPU forward are faster through the kernel (from the exact
+        # 4-bit blocks of a Q4_1 model, say), they run there, as the verifier's do.
+        lm.calibrate_products(timing.CALIBRATION_ROWS)
+    lm.warm_up(2)
+    # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
+    # A round's rows: every sequence's, and a fan-out branch's in each branch slot.
+    rows = config.max_sequences + engine.table.branch_slots
+    cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", rows)
+    # What a step costs for batches the gateway has not drafted for yet: on a CPU it grows with the
+    # batch far more than a line through a few small batches says.
+    step_timings = lm.time_steps([n for n in STEP_TIMING_SIZES if n <= config.max_sequences])
+    log.info("one-token step: %s", ", ".join(f"{n} sequences {ns / 1e6:.1f} ms" for n, ns in step_timings))
+    return step_timings
 
 
 def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:
