@@ -380,6 +380,17 @@ def server_root(url: str) -> str:
     return url.removesuffix("/v1") if url.endswith("/v1") else url
 
 
+def servers(p: argparse.ArgumentParser, base_url: str, items: Sequence[str]) -> dict[str, str]:
+    """{"": --base-url, NAME: URL for each --server NAME=URL}."""
+    named = {"": base_url}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name.strip() or not url.strip() or name.strip() in named:
+            p.error(f"--server needs a new NAME=URL, not {item!r}")
+        named[name.strip()] = server_root(url.strip())
+    return named
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specd bench", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -443,12 +454,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     hf.add_argument("--hf-device", default="cpu")
     args = p.parse_args(argv)
     args.base_url = server_root(args.base_url)
-    args.servers = {"": args.base_url}
-    for item in args.server:
-        name, sep, url = item.partition("=")
-        if not sep or not name.strip() or not url.strip() or name.strip() in args.servers:
-            p.error(f"--server needs a new NAME=URL, not {item!r}")
-        args.servers[name.strip()] = server_root(url.strip())
+    args.servers = servers(p, args.base_url, args.server)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for mode in args.modes:
         name, server = split_mode(mode)
