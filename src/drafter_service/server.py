@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 import torch
@@ -55,7 +54,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         config.branch_slots,
     )
     with timing.alone():
-        step_timings = _measure(lm, engine, config, loaded.model, quantization)
+        step_timings = _measure(lm, engine, config, quantization)
     if engine.feature_size:
         log.info(
             "the drafter is a feature head: it reads the target's hidden states (%d wide) beside each token",
@@ -77,14 +76,14 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
 
 
 def _measure(
-    lm: BatchedCausalLM, engine: ModelDrafter, config: DrafterConfig, model: Any, quantization: str
+    lm: BatchedCausalLM, engine: ModelDrafter, config: DrafterConfig, quantization: str
 ) -> list[tuple[int, int]]:
     """The start-up timings: the products' kernels, the warm-up, CUDA graphs; the one-token step's
     cost by batch size, returned."""
     if quantization != "none" and config.int8_wide_rows == -1:
-        calibrate_wide_rows(model, lambda rows: _prefill_once(lm, rows))
+        calibrate_wide_rows(lm.model, lambda rows: _prefill_once(lm, rows))
     elif quantization != "none":
-        set_wide_rows(model, config.int8_wide_rows)
+        set_wide_rows(lm.model, config.int8_wide_rows)
     else:
         # Where the float32 products of a CPU forward are faster through the kernel (from the exact
         # 4-bit blocks of a Q4_1 model, say), they run there, as the verifier's do.

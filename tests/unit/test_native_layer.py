@@ -132,7 +132,7 @@ def test_torch_runs_on_one_thread_where_the_kernel_takes_the_products(kernel: ge
     assert {threads for fed, threads in seen if fed not in ROWS} == {2}
 
 
-def _paced(lm: BatchedCausalLM, native_s: float, torch_s: float) -> fused_llama.ChunkForward:
+def _paced(lm: BatchedCausalLM, native_s: float, torch_s: float) -> fused_llama.RoundForward:
     """A round forward whose time says which layers ran it: `native_s` where the kernel takes
     its token count (the native layers), `torch_s` where it does not."""
     body = lm.model.body

@@ -35,13 +35,13 @@ from torch.nn import functional as F
 from specd.engine import DECODER_CHOICES
 from specd.engine.gemv import RowKernel
 from specd.engine.native_layer import NativeLayers, placement
-from specd.engine.timing import best_times, calibration_rows, choose_rows
+from specd.engine.timing import MARGIN, best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
 
 
 # A whole forward of so many tokens, ready to time (None where it cannot be run).
-ChunkForward = Callable[[int], Callable[[], object] | None]
+RoundForward = Callable[[int], Callable[[], object] | None]
 
 
 def supports(model: Any) -> bool:
@@ -176,7 +176,7 @@ class FusedLlamaBody(nn.Module):
         # The layers in one C call each (specd.engine.native_layer), made by `calibrate` where they apply.
         self.native: NativeLayers | None = None
 
-    def calibrate(self, max_rows: int, round_forward: ChunkForward | None = None) -> frozenset[int]:
+    def calibrate(self, max_rows: int, round_forward: RoundForward | None = None) -> frozenset[int]:
         """Choose the float32 linears' product for forwards of up to max_rows tokens by timing every
         layer's products (`specd.engine.gemv.RowKernel.calibrate`); the token counts it took the
         kernel for. `round_forward(tokens)`: a whole forward of that many tokens to time, for
@@ -192,7 +192,7 @@ class FusedLlamaBody(nn.Module):
             log.info("the decoder layers run in one native call each for forwards of %s tokens", sorted(chosen))
         return chosen
 
-    def settle_native(self, max_rows: int, round_forward: ChunkForward) -> frozenset[int]:
+    def settle_native(self, max_rows: int, round_forward: RoundForward) -> frozenset[int]:
         """The kernel's token counts, with those its products alone left to torch taken back unless a
         whole forward runs faster through torch's layers. The kernel's token counts also choose
         the native layers, which replace a dozen torch operations a layer (attention, norms,
@@ -211,12 +211,11 @@ class FusedLlamaBody(nn.Module):
             "whole forwards, torch / native layers ms by tokens: %s",
             ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in measured.items()),
         )
-        # A tie goes to the native layers: their attention gains with context, and a round's rows
-        # have more context than these forwards (a few cached tokens each, to start up fast).
-        torch_faster = choose_rows({rows: (native, torch_s) for rows, (torch_s, native) in measured.items()})
-        verdicts = {rows: (0.0, 1.0) if rows in torch_faster else (1.0, 0.0) for rows in measured}
-        taken = {rows: (1.0, 0.0) for rows in timed if rows in kernel_rows}
-        return kernel_rows | choose_rows({**taken, **verdicts})
+        # A tie goes to the native layers (torch's keep a count only where they ran it faster by the
+        # margin): their attention gains with context, and a round's rows have more context than
+        # these forwards (a few cached tokens each, to start up fast).
+        tie = 1 / (1 - MARGIN) - 1
+        return kernel_rows | choose_rows(measured, margin=-tie)
 
     def _both_ways(self, rows: int, run: Callable[[], object]) -> tuple[float, float]:
         """Seconds of `run` (a forward of `rows` tokens) through torch's layers and through the native ones."""

@@ -376,8 +376,7 @@ async def service_stats(args: argparse.Namespace, prompt_tokens: float) -> dict[
 
 def server_root(url: str) -> str:
     """A server's URL without a trailing slash or `/v1`: the bench adds `/v1/...` and `/metrics`."""
-    url = url.rstrip("/")
-    return url.removesuffix("/v1") if url.endswith("/v1") else url
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def servers(p: argparse.ArgumentParser, base_url: str, items: Sequence[str]) -> dict[str, str]:
