@@ -37,9 +37,18 @@ def free_port() -> int:
             return port
 
 
+POLL_BACKOFF = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
+
+
 def wait_grpc_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    # gRPC's default reconnect backoff grows to seconds while the port is still closed, which would
+    # add that much to every start-up a test waits for.
+    with grpc.insecure_channel(address, options=POLL_BACKOFF) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
