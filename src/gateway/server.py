@@ -33,7 +33,7 @@ from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
 from specd.proto.speculative.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from specd.rpc import backend_auth, tls
 from specd.rpc.grpc_decode import DecodeErrorInterceptor
-from specd.rpc.serving import channel_options, setup_logging
+from specd.rpc.serving import channel_options, exit_at_once, setup_logging
 from specd.rpc.tracing import Tracing
 
 log = logging.getLogger(__name__)
@@ -333,6 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ) as exc:
         log.error("%s", exc)
         sys.exit(2)
+    exit_at_once()
 
 
 if __name__ == "__main__":
