@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 SCRIPT = """
-import logging, sys
+import logging, logging.handlers, sys
 from specd.rpc.serving import exit_at_once
-logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+# A handler that holds its records until it is flushed or closed (as logging.shutdown does).
+held = logging.handlers.MemoryHandler(100, flushLevel=logging.CRITICAL, target=logging.FileHandler(sys.argv[1]))
+logging.basicConfig(handlers=[held], level=logging.INFO)
 logging.getLogger("svc").info("stopping")
 sys.stdout.write("unflushed")  # a pipe's buffer: written out only by a flush
 exit_at_once(3)

@@ -65,8 +65,8 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
-        # A client channel to a restarted (or still starting) service reconnects within half a
-        # second of its port opening, not after gRPC's default backoff of up to two minutes: an
+        # A client channel to a restarted (or still starting) service reconnects within about half
+        # a second of its port opening, not after gRPC's default backoff of up to two minutes: an
         # attempt at a closed port costs next to nothing.
         ("grpc.initial_reconnect_backoff_ms", 250),
         ("grpc.min_reconnect_backoff_ms", 250),
@@ -457,9 +457,9 @@ def run_service(
 
 
 def exit_at_once(code: int = 0) -> NoReturn:
-    """End a stopped service's process once its logs are flushed, without the interpreter's teardown:
-    freeing torch's and transformers' object graphs one by one took seconds, which every stop, every
-    supervised restart and every Ctrl-C of `specd up` would wait out."""
+    """End a stopped service's process once its logs and output are flushed, without the interpreter's
+    teardown: freeing torch's and transformers' object graphs one by one is most of a stop, which
+    every supervised restart and every Ctrl-C of `specd up` would wait out."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
