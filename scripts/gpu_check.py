@@ -522,15 +522,15 @@ def probe_once(device: str, backend: str = "", **variant: Any) -> float:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from specd.engine import kvcache
+    from specd.engine import slot_cache
 
-    alignment = variant.pop("alignment", kvcache.KEY_ALIGNMENT)
-    before, kvcache.KEY_ALIGNMENT = kvcache.KEY_ALIGNMENT, alignment
+    alignment = variant.pop("alignment", slot_cache.KEY_ALIGNMENT)
+    before, slot_cache.KEY_ALIGNMENT = slot_cache.KEY_ALIGNMENT, alignment
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext():
             return _probe_rounds(device, **variant)
     finally:
-        kvcache.KEY_ALIGNMENT = before
+        slot_cache.KEY_ALIGNMENT = before
 
 
 def _probe_rounds(

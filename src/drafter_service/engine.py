@@ -17,9 +17,10 @@ from specd.engine.featurehead import FeatureTrack
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler
 from specd.engine.host_threads import one_torch_thread
-from specd.engine.kvcache import BatchedCausalLM, Row, to_device
+from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, sparse_drafts
 from specd.engine.sequences import SequenceState, SequenceTable
+from specd.engine.slot_cache import to_device
 from specd.engine.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
 
 

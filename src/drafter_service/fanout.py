@@ -34,9 +34,9 @@ import torch
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import invalid
 from specd.engine.host_threads import one_torch_thread
-from specd.engine.kvcache import to_device
 from specd.engine.sampling import gumbel_top, probabilities, spans_keys, truncate
 from specd.engine.sequences import BranchCache, SequenceState, SequenceTable
+from specd.engine.slot_cache import to_device
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 
 Active = tuple[int, SequenceState, int]  # (proposal index, state, tokens to draft), as the drafting loops keep

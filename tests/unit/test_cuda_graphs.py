@@ -18,7 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specd.engine import cuda_graphs, fused_llama, trees
 from specd.engine.attention_layout import AttentionLayout
-from specd.engine.kvcache import BatchedCausalLM, Row, SlotKVCache
+from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.slot_cache import SlotKVCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

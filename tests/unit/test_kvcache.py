@@ -9,8 +9,9 @@ import torch
 
 from drafter_service.engine import ModelDrafter
 from specd.engine import kvcache
-from specd.engine.kvcache import BatchedCausalLM, Row, SlotKVCache
+from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.params import SamplingParams
+from specd.engine.slot_cache import SlotKVCache
 from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 from verifier_service.engine import VerifierEngine
 
