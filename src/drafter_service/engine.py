@@ -190,7 +190,10 @@ class ModelDrafter(_DrafterBase):
         """One drafting step's forward; a feature drafter keeps each row's predicted hidden state and
         notes which fed positions had their real feature."""
         if not self.feature_size:
-            return self.lm.forward(rows)
+            inputs: list[torch.Tensor] = []
+            logits = self.lm.forward(rows, inputs=inputs)
+            note_inputs([state for _, state, _ in active], rows, inputs)
+            return logits
         logits, hidden = self.lm.forward_hidden(rows)
         for (_, state, _), row, h in zip(active, rows, hidden, strict=True):
             assert state.features is not None
@@ -212,7 +215,9 @@ class ModelDrafter(_DrafterBase):
         # A drafter reading hidden states has none for a branch's positions: it proposes none.
         fan = FanOut(tasks, active, self.table, enabled=not self.feature_size)
         for i, state, _, context in live:
-            self._roll_back(state, fan.roll_back_to(i, context))
+            self._roll_back(state, context)
+            state.head_inputs.follow(context, len(state.committed) - 1)
+            fan.reuse(i, state, context)
         # Constrained sequences: the grammar follows committed + assumed tokens, then each draft.
         constrained = sync_grammars(active, contexts)
         timing.phases.append(("rollback", start, time.time_ns()))
@@ -229,6 +234,8 @@ class ModelDrafter(_DrafterBase):
                 tasks, active, contexts, feed, proposals, constrained, timing, notes, fan
             )
         fan.finish(proposals)
+        for i, state, _ in active:
+            state.head_inputs.tokens.extend(proposals[i].tokens)
         timing.forward_ns = forward_ns
         if notes.wanted:
             notes.attach(tasks, proposals, {i: state for i, state, _ in active})
@@ -465,12 +472,17 @@ class ModelDrafter(_DrafterBase):
     ) -> torch.Tensor:
         """One on-device step's argmax of each drafting row; where some want siblings, from the
         whole logits (`forward`'s argmax, as the step-by-step loop takes it), noting theirs; the
-        first step keeps the fan-out rows' logits of their assumed tokens."""
+        first step gives the fan-out rows their q (`FanOut.keep`)."""
         want = wanting(notes, active, drafting)
         wide = step == 0 and bool(fan)
+        inputs: list[torch.Tensor] = []
+        states = [active[r][1] for r in drafting]
         if not want and not wide:
-            return self.lm.forward_argmax(rows, ids)
-        logits = self.lm.forward(rows, ids)
+            best = self.lm.forward_argmax(rows, ids, inputs=inputs)
+            note_inputs(states, rows, inputs)
+            return best
+        logits = self.lm.forward(rows, ids, inputs=inputs)
+        note_inputs(states, rows, inputs)
         if wide:
             logits = fan.keep(active, logits)
         with one_torch_thread(self.lm.device):
@@ -532,6 +544,12 @@ class ModelDrafter(_DrafterBase):
             generators.append(generator)
         drawn = sparse_drafts(torch.stack([dists[r] for r in rows]), self.max_support, generators)
         return {r: (token, SparseDist(ids, probs)) for r, (token, ids, probs) in zip(rows, drawn, strict=True)}
+
+
+def note_inputs(states: Sequence[SequenceState], rows: Sequence[Row], inputs: Sequence[torch.Tensor]) -> None:
+    """Keep each row's head inputs of the positions it wanted logits of (a fan-out task's q)."""
+    for state, row, x in zip(states, rows, inputs, strict=True):
+        state.head_inputs.note(row.start + row.logits_from, x)
 
 
 class NgramDrafter(_DrafterBase):

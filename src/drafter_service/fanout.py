@@ -4,8 +4,12 @@ A draft-ahead block assumes the verifier accepts every assumed token and then em
 guess. Fan-out also drafts after the next likeliest verdicts (j, guess): the first j assumed
 tokens accepted and a replacement for assumed[j], or all k accepted and another guess at the bonus
 position j = k. Its likelihood under the drafter's own q is prod_{i<j} q_i(assumed[i]) * q_j(guess),
-so the first forward of a fan-out row feeds every assumed token and keeps the logits of each (one
-forward for q at every position, the rows of all fan-out tasks together). For num_branches = m
+so a fan-out row needs q after the last committed token and after each assumed one. The drafter
+drafted the assumed tokens itself, so it has their q's inputs already (SequenceState.head_inputs,
+the head inputs its forwards left at the positions it fed): the first step feeds only what a
+plain row feeds and keeps the logits of every position it feeds, and the head turns the kept
+inputs into the rest (one product for all fan-out rows). Where any is missing (a block it did
+not draft, a restart) the row feeds every assumed token again for their q. For num_branches = m
 each position offers its m best guesses other than the token the verdict refuses, and the m
 likeliest of all (k + 1) * m verdicts are drafted, likeliest first (ties: smaller j, then the
 better guess), so two branches may share a num_assumed. The guesses follow the main guess's rule:
@@ -35,7 +39,7 @@ from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import invalid
 from specd.engine.host_threads import one_torch_thread
 from specd.engine.sampling import gumbel_top, probabilities, spans_keys, truncate
-from specd.engine.sequences import BranchCache, SequenceState, SequenceTable
+from specd.engine.sequences import BranchCache, HeadInputs, SequenceState, SequenceTable
 from specd.engine.slot_cache import to_device
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 
@@ -78,6 +82,7 @@ def settle(table: SequenceTable, state: SequenceState, context: Sequence[int]) -
     if confirmed(best.cached, context) > confirmed(state.cached, context):
         best.slot, state.slot = state.slot, best.slot
         best.cached, state.cached = state.cached, best.cached
+        best.head_inputs, state.head_inputs = state.head_inputs, best.head_inputs
     table.drop_branches(state)
 
 
@@ -170,24 +175,46 @@ class FanOut:
             self.rows = {i: s for i, s, _ in active if tasks[i].num_branches > 0}
         self.at: list[int] = []  # the fan-out rows' indices in step 0's rows
         self._logits: list[torch.Tensor] = []
-        self._chosen: list[tuple[int, int, int]] = []  # (main proposal index, num_assumed, branch's index)
+        # Per fan-out row: the kept head inputs of q's first positions, and positions step 0 feeds
+        # before its last whose logits it keeps.
+        self._kept: dict[int, list[torch.Tensor]] = {}
+        self._extra: dict[int, int] = {}
+        # (main proposal's index, num_assumed, the branch's proposal's index, its head inputs)
+        self._chosen: list[tuple[int, int, int, HeadInputs]] = []
 
     def __bool__(self) -> bool:
         return bool(self.rows)
 
-    def roll_back_to(self, i: int, context: list[int]) -> list[int]:
-        """What row i's cache may keep: a fan-out row feeds its assumed tokens again, for their q."""
-        return self.rows[i].committed if i in self.rows else context
+    def reuse(self, i: int, state: SequenceState, context: list[int]) -> None:
+        """After row i's cache is rolled back to what `context` confirms (and its head inputs
+        follow it): a fan-out row's q from the last committed token on comes from the head inputs
+        kept where they are all there, else its cache drops the assumed tokens to feed them again."""
+        if i not in self.rows:
+            return
+        first = len(state.committed) - 1  # q of assumed[0] is the head's at the last committed token
+        kept = [state.head_inputs.at.get(p) for p in range(first, len(state.cached))]
+        if any(x is None for x in kept):
+            del state.cached[first:]
+            kept = []
+        self._kept[i] = [x for x in kept if x is not None]
+        self._extra[i] = len(context) - 1 - max(len(state.cached), first)
 
     def extra(self, i: int, step: int) -> int:
         """Positions before its last whose logits row i keeps at `step`: a fan-out row's first step
-        keeps those of its assumed tokens."""
-        return len(self.tasks[i].assumed) if step == 0 and i in self.rows else 0
+        keeps those of the assumed tokens it feeds."""
+        return self._extra[i] if step == 0 and i in self.rows else 0
 
     def keep(self, active: Sequence[Active], logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Keep step 0's logits of the fan-out rows; every row's last position, for the step itself."""
+        """Keep step 0's q of the fan-out rows at every position from the last committed token on:
+        the logits of their kept head inputs (one head product), then the step's own; every row's
+        last position, for the step itself."""
         self.at = [r for r, (i, _, _) in enumerate(active) if i in self.rows]
         self._logits = [logits[r] for r in self.at]
+        kept = [x for i in self.rows for x in self._kept[i]]
+        if kept:
+            assert self.table.lm is not None
+            earlier = self.table.lm.logits_of(torch.stack(kept)).split([len(self._kept[i]) for i in self.rows])
+            self._logits = [torch.cat([e, x]) for e, x in zip(earlier, self._logits, strict=True)]
         return [x[-1:] for x in logits]
 
     def start(
@@ -246,8 +273,9 @@ class FanOut:
         assert self.table.lm is not None
         self.table.lm.cache.copy_prefix(state.slot, slot, len(prefix))
         cached = list(prefix)
+        inputs = HeadInputs(list(prefix))
         # Recorded before it drafts: a failed round still frees the slot at the next task or close.
-        state.branches.append(BranchCache(slot, cached))
+        state.branches.append(BranchCache(slot, cached, inputs))
         sampled = state.generator is not None
         branch = dataclasses.replace(
             state,
@@ -256,20 +284,22 @@ class FanOut:
             generator=branch_generator(state) if sampled else None,
             sibling_generator=None,
             branches=[],
+            head_inputs=inputs,
         )
         guess = verdicts.alts[j][r]
         b = len(proposals)
         proposals.append(DraftProposal(state.sequence_id, [guess], [verdicts.dists[j]] if sampled else []))
         contexts[b] = prefix
         feed[b] = [guess]
-        self._chosen.append((i, j, b))
+        self._chosen.append((i, j, b, inputs))
         return (b, branch, self.tasks[i].num_draft_tokens)
 
     def finish(self, proposals: list[DraftProposal]) -> None:
         """Move the branches' proposals into their main proposals, likeliest first."""
         if not self._chosen:
             return
-        first = min(b for _, _, b in self._chosen)
-        for i, j, b in self._chosen:
+        first = min(b for _, _, b, _ in self._chosen)
+        for i, j, b, inputs in self._chosen:
             proposals[i].branches.append(DraftBranch(j, proposals[b].tokens, proposals[b].dists))
+            inputs.tokens.extend(proposals[b].tokens)
         del proposals[first:]

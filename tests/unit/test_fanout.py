@@ -213,6 +213,41 @@ def test_without_assumed_tokens_the_branches_are_the_next_guesses(make_drafter, 
         assert branch.tokens[1:] == drafts
 
 
+def fan_out_over(
+    drafter: ModelDrafter, spec: SamplingParams, block: tuple[int, ...] | None
+) -> tuple[DraftProposal, int, tuple[int, ...]]:
+    """Sequence "a" after PROMPT fans out over a 3-token block with 3 branches: `block`, not
+    drafted there, or (None) the block it drafts itself first. The proposal, the tokens the task
+    fed and the block."""
+    open_ok(drafter, SequenceSpec("a", PROMPT, spec))
+    if block is None:
+        (drafted,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 3)])
+        block = tuple(drafted.tokens)
+    if not spec.greedy and not spec.seeded:
+        drafter.table.get("a").generator = torch.Generator(drafter.lm.device).manual_seed(11)
+    (proposal,), timing = drafter.draft([ahead("a", block, 3)])
+    assert proposal.error is None and len(proposal.branches) == 3
+    return proposal, timing.tokens_fed, block
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+@pytest.mark.parametrize("spec", [GREEDY, SEEDED, UNSEEDED], ids=["greedy", "seeded", "unseeded"])
+def test_fanning_out_over_its_own_block_feeds_only_what_is_new(make_drafter, monkeypatch, on_device, spec):
+    """q at a block's tokens that the drafter drafted itself comes from the head inputs its
+    drafts left: step 0 feeds the block's last draft alone, as without branches, where a block
+    drafted elsewhere is fed again whole; the verdicts, branches and their q are the same."""
+    own, fed, block = fan_out_over(stepwise(make_drafter(), monkeypatch, on_device), spec, None)
+    again, fed_again, _ = fan_out_over(stepwise(make_drafter(), monkeypatch, on_device), spec, block)
+    # Every later step feeds one token a row: K - 1 for the main row and for each branch (its guess on).
+    assert fed == 1 + (K - 1) + 3 * (K - 1)
+    assert fed_again == fed + len(block)  # the last committed token and the block, not its last draft
+    assert own.tokens == again.tokens
+    for mine, theirs in zip(own.branches, again.branches, strict=True):
+        assert (mine.num_assumed, mine.tokens) == (theirs.num_assumed, theirs.tokens)
+        for a, b in zip(mine.dists, theirs.dists, strict=True):
+            assert a.token_ids == b.token_ids and a.probs == pytest.approx(b.probs, abs=1e-5)
+
+
 def noisy_scores(q: torch.Tensor, j: int) -> torch.Tensor:
     """SEEDED's log q + gumbel noise at position j after PROMPT, over the whole vocabulary."""
     key = torch.tensor(noise.noise_key(5, len(PROMPT) + j))

@@ -521,3 +521,23 @@ def test_forward_argmax_is_the_argmax_of_each_row_s_logits_in_the_caller_s_order
     lm = BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="one position of each row"):
         lm.forward_argmax([Row(0, 0, [1, 2], 0)])
+
+
+@pytest.mark.parametrize("argmax", [False, True])
+def test_head_inputs_give_each_row_s_logits_in_the_caller_s_order(tiny_target, argmax):
+    """`inputs` gets each row's head inputs of its wanted positions, rows out of slot order and
+    of different widths: `logits_of` turns them into the logits `forward` returns."""
+    lm = BatchedCausalLM(tiny_target, torch.device("cpu"), torch.float32)
+    lm.forward([Row(slot, 0, [3 + slot, 4 + 2 * slot, 5], 2) for slot in range(3)])
+    tokens = [[40, 7], [41], [42, 9, 10]] if not argmax else [[40], [41], [42]]
+    rows = [Row(slot, 3, tokens[n], 0) for n, slot in enumerate((2, 0, 1))]
+    inputs: list[torch.Tensor] = []
+    if argmax:
+        best = lm.forward_argmax(rows, inputs=inputs)
+        assert [len(x) for x in inputs] == [1, 1, 1]
+        assert torch.equal(lm.logits_of(torch.cat(inputs)).argmax(dim=-1), best)
+        return
+    logits = lm.forward(rows, inputs=inputs)
+    assert [len(x) for x in inputs] == [2, 1, 3]
+    for x, want in zip(inputs, logits, strict=True):
+        assert_logits_close(lm.logits_of(x), want, "logits of the head inputs")

@@ -137,14 +137,17 @@ class BatchedCausalLM:
         self.forward([Row(slot, 0, [0] * context, context - 1) for slot in range(slots)])
         return lambda: self.forward([Row(slot, context, [0] * n, n - 1) for slot, n in enumerate(counts)])
 
-    def forward(self, rows: Sequence[Row], ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, rows: Sequence[Row], ids: torch.Tensor | None = None, inputs: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """Feed each row's tokens; return per row float32 logits [n_wanted, vocab].
 
         `ids`: [len(rows)] token ids on the model's device, one per row, fed instead of the rows'
         own tokens (each row then has one placeholder token): a step can feed what the previous
-        step chose without reading it back to the host."""
+        step chose without reading it back to the host. `inputs`, if given, gets each row's head
+        inputs [n_wanted, hidden] (`logits_of` turns them into the same logits later)."""
         # Its hidden states are dropped: a bucketed forward's need not be copied out of its buffer.
-        return self._forward(rows, ids, keep=False)[0] if rows else []
+        return self._forward(rows, ids, keep=False, inputs=inputs)[0] if rows else []
 
     def forward_hidden(
         self, rows: Sequence[Row], device_ids: torch.Tensor | None = None
@@ -154,44 +157,46 @@ class BatchedCausalLM:
         [len(tokens), hidden], in the model's dtype."""
         return self._forward(rows, device_ids, keep=True)
 
+    def logits_of(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab] of head inputs [n, hidden] (the last hidden states)."""
+        with torch.inference_mode():
+            logits = self.head_product(inputs).float()
+            return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+
     def _forward(
-        self, rows: Sequence[Row], device_ids: torch.Tensor | None, keep: bool
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None, keep: bool, inputs: list[torch.Tensor] | None = None
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not rows:
             return [], []
         with around_forward(self._base, self.device, sum(len(r.tokens) for r in rows)):
             order, rows, hidden, wanted = self._run(rows, device_ids, keep)
-            with torch.inference_mode():
-                logits = self.head_product(wanted).float()
-                if self.softcap:
-                    logits = torch.tanh(logits / self.softcap) * self.softcap
-        out: list[torch.Tensor] = []
-        offset = 0
-        for r in rows:
-            n = len(r.tokens) - r.logits_from
-            out.append(logits[offset : offset + n])
-            offset += n
-        result: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+            logits = self.logits_of(wanted)
+        if inputs is not None:
+            inputs.extend(_by_row(wanted, rows, order))
         states: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for sorted_i, original_i in enumerate(order):
-            result[original_i] = out[sorted_i]
             states[original_i] = hidden[sorted_i, : len(rows[sorted_i].tokens)]
-        return result, states
+        return _by_row(logits, rows, order), states
 
-    def forward_argmax(self, rows: Sequence[Row], device_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_argmax(
+        self, rows: Sequence[Row], device_ids: torch.Tensor | None = None, inputs: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Feed each row's tokens (or `device_ids`, as `forward` says); the likeliest next token of
         each row's one wanted position, [len(rows)], on the device: `forward`'s argmax, through the
-        head's own `argmax` where it has one (`specd.engine.quant.Int8WeightOnlyLinear`)."""
+        head's own `argmax` where it has one (`specd.engine.quant.Int8WeightOnlyLinear`). `inputs`
+        as `forward`'s."""
         if any(len(r.tokens) - r.logits_from != 1 for r in rows):
             raise ValueError("forward_argmax wants one position of each row")
         if not rows:
             return torch.empty(0, dtype=torch.long, device=self.device)
         argmax = getattr(self._head, "argmax", None)
         with around_forward(self._base, self.device, sum(len(r.tokens) for r in rows)):
-            order, _, _, wanted = self._run(rows, device_ids)
+            order, sorted_rows, _, wanted = self._run(rows, device_ids)
             with torch.inference_mode():
                 # A softcap is monotonic: it moves no argmax.
                 best = argmax(wanted) if argmax is not None else self.head_product(wanted).argmax(dim=-1)
+        if inputs is not None:
+            inputs.extend(_by_row(wanted, sorted_rows, order))
         # Back from the slot order the forward ran in to the caller's.
         return best.index_select(0, to_device(sorted(range(len(order)), key=order.__getitem__), best.device))
 
@@ -272,3 +277,15 @@ class BatchedCausalLM:
             # Both index lists in one copy to the device.
             at = to_device([p[0] for p in picks] + [p[1] for p in picks], self.device).view(2, len(picks))
             return hidden[at[0], at[1]]
+
+
+def _by_row(values: torch.Tensor, rows: Sequence[Row], order: Sequence[int]) -> list[torch.Tensor]:
+    """Per row of the caller's, its wanted positions' part of `values` [wanted, ...], which runs
+    in `rows`' order (the forward's, by slot; `order[i]` the caller's index of rows[i])."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+    offset = 0
+    for r, original_i in zip(rows, order, strict=True):
+        n = len(r.tokens) - r.logits_from
+        out[original_i] = values[offset : offset + n]
+        offset += n
+    return out

@@ -30,11 +30,39 @@ from specd.heap import trim_heap
 
 
 @dataclass
+class HeadInputs:
+    """A drafter's head inputs (last hidden states) at positions it fed, each with the context it
+    was computed in: the one at position p gives q of the token after tokens[:p + 1]. A fan-out
+    task (drafter_service.fanout) takes its q at the assumed tokens, which the drafter drafted
+    itself, from these instead of feeding the tokens again."""
+
+    tokens: list[int] = field(default_factory=list)
+    at: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def follow(self, context: Sequence[int], first: int) -> None:
+        """Keep those from position `first` on that `context` (now the sequence's) still confirms."""
+        # The prefix compared at once (the slices compare in C), then token by token.
+        n = first if first > 0 and self.tokens[:first] == list(context[:first]) else 0
+        limit = min(len(self.tokens), len(context))
+        while n < limit and self.tokens[n] == context[n]:
+            n += 1
+        self.at = {p: x for p, x in self.at.items() if first <= p < n}
+        self.tokens = list(context)
+
+    def note(self, start: int, inputs: torch.Tensor) -> None:
+        """Inputs [n, hidden] of the positions from `start` on."""
+        for j in range(inputs.shape[0]):
+            self.at[start + j] = inputs[j]
+
+
+@dataclass
 class BranchCache:
-    """A fan-out branch's KV (drafter_service.fanout): a slot of its own and the tokens it holds."""
+    """A fan-out branch's KV (drafter_service.fanout): a slot of its own, the tokens it holds
+    and the head inputs its drafts left."""
 
     slot: int
     cached: list[int]
+    head_inputs: HeadInputs = field(default_factory=HeadInputs)
 
 
 @dataclass
@@ -63,6 +91,8 @@ class SequenceState:
     # A drafter's fan-out branches of the last round, kept until the sequence's next task
     # continues the one its committed tokens confirm furthest (drafter_service.fanout).
     branches: list[BranchCache] = field(default_factory=list)
+    # A model drafter's head inputs of its latest drafts, for a fan-out task's q at them.
+    head_inputs: HeadInputs = field(default_factory=HeadInputs)
     # An unseeded drafter's draws in its branches, apart from `generator` as `sibling_generator` is.
     branch_generator: torch.Generator | None = None
 
