@@ -505,3 +505,18 @@ def test_greedy_seeded_and_unseeded_fan_out_in_one_round(make_drafter, monkeypat
             want.tokens,
             [(b.num_assumed, b.tokens) for b in want.branches],
         )
+
+
+def test_a_dropped_branch_slot_stays_backed_for_the_next_round_s_copy(make_drafter):
+    """A branch's slot goes back to the free slots with its pages backed: the next round's
+    branches copy a prefix into it again, and pages handed back would fault in anew each time."""
+    drafter = make_drafter()
+    if not drafter.lm.cache.lazy:
+        pytest.skip("an accelerator's cache is allocated outright")
+    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
+    (fanned,), _ = drafter.draft([ahead("a", (7, 300, 9), 2)])
+    assert len(fanned.branches) == 2
+    backed = drafter.lm.cache.allocated_bytes()
+    (nothing,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 0)])  # settles: the branches go
+    assert nothing.error is None and drafter.table.branches_held == 0
+    assert drafter.lm.cache.allocated_bytes() == backed

@@ -348,10 +348,12 @@ class SequenceTable:
         return heapq.heappop(self._free)
 
     def drop_branches(self, state: SequenceState) -> None:
-        """Free the slots of the sequence's branches."""
+        """Free the slots of the sequence's branches, their pages still backed: the next round's
+        branches copy a prefix into them again, and pages the kernel took back fault in anew on
+        every copy (several times the copy itself on the CPU)."""
         for branch in state.branches:
             self.branches_held -= 1
-            self._free_slot(branch.slot)
+            heapq.heappush(self._free, branch.slot)
         state.branches = []
 
     def _free_slot(self, slot: int) -> None:
