@@ -38,6 +38,7 @@ import torch
 from specd.engine.cuda_graphs import read_back
 from specd.engine.errors import invalid
 from specd.engine.host_threads import one_torch_thread
+from specd.engine.prefix import common_prefix
 from specd.engine.sampling import gumbel_top, probabilities, spans_keys, truncate
 from specd.engine.sequences import BranchCache, HeadInputs, SequenceState, SequenceTable
 from specd.engine.slot_cache import to_device
@@ -66,11 +67,7 @@ def check_branches(task: DraftTask, state: SequenceState) -> None:
 def confirmed(cached: Sequence[int], context: Sequence[int]) -> int:
     """How much of a cache the context (committed + assumed tokens) confirms; the last context
     token is fed again by the round, so at most all but it."""
-    n = 0
-    limit = min(len(cached), len(context) - 1)
-    while n < limit and cached[n] == context[n]:
-        n += 1
-    return n
+    return min(common_prefix(cached, context), len(context) - 1)
 
 
 def settle(table: SequenceTable, state: SequenceState, context: Sequence[int]) -> None:

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 
+from specd.engine.prefix import common_prefix
+
 # The services' tokenizer and mask code imports llguidance.hf (transformers), numpy and torch
 # where it runs: the gateway imports this module only to validate grammars, and must not import torch.
 if TYPE_CHECKING:
@@ -219,10 +221,7 @@ class GrammarMatcher:
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Follow `tokens` (the output so far): keep the common prefix, roll back the rest, consume what is new."""
-        n = 0
-        limit = min(len(self.tokens), len(tokens))
-        while n < limit and self.tokens[n] == tokens[n]:
-            n += 1
+        n = common_prefix(self.tokens, tokens)
         self.pop(len(self.tokens) - n)
         self.push(tokens[n:])
 

@@ -23,6 +23,7 @@ from specd.engine.params import (
     validate_penalties,
     validate_sampling,
 )
+from specd.engine.prefix import common_prefix
 from specd.engine.ranges import RANGES
 from specd.engine.sampling import make_generator
 from specd.engine.tasks import SequenceSpec
@@ -41,11 +42,7 @@ class HeadInputs:
 
     def follow(self, context: Sequence[int], first: int) -> None:
         """Keep those from position `first` on that `context` (now the sequence's) still confirms."""
-        # The prefix compared at once (the slices compare in C), then token by token.
-        n = first if first > 0 and self.tokens[:first] == list(context[:first]) else 0
-        limit = min(len(self.tokens), len(context))
-        while n < limit and self.tokens[n] == context[n]:
-            n += 1
+        n = common_prefix(self.tokens, context)
         self.at = {p: x for p, x in self.at.items() if first <= p < n}
         self.tokens = list(context)
 
