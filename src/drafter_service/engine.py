@@ -137,6 +137,9 @@ class ModelDrafter(_DrafterBase):
         super().__init__(table, fingerprint, max_draft_tokens)
         self.lm = lm
         self.max_support = max_support
+        # Whether the forwards keep their head inputs (a fan-out task's q at its assumed block):
+        # from the first task that fans out, so a drafter never asked for branches pays nothing.
+        self.keeps_inputs = False
 
     @property
     def feature_size(self) -> int:
@@ -190,7 +193,7 @@ class ModelDrafter(_DrafterBase):
         """One drafting step's forward; a feature drafter keeps each row's predicted hidden state and
         notes which fed positions had their real feature."""
         if not self.feature_size:
-            inputs: list[torch.Tensor] = []
+            inputs: list[torch.Tensor] | None = [] if self.keeps_inputs else None
             logits = self.lm.forward(rows, inputs=inputs)
             note_inputs([state for _, state, _ in active], rows, inputs)
             return logits
@@ -214,9 +217,11 @@ class ModelDrafter(_DrafterBase):
             settle(self.table, state, context)
         # A drafter reading hidden states has none for a branch's positions: it proposes none.
         fan = FanOut(tasks, active, self.table, enabled=not self.feature_size)
+        self.keeps_inputs = self.keeps_inputs or bool(fan)
         for i, state, _, context in live:
             self._roll_back(state, context)
-            state.head_inputs.follow(context, len(state.committed) - 1)
+            if self.keeps_inputs:
+                state.head_inputs.follow(context, len(state.committed) - 1)
             fan.reuse(i, state, context)
         # Constrained sequences: the grammar follows committed + assumed tokens, then each draft.
         constrained = sync_grammars(active, contexts)
@@ -234,7 +239,7 @@ class ModelDrafter(_DrafterBase):
                 tasks, active, contexts, feed, proposals, constrained, timing, notes, fan
             )
         fan.finish(proposals)
-        for i, state, _ in active:
+        for i, state, _ in active if self.keeps_inputs else ():
             state.head_inputs.tokens.extend(proposals[i].tokens)
         timing.forward_ns = forward_ns
         if notes.wanted:
@@ -475,7 +480,7 @@ class ModelDrafter(_DrafterBase):
         first step gives the fan-out rows their q (`FanOut.keep`)."""
         want = wanting(notes, active, drafting)
         wide = step == 0 and bool(fan)
-        inputs: list[torch.Tensor] = []
+        inputs: list[torch.Tensor] | None = [] if self.keeps_inputs else None
         states = [active[r][1] for r in drafting]
         if not want and not wide:
             best = self.lm.forward_argmax(rows, ids, inputs=inputs)
@@ -546,8 +551,10 @@ class ModelDrafter(_DrafterBase):
         return {r: (token, SparseDist(ids, probs)) for r, (token, ids, probs) in zip(rows, drawn, strict=True)}
 
 
-def note_inputs(states: Sequence[SequenceState], rows: Sequence[Row], inputs: Sequence[torch.Tensor]) -> None:
-    """Keep each row's head inputs of the positions it wanted logits of (a fan-out task's q)."""
+def note_inputs(states: Sequence[SequenceState], rows: Sequence[Row], inputs: Sequence[torch.Tensor] | None) -> None:
+    """Keep each row's head inputs of the positions it wanted logits of (a fan-out task's q), if any."""
+    if inputs is None:
+        return
     for state, row, x in zip(states, rows, inputs, strict=True):
         state.head_inputs.note(row.start + row.logits_from, x)
 

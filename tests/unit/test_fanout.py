@@ -218,8 +218,10 @@ def fan_out_over(
 ) -> tuple[DraftProposal, int, tuple[int, ...]]:
     """Sequence "a" after PROMPT fans out over a 3-token block with 3 branches: `block`, not
     drafted there, or (None) the block it drafts itself first. The proposal, the tokens the task
-    fed and the block."""
-    open_ok(drafter, SequenceSpec("a", PROMPT, spec))
+    fed and the block. A fan-out task of another sequence comes first: a drafter keeps head
+    inputs from the first task that asks for branches on."""
+    open_ok(drafter, SequenceSpec("a", PROMPT, spec), SequenceSpec("first", PROMPT, spec))
+    drafter.draft([ahead("first", (), 1)])
     if block is None:
         (drafted,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 3)])
         block = tuple(drafted.tokens)
@@ -520,3 +522,13 @@ def test_a_dropped_branch_slot_stays_backed_for_the_next_round_s_copy(make_draft
     (nothing,), _ = drafter.draft([DraftTask("a", [], len(PROMPT), 0)])  # settles: the branches go
     assert nothing.error is None and drafter.table.branches_held == 0
     assert drafter.lm.cache.allocated_bytes() == backed
+
+
+def test_a_drafter_never_asked_for_branches_keeps_no_head_inputs(make_drafter):
+    drafter = make_drafter()
+    open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY))
+    drafter.draft([DraftTask("a", [], len(PROMPT), 3)])
+    drafter.draft([ahead("a", (7, 300, 9), 0)])
+    assert not drafter.keeps_inputs and drafter.table.get("a").head_inputs.at == {}
+    drafter.draft([ahead("a", (7, 300, 9), 1, (7, 300, 9), len(PROMPT) + 3)])
+    assert drafter.keeps_inputs and drafter.table.get("a").head_inputs.at != {}
