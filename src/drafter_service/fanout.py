@@ -9,7 +9,8 @@ drafted the assumed tokens itself, so it has their q's inputs already (SequenceS
 the head inputs its forwards left at the positions it fed): the first step feeds only what a
 plain row feeds and keeps the logits of every position it feeds, and the head turns the kept
 inputs into the rest (one product for all fan-out rows). Where any is missing (a block it did
-not draft, a restart) the row feeds every assumed token again for their q. For num_branches = m
+not draft, a restart, one drafted before its first fan-out task) the row feeds every assumed
+token again for their q. For num_branches = m
 each position offers its m best guesses other than the token the verdict refuses, and the m
 likeliest of all (k + 1) * m verdicts are drafted, likeliest first (ties: smaller j, then the
 better guess), so two branches may share a num_assumed. The guesses follow the main guess's rule:
