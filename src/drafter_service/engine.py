@@ -239,8 +239,9 @@ class ModelDrafter(_DrafterBase):
                 tasks, active, contexts, feed, proposals, constrained, timing, notes, fan
             )
         fan.finish(proposals)
-        for i, state, _ in active if self.keeps_inputs else ():
-            state.head_inputs.tokens.extend(proposals[i].tokens)
+        if self.keeps_inputs:
+            for i, state, _ in active:
+                state.head_inputs.tokens.extend(proposals[i].tokens)
         timing.forward_ns = forward_ns
         if notes.wanted:
             notes.attach(tasks, proposals, {i: state for i, state, _ in active})

@@ -15,7 +15,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     thousands of tokens that usually differ, if at all, near the end: slices compare in C, a
     whole prefix at once and then halving toward the first difference, where a Python loop
     would visit every token."""
-    a, b = list(a), list(b)
+    # Slices of a list and a tuple never compare equal: both as lists (a list is not copied).
+    a = a if isinstance(a, list) else list(a)
+    b = b if isinstance(b, list) else list(b)
     lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi
