@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -12,7 +13,7 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.engine import checkpoints, cuda_graphs, fused_llama, gemv, models, timing
+from specd.engine import calibration, checkpoints, cuda_graphs, fused_llama, gemv, models, timing
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM, Row
@@ -53,8 +54,7 @@ def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, co
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
         config.branch_slots,
     )
-    with timing.alone():
-        step_timings = _measure(lm, engine, config, quantization)
+    step_timings = _measure(lm, engine, config, quantization)
     if engine.feature_size:
         log.info(
             "the drafter is a feature head: it reads the target's hidden states (%d wide) beside each token",
@@ -80,14 +80,18 @@ def _measure(
 ) -> list[tuple[int, int]]:
     """The start-up timings: the products' kernels, the warm-up, CUDA graphs; the one-token step's
     cost by batch size, returned."""
+    on_cpu = lm.device.type == "cpu"
+    key = calibration.model_key(lm, config.model, config.load_format) if on_cpu else {}
     if quantization != "none" and config.int8_wide_rows == -1:
-        calibrate_wide_rows(lm.model, lambda rows: _prefill_once(lm, rows))
+        _calibrate_wide_rows(lm, {**key, "quantization": quantization}, config.recalibrate)
     elif quantization != "none":
         set_wide_rows(lm.model, config.int8_wide_rows)
     else:
         # Where the float32 products of a CPU forward are faster through the kernel (from the exact
         # 4-bit blocks of a Q4_1 model, say), they run there, as the verifier's do.
-        lm.calibrate_products(timing.CALIBRATION_ROWS)
+        calibration.calibrate_products(
+            lm, config.model, config.load_format, timing.CALIBRATION_ROWS, config.recalibrate
+        )
     lm.warm_up(2)
     # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
     # A round's rows: every sequence's, and a fan-out branch's in each branch slot.
@@ -95,9 +99,25 @@ def _measure(
     cuda_graphs.enable(lm, config.cuda_graphs, DRAFT_GRAPH_BLOCK, "drafter", rows)
     # What a step costs for batches the gateway has not drafted for yet: on a CPU it grows with the
     # batch far more than a line through a few small batches says.
-    step_timings = lm.time_steps([n for n in STEP_TIMING_SIZES if n <= config.max_sequences])
+    sizes = [n for n in STEP_TIMING_SIZES if n <= config.max_sequences]
+    if on_cpu:
+        # The steps follow from the products chosen: the same choices on the same key, the same costs.
+        key = {**key, "quantization": quantization, "products": lm.product_choices(), "sizes": sizes}
+        timed, _ = calibration.cached("steps", key, lambda: lm.time_steps(sizes), config.recalibrate)
+        step_timings = [(int(n), int(ns)) for n, ns in timed]
+    else:
+        step_timings = lm.time_steps(sizes)
     log.info("one-token step: %s", ", ".join(f"{n} sequences {ns / 1e6:.1f} ms" for n, ns in step_timings))
     return step_timings
+
+
+def _calibrate_wide_rows(lm: BatchedCausalLM, key: dict[str, Any], recalibrate: bool) -> None:
+    """The quantized drafter's widest int8 input, timed once per key (`specd.engine.calibration`)."""
+    chosen, kept = calibration.cached(
+        "wide-rows", key, lambda: calibrate_wide_rows(lm.model, lambda rows: _prefill_once(lm, rows)), recalibrate
+    )
+    if kept:
+        set_wide_rows(lm.model, int(chosen))
 
 
 def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:

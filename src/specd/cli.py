@@ -171,6 +171,12 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
 def _add_placement_args(p: argparse.ArgumentParser) -> None:
     """CPU placement, threads, pinning and per-service metrics ports."""
     p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time the CPU kernels, steps and placement again: the timings kept for this machine (the cache "
+        "directory's calibration/) are dropped first, then the first service to start times and keeps them",
+    )
+    p.add_argument(
         "--placement",
         choices=["auto", "shared", "split"],
         default="auto",
@@ -308,7 +314,9 @@ def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
         return CpuPlacement(False, reason="no CPU model drafter to overlap with, or one CPU")
     if args.load_format == "dummy":
         return CpuPlacement(False, reason="dummy weights: the split is not timed for them")
-    step_all, step_half, cached = measured_steps(args.target_model, args.verifier_dtype, cpus, cache_dir())
+    step_all, step_half, cached = measured_steps(
+        args.target_model, args.verifier_dtype, cpus, cache_dir() / "calibration", args.recalibrate
+    )
     placement = choose_cpu_placement(step_all, step_half, cpus)
     return replace(placement, reason=placement.reason + (" (measured earlier on this machine)" if cached else ""))
 
@@ -431,6 +439,12 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
         parser.error("--tls-client-cert and --tls-client-key go together, and need --tls-cert")
     drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
     refuse_taken_ports(args, drafter)
+    if args.recalibrate:
+        from specd.engine import calibration
+
+        # Dropped here rather than passed on: a child the supervisor restarts then reads what its
+        # first start timed.
+        print(f"specd up: dropped {calibration.forget()} kept start-up timings", file=sys.stderr, flush=True)
     explicit = bool(args.drafter_cpus or args.verifier_cpus)
     try:
         placement = resolve_placement(args, drafter)

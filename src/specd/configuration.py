@@ -116,6 +116,11 @@ class ModelServiceConfig:
         "free a gateway's sequences when it has sent nothing (rounds, opens, closes, keep-alives) for this "
         "long: it died or was cut off; 0 keeps them until closed",
     )
+    recalibrate: bool = field(
+        False,
+        "time the CPU kernels and steps again, replacing the timings kept for this machine, model and build "
+        "(in the cache directory's calibration/; a start reads them instead of timing)",
+    )
     threads: int = field(0, "torch intra-op threads; 0 keeps torch's default (with --cpus: one per CPU)")
     cpus: str = field("", "pin the service to these CPUs, e.g. 0 or 2-3 (Linux); empty: no pinning")
     log_level: str = field("INFO", "logging level")

@@ -7,10 +7,6 @@ what overlapped speculation needs (see docs/pipeline.md).
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import importlib.metadata
-import json
 import subprocess
 import sys
 import time
@@ -77,61 +73,40 @@ def time_target_step(model: str, dtype: str, cpus: Iterable[int], timeout_s: flo
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def cpu_model(default: str = "unknown", cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux), else `default`.
-
-    A virtual machine may show only a family name ("AMD EPYC") for CPUs whose speeds differ
-    several-fold, so the family, model and stepping numbers and the widest vector extension
-    are added: a figure is only comparable with one measured on the same CPU.
-    """
-    fields: dict[str, str] = {}
-    try:
-        with open(cpuinfo, encoding="utf-8") as info:
-            for line in info:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
-        return default
-    name = fields.get("model name")
-    if not name:
-        return default
-    ids = [f"{key.split()[-1]} {fields[key]}" for key in ("cpu family", "model", "stepping") if fields.get(key)]
-    flags = set(fields.get("flags", "").split())
-    vector = next((v for v in ("amx_tile", "avx512f", "avx2", "avx") if v in flags), "")
-    details = ", ".join(([" ".join(ids)] if ids else []) + ([vector.replace("_tile", "")] if vector else []))
-    return f"{name} ({details})" if details else name
-
-
-def measured_steps(model: str, dtype: str, cpus: Iterable[int], cache: Path | None) -> tuple[float, float, bool]:
+def measured_steps(
+    model: str, dtype: str, cpus: Iterable[int], cache: Path | None, recalibrate: bool = False
+) -> tuple[float, float, bool]:
     """(the target's step on all `cpus`, on the verifier's half of them, whether from `cache`).
 
-    Measured once per machine, model and torch version, and kept in `cache` (a directory), so
-    later starts on the same machine do not load the target twice more to decide.
+    Measured once per CPU, cores, weights, torch and kernel source (`specd.engine.calibration`'s
+    key), and kept in `cache` (a directory), so later starts on the same machine do not load the
+    target twice more to decide; a new kernel, torch or model measures again, as `recalibrate` does.
     """
+    from specd.engine import calibration
+
     ordered = sorted(set(cpus))
     half = ordered[: (len(ordered) + 1) // 2]
-    # "fused", "gemv", "native", "avx512": what the verifier runs by default (specd.engine.fused_llama, its
-    # one-row products chosen as the verifier chooses them and split among its threads, its layers in
-    # native calls, its block products in AVX-512 form where the CPU has it); a cache of an older
-    # forward is measured again.
-    key = json.dumps(
-        [cpu_model(), ordered, model, dtype, importlib.metadata.version("torch"), "fused", "gemv", "native", "avx512"]
-    )
-    path = cache / f"placement-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json" if cache else None
-    if path is not None and path.exists():
-        try:
-            saved = json.loads(path.read_text())
-            return float(saved["step_all_s"]), float(saved["step_half_s"]), True
-        except (OSError, ValueError, KeyError):
-            pass  # measured again below
+    # What the verifier runs by default: its one-row products chosen as the verifier chooses them.
+    key = {**calibration.machine_key(0), "cores": ordered, "model": _weights(model), "dtype": dtype, "forward": "auto"}
+    path = calibration.entry_path("placement", key, cache) if cache else None
+    saved = calibration.read_entry(path, key) if path is not None and not recalibrate else None
+    if isinstance(saved, list) and len(saved) == 2:
+        return float(saved[0]), float(saved[1]), True
     step_all, step_half = time_target_step(model, dtype, ordered), time_target_step(model, dtype, half)
     if path is not None:
-        with contextlib.suppress(OSError):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"key": json.loads(key), "step_all_s": step_all, "step_half_s": step_half}))
+        calibration.write_entry(path, key, [step_all, step_half])
     return step_all, step_half, False
+
+
+def _weights(model: str) -> str:
+    """The weights' identity where their files are at hand, else the spec as given."""
+    from specd.engine import calibration
+    from specd.engine.checkpoints import ModelLoadError
+
+    try:
+        return calibration.model_identity(model)
+    except (ModelLoadError, OSError):
+        return model
 
 
 def _step_seconds(model: str, dtype: str, cpus: str) -> float:

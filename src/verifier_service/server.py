@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from specd.engine import cuda_graphs, fused_llama, models, timing
+from specd.engine import calibration, cuda_graphs, fused_llama, models, timing
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -38,13 +38,10 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
     # Rounds of a few sequences verify a few rows each, where the products differ most; a step of
     # a few dozen sequences can still be cheaper through the kernel's blocks than torch's float32
     # matrix-matrix product on a CPU of few cores, so the calibration goes that far.
-    with timing.alone():
-        lm.calibrate_products(timing.CALIBRATION_ROWS)
-        lm.warm_up(min(config.max_draft_tokens, 8) + 1)
-        # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
-        cuda_graphs.enable(
-            lm, config.cuda_graphs, min(config.max_draft_tokens, 8) + 1, "verifier", config.max_sequences
-        )
+    calibration.calibrate_products(lm, config.model, config.load_format, timing.CALIBRATION_ROWS, config.recalibrate)
+    lm.warm_up(min(config.max_draft_tokens, 8) + 1)
+    # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
+    cuda_graphs.enable(lm, config.cuda_graphs, min(config.max_draft_tokens, 8) + 1, "verifier", config.max_sequences)
     info = common_pb2.ModelInfo(
         model_id=config.model,
         tokenizer=fingerprint_pb(loaded.fingerprint),

@@ -1,37 +1,141 @@
-"""Start-up timing one service at a time on a host (specd.engine.timing.alone)."""
+"""Start-up timings paid once per machine, model and build (specd.engine.calibration)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-from specd.engine import timing
+import pytest
+import tinymodels
+import torch
+
+from specd.engine import calibration, fused_llama, gemv
+from specd.engine.kvcache import BatchedCausalLM, Row
 
 
-def test_a_second_service_times_only_after_the_first_is_done(tmp_path: Path) -> None:
-    lock = tmp_path / "cache" / "start-up-timing.lock"
+def test_a_second_service_on_the_same_cores_times_only_after_the_first(tmp_path: Path) -> None:
     events: list[str] = []
     entered = threading.Event()
 
     def second() -> None:
-        with timing.alone(lock):
+        with calibration.cores_alone([1, 2], tmp_path):
             events.append("second times")
         entered.set()
 
-    with timing.alone(lock):
+    with calibration.cores_alone([0, 1], tmp_path):
         thread = threading.Thread(target=second)
         thread.start()
-        assert not entered.wait(0.3)  # it waits while the first one times
+        assert not entered.wait(0.3)  # core 1 is the first one's while it times
         events.append("first done")
     thread.join(5)
     assert events == ["first done", "second times"]
+
+
+def test_services_on_cores_of_their_own_time_at_once(tmp_path: Path) -> None:
+    entered = threading.Event()
+
+    def second() -> None:
+        with calibration.cores_alone([1], tmp_path):
+            entered.set()
+
+    with calibration.cores_alone([0], tmp_path):
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert entered.wait(5)
+    thread.join(5)
 
 
 def test_a_lock_that_cannot_be_made_does_not_stop_the_timing(tmp_path: Path) -> None:
     blocker = tmp_path / "a file"
     blocker.write_text("")
     start = time.perf_counter()
-    with timing.alone(blocker / "start-up-timing.lock"):  # its folder would be a file
+    with calibration.cores_alone([0], blocker / "locks"):  # its folder would be a file
         pass
     assert time.perf_counter() - start < 1
+
+
+def test_a_timing_is_kept_per_key_and_measured_again_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    measured: list[int] = []
+
+    def measure() -> dict[str, int]:
+        measured.append(1)
+        return {"rows": len(measured)}
+
+    key = {"cpu": "x", "model": "m"}
+    assert calibration.cached("products", key, measure, directory=tmp_path) == ({"rows": 1}, False)
+    assert calibration.cached("products", key, measure, directory=tmp_path) == ({"rows": 1}, True)
+    assert calibration.cached("products", {**key, "model": "n"}, measure, directory=tmp_path) == ({"rows": 2}, False)
+    time.sleep(0.01)
+    monkeypatch.setattr(calibration, "_STARTED", time.time())  # a process started after those were kept
+    assert calibration.cached("products", key, measure, recalibrate=True, directory=tmp_path) == ({"rows": 3}, False)
+    # Written since this process started: a second service told to recalibrate reads the first one's.
+    assert calibration.cached("products", key, measure, recalibrate=True, directory=tmp_path) == ({"rows": 3}, True)
+    for path in tmp_path.glob("products-*.json"):
+        path.write_text("not json")
+    assert calibration.cached("products", key, measure, directory=tmp_path) == ({"rows": 4}, False)
+    assert calibration.forget(tmp_path) == 2
+    assert calibration.cached("products", key, measure, directory=tmp_path) == ({"rows": 5}, False)
+
+
+def test_two_services_timing_one_key_at_once_time_it_once(tmp_path: Path) -> None:
+    measured: list[str] = []
+    results: list[tuple[Any, bool]] = []
+
+    def measure() -> str:
+        measured.append("timed")
+        time.sleep(0.2)
+        return "choice"
+
+    def start() -> None:
+        results.append(calibration.cached("steps", {"k": 1}, measure, directory=tmp_path))
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert measured == ["timed"]
+    assert sorted(kept for _, kept in results) == [False, True]
+
+
+def test_the_weights_key_follows_their_content(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"a" * (3 << 20))
+    first = calibration.model_identity(str(model))
+    (model / "model.safetensors").write_bytes(b"a" * (3 << 20))  # rewritten, the same bytes
+    assert calibration.model_identity(str(model)) == first
+    (model / "model.safetensors").write_bytes(b"a" * ((3 << 20) - 1) + b"b")
+    assert calibration.model_identity(str(model)) != first
+    assert calibration.model_identity(str(model), "dummy") != first
+
+
+def _lm() -> BatchedCausalLM:
+    model = tinymodels.build_model(3, 120, 1, 2, layers=2)
+    return BatchedCausalLM(fused_llama.fuse(model), torch.device("cpu"), torch.float32, max_slots=4, max_positions=64)
+
+
+@pytest.mark.parametrize("choose", ["timed", "kernel"])
+def test_kept_choices_give_the_forward_that_timing_chose(choose: str) -> None:
+    """A start that applies the kept choices computes what the start that chose them computed."""
+    if gemv.load() is None:
+        pytest.skip("no C compiler for the kernel")
+    chosen, kept = _lm(), _lm()
+    chosen.calibrate_products(6)
+    if choose == "kernel":  # whatever the timing said: the kernel and the native layers for every row count
+        chosen.apply_product_choices(
+            {"head": {"transposed": [], "kernel": [*range(1, 8)]}, "body": {"kernel": [*range(1, 8)]}}
+        )
+        assert chosen.model.base_model.native is not None and chosen.head_product.kernel is not None
+    choices = chosen.product_choices()
+    kept.apply_product_choices(choices)
+    assert kept.product_choices() == choices
+    assert (kept.model.base_model.native is None) == (chosen.model.base_model.native is None)
+    rows = [Row(0, 0, [1, 2, 3, 4, 5], 4), Row(1, 0, [6, 7], 1)]
+    with torch.inference_mode():
+        assert all(map(torch.equal, chosen.forward(rows), kept.forward(rows)))

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from specd import cli, placement
+from specd.engine.cpus import cpu_model
 from specd.placement import (
     choose_cpu_placement,
     cpu_list,
-    cpu_model,
     measured_steps,
     split_placement,
     time_target_step,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specd.engine import DECODER_CHOICES
+from specd.engine import DECODER_CHOICES, gemv
 from specd.engine.gemv import RowKernel
 from specd.engine.native_layer import NativeLayers, placement
 from specd.engine.timing import MARGIN, best_times, calibration_rows, choose_rows
@@ -125,6 +125,9 @@ class FusedLlamaLayer(nn.Module):
         # Released as they are fused, so the model never holds both copies of every layer.
         attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
 
+    def products(self) -> tuple[nn.Module, ...]:
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
@@ -181,9 +184,7 @@ class FusedLlamaBody(nn.Module):
         layer's products (`specd.engine.gemv.RowKernel.calibrate`); the token counts it took the
         kernel for. `round_forward(tokens)`: a whole forward of that many tokens to time, for
         `settle_native`."""
-        products = [
-            m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        ]
+        products = [m for layer in self.layers for m in layer.products()]
         chosen = self.linears.calibrate(products, max_rows)
         self.native = NativeLayers.build(self, self.linears.kernel) if chosen else None
         if self.native is not None and round_forward is not None:
@@ -191,6 +192,21 @@ class FusedLlamaBody(nn.Module):
         if self.native is not None:
             log.info("the decoder layers run in one native call each for forwards of %s tokens", sorted(chosen))
         return chosen
+
+    def choices(self) -> dict[str, list[int]]:
+        """What `calibrate` chose, to keep (`specd.engine.calibration`) and `apply_choices` at a later start."""
+        return {"kernel": sorted(self.linears.kernel_rows)}
+
+    def apply_choices(self, choices: dict[str, list[int]]) -> None:
+        """Take the token counts a calibration chose for the kernel (and the native layers) without timing."""
+        rows = frozenset(choices["kernel"])
+        self.linears.kernel, self.linears.kernel_rows = (gemv.load(), rows) if rows else (None, frozenset())
+        if self.linears.kernel is None:
+            self.linears.kernel_rows, self.native = frozenset(), None
+            return
+        self.linears.kernel.set_threads(torch.get_num_threads())
+        gemv.attach_blocks([m for layer in self.layers for m in layer.products() if type(m) is nn.Linear])
+        self.native = NativeLayers.build(self, self.linears.kernel)
 
     def settle_native(self, max_rows: int, round_forward: RoundForward) -> frozenset[int]:
         """The kernel's token counts, with those its products alone left to torch taken back unless a

@@ -57,6 +57,23 @@ class HeadProduct:
             out = out + self.head.bias
         return out
 
+    def choices(self) -> dict[str, list[int]]:
+        """What `calibrate` chose, to keep (`specd.engine.calibration`) and `apply_choices` at a later start."""
+        return {"transposed": sorted(self.transposed_rows), "kernel": sorted(self.kernel_rows)}
+
+    def apply_choices(self, choices: dict[str, list[int]]) -> None:
+        """Take the row counts a calibration chose (`choices`) without timing."""
+        if not self.applies:
+            return
+        assert isinstance(self.head, nn.Linear)
+        weight = self.head.weight
+        kernel = gemv.load() if choices["kernel"] and weight.device.type == "cpu" else None
+        if kernel is not None:
+            kernel.set_threads(torch.get_num_threads())
+        self.kernel, self.blocks = kernel, gemv.as_blocks(weight) if kernel is not None else None
+        self.kernel_rows = frozenset(choices["kernel"]) if kernel is not None else frozenset()
+        self.transposed_rows = frozenset(choices["transposed"]) - self.kernel_rows
+
     def calibrate(self, max_rows: int, repeats: int = 2) -> frozenset[int]:
         """Time the products for the row counts `calibration_rows` gives up to `max_rows` (best of
         `repeats`, after one untimed run) and use the transposed one where `choose_rows` says, then

@@ -125,6 +125,18 @@ class BatchedCausalLM:
         for slot in range(self.cache.max_slots):
             self.cache.release(slot)
 
+    def product_choices(self) -> dict[str, Any]:
+        """What `calibrate_products` chose, to keep (`specd.engine.calibration`)."""
+        body = getattr(self._base, "choices", None)
+        return {"head": self.head_product.choices(), "body": body() if body is not None else None}
+
+    def apply_product_choices(self, choices: dict[str, Any]) -> None:
+        """Take what an earlier `calibrate_products` on the same machine and weights chose, without timing."""
+        self.head_product.apply_choices(choices["head"])
+        apply = getattr(self._base, "apply_choices", None)
+        if apply is not None and choices.get("body") is not None:
+            apply(choices["body"])
+
     def round_forward(self, tokens: int, context: int = 16) -> Callable[[], object] | None:
         """A forward of `tokens` tokens spread over the cache's slots, one a slot where it has as
         many (a round of that many sequences), each after `context` cached tokens, to time; None

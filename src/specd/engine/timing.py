@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import itertools
-import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
-
-from specd.engine.checkpoints import cache_dir
+from collections.abc import Callable, Mapping, Sequence
 
 # A candidate kernel is taken for a row count only where it was faster than the incumbent by more than this share.
 MARGIN = 0.1
@@ -66,25 +60,3 @@ def best_times(runs: Sequence[Callable[[], object]], repeats: int) -> list[float
             run()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
-
-
-@contextlib.contextmanager
-def alone(path: Path | None = None) -> Iterator[None]:
-    """Hold this machine's start-up timing lock. Services starting together on one host (`specd
-    up`'s drafter and verifier) then time their kernels and steps one after the other: timed
-    while the other computes on the same cores, torch's products read several times slower than
-    they run in service (which, on shared cores, is one service at a time), and the choices and
-    step costs taken from them were the luck of the start. Where the lock cannot be made (a
-    read-only cache), the timing runs as before."""
-    path = path or cache_dir() / "start-up-timing.lock"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock

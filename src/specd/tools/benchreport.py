@@ -7,7 +7,7 @@ import platform
 from collections.abc import Sequence
 from typing import Any
 
-from specd.placement import cpu_model
+from specd.engine.cpus import cpu_model
 
 COLUMNS = [
     ("conc", "concurrency", "{:d}"),

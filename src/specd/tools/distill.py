@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from specd.engine import checkpoints, draftlm, featurehead, models
-from specd.placement import cpu_model
+from specd.engine.cpus import cpu_model
 from specd.tools import distill_features
 from specd.tools.distill_data import Work, default_work_dir, load_examples, phase_data, stop_ids
 from specd.tools.distill_train import (
