@@ -326,3 +326,27 @@ def test_a_forked_child_runs_its_products_alone(kernel: gemv.Gemv) -> None:
     finally:
         kernel.set_threads(torch.get_num_threads())
     assert torch.equal(got, want)
+
+
+def test_found_blocks_are_kept_and_read_back(tmp_path, monkeypatch) -> None:
+    from specd.engine import block_cache
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    weight = _q4_weight(8, 64, 2)
+    found = gemv.as_blocks(weight)
+    assert found is not None and len(list((tmp_path / "blocks").iterdir())) == 1
+    searched: list[int] = []
+    monkeypatch.setattr(gemv, "_find_blocks", lambda w: searched.append(1))
+    again = gemv.as_blocks(weight)
+    assert not searched and again is not None
+    assert again.kind == found.kind and torch.equal(again.q, found.q) and torch.equal(again.scales, found.scales)
+    other = weight.clone()
+    other[0, 0] = other[0, 1]  # other bytes: searched again
+    gemv.as_blocks(other)
+    assert searched == [1]
+    assert block_cache.weight_digest(weight, 1) != block_cache.weight_digest(weight, 2)  # another layout
+    for kept in (tmp_path / "blocks").iterdir():
+        kept.write_bytes(b"not a tensor file")
+    monkeypatch.setattr(gemv, "_find_blocks", lambda w: searched.append(2))
+    gemv.as_blocks(weight)  # unreadable: searched again
+    assert searched == [1, 2]

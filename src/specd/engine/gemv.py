@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from specd.engine import block_cache
 from specd.engine.timing import best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ NEEDED_FEATURES = frozenset({"avx2", "fma"})
 
 
 BLOCK = 32
+# Bump when `Blocks`' q or scales change their layout: blocks kept by `specd.engine.block_cache` are then found again.
+BLOCKS_LAYOUT = 1
 # Rows of a weight examined at once by `as_blocks` (bounds its temporaries).
 CHUNK_ROWS = 4096
 
@@ -103,9 +106,14 @@ def _q8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def as_blocks(weight: torch.Tensor) -> Blocks | None:
     """The weight's Q4_1 or Q8_0 blocks where they rebuild every float32 weight bit for bit
-    (a model loaded from such a GGUF); None for any other weight."""
+    (a model loaded from such a GGUF); None for any other weight. Found once per machine
+    (`specd.engine.block_cache`)."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
         return None
+    return block_cache.kept(weight, _find_blocks, Blocks, BLOCKS_LAYOUT)
+
+
+def _find_blocks(weight: torch.Tensor) -> Blocks | None:
     n, k = weight.shape
     for kind, chunk_fn in (("q4", _q4_chunk), ("q8", _q8_chunk)):
         parts = []
