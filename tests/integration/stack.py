@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -23,18 +24,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 HOST = "127.0.0.1"
 
 
-_handed_out: set[int] = set()
+# Below Linux's ephemeral range (32768 on), where the OS never hands a port to an outgoing
+# connection; each pytest-xdist worker takes its own stretch, so no two workers offer one port.
+PORTS_FROM, PORTS_PER_WORKER = 10000, 2000
+_next_port = PORTS_FROM + PORTS_PER_WORKER * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_last_port = _next_port + PORTS_PER_WORKER
 
 
 def free_port() -> int:
-    """A port free now and not handed out before in this run (the OS may offer one twice in a row)."""
-    while True:
+    """A port of this worker's stretch that is free now and was not handed out before in this run."""
+    global _next_port
+    while _next_port < _last_port:
+        port, _next_port = _next_port, _next_port + 1
         with socket.socket() as s:
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue  # taken by something else on this machine
             return port
+    raise RuntimeError(f"this test worker handed out all {PORTS_PER_WORKER} of its ports")
 
 
 POLL_BACKOFF = [
@@ -105,8 +113,22 @@ def spawn(name: str, args: list[str], log_dir: Path, port: int, command: list[st
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     argv = [*(command or [sys.executable, "-m", "specd.cli", name]), *args]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
     return Service(name, proc, port, log)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """In a child before exec: send it `sig` when the test process dies (Linux), so a test run that
+    is killed leaves none of its services behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+
+
+def stop_with_parent() -> None:
+    die_with_parent(signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -291,7 +313,8 @@ def specd_up(log: Path, *args: str, timeout_s: float = 300) -> Iterator[tuple[st
     for name in names:
         argv += [f"--{name.replace('_', '-')}-port", str(ports[name])]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([*argv, *args], stdout=out, stderr=subprocess.STDOUT)
+        # SIGTERM, not SIGKILL, when the test process dies: `specd up` then stops its children itself.
+        proc = subprocess.Popen([*argv, *args], stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent)
     try:
         deadline = time.monotonic() + timeout_s
         while "specd is up" not in log.read_text(errors="replace"):
