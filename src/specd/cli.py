@@ -106,11 +106,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drafter",
-        choices=["auto", "distilled", "int4", "int8", "model", "ngram", "none"],
+        choices=["auto", "distilled", "int4", "int8", "model", "ngram", "suffix", "none"],
         default="auto",
         help="distilled: a drafter trained by `specd distill` (default: the one shipped for the embedded "
         "target); int4 / int8: a weight-only copy of the target; model: --draft-model as is (with --quantize); "
-        "ngram: prompt lookup; auto: model (the shipped distilled drafter does not yet beat the quantized copy)",
+        "ngram: prompt lookup; suffix: the suffix drafter (its tries over each request's text and the latest "
+        "responses, per API key); auto: model (the shipped distilled drafter does not yet beat the quantized copy)",
     )
     p.add_argument("--drafter-device", default="cpu")
     p.add_argument("--verifier-device", default="cpu")
@@ -272,6 +273,10 @@ def _add_tls_args(p: argparse.ArgumentParser) -> None:
     tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
 
 
+# `specd up --drafter` choices that run no model: the drafter service's own --drafter names.
+MODEL_FREE = ("ngram", "suffix")
+
+
 def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
     """`specd up --drafter` -> (kind, drafter service --model, --quantize)."""
     from specd.engine.checkpoints import EMBEDDED, EMBEDDED_DRAFTER
@@ -304,7 +309,7 @@ def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
         return split_placement(cpus, "asked for")
     if args.placement == "shared" or explicit:
         return CpuPlacement(False, reason="as given" if explicit else "")
-    if not on_cpu or drafter in ("none", "ngram") or len(cpus) < 2:
+    if not on_cpu or drafter in ("none", *MODEL_FREE) or len(cpus) < 2:
         return CpuPlacement(False, reason="no CPU model drafter to overlap with, or one CPU")
     if args.load_format == "dummy":
         return CpuPlacement(False, reason="dummy weights: the split is not timed for them")
@@ -321,7 +326,7 @@ def drafter_overlap(args: argparse.Namespace, placement: CpuPlacement, drafter: 
     if args.pipeline in ("cohort", "ahead"):
         return True  # named: those pipelines are overlap
     on_cpu = args.drafter_device == "cpu" and args.verifier_device == "cpu"
-    return placement.split or explicit or not on_cpu or drafter in ("ngram", "none")
+    return placement.split or explicit or not on_cpu or drafter in ("none", *MODEL_FREE)
 
 
 def apply_placement(args: argparse.Namespace, placement: CpuPlacement) -> None:
@@ -340,7 +345,7 @@ def shared_gpu(args: argparse.Namespace, drafter: str) -> SharedGpu | None:
     CUDA devices: the pipeline defaults to auto, as the two then truly run at once."""
     from specd import mps
 
-    if drafter in ("none", "ngram"):
+    if drafter in ("none", *MODEL_FREE):
         return None
     on_cuda = args.drafter_device.startswith("cuda") and args.verifier_device.startswith("cuda")
     shared = mps.decide(args.shared_gpu, args.drafter_device, args.verifier_device, args.pipeline)
@@ -482,7 +487,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "drafter",
             *common,
             "--port", str(args.drafter_port),
-            "--drafter", "ngram" if drafter == "ngram" else "model",
+            "--drafter", drafter if drafter in MODEL_FREE else "model",
             "--model", draft_model,
             "--device", args.drafter_device,
             "--dtype", args.drafter_dtype,
