@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
+from specd.drafter_choice import MODEL_FREE, auto_drafter, resolve_drafter
 from specd.engine import DTYPE_CHOICES
 
 if TYPE_CHECKING:
@@ -111,7 +112,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="distilled: a drafter trained by `specd distill` (default: the one shipped for the embedded "
         "target); int4 / int8: a weight-only copy of the target; model: --draft-model as is (with --quantize); "
         "ngram: prompt lookup; suffix: the suffix drafter (its tries over each request's text and the latest "
-        "responses, per API key); auto: model (the shipped distilled drafter does not yet beat the quantized copy)",
+        "responses, per API key); auto: suffix on the CPU where the model drafter would be the target itself "
+        "(a draft would cost a target step), else model (the shipped distilled drafter does not yet beat the "
+        "quantized copy)",
     )
     p.add_argument("--drafter-device", default="cpu")
     p.add_argument("--verifier-device", default="cpu")
@@ -273,28 +276,6 @@ def _add_tls_args(p: argparse.ArgumentParser) -> None:
     tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
 
 
-# `specd up --drafter` choices that run no model: the drafter service's own --drafter names.
-MODEL_FREE = ("ngram", "suffix")
-
-
-def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
-    """`specd up --drafter` -> (kind, drafter service --model, --quantize)."""
-    from specd.engine.checkpoints import EMBEDDED, EMBEDDED_DRAFTER
-
-    if choice == "auto":
-        # The shipped distilled drafter (a feature head) agrees with the target on about a third of
-        # held-out greedy tokens (src/specd/data/smollm2-135m-drafter/README.md), too few to beat the quantized
-        # copy: auto keeps the copy until a distilled drafter reaches the issue's 0.70. Then: "distilled".
-        choice = "distilled" if draft_model == EMBEDDED_DRAFTER else "model"
-    if choice == "distilled":
-        if draft_model is None and target != EMBEDDED:
-            raise SystemExit("specd up: --drafter distilled needs --draft-model DIR (from specd distill) here")
-        return "distilled", draft_model or EMBEDDED_DRAFTER, "none"
-    if choice in ("int8", "int4"):
-        return choice, draft_model or target, choice
-    return choice, draft_model or target, quantize
-
-
 def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
     """Where `specd up` runs the drafter and the verifier on the CPU (see --placement)."""
     from specd.engine.checkpoints import cache_dir
@@ -434,7 +415,14 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
         parser.error("--tls-cert, --tls-key and --tls-ca go together")
     if bool(args.tls_client_cert) != bool(args.tls_client_key) or (args.tls_client_cert and not args.tls_cert):
         parser.error("--tls-client-cert and --tls-client-key go together, and need --tls-cert")
-    drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
+    drafter, draft_model, quantize = resolve_drafter(
+        args.drafter, args.draft_model, args.target_model, args.quantize, args.drafter_device
+    )
+    if args.drafter == "auto":
+        why = auto_drafter(args.draft_model, args.target_model, args.drafter_device)[1]
+    else:
+        why = "as asked (--drafter)"
+    print(f"specd up: drafter {drafter}: {why}", file=sys.stderr, flush=True)
     refuse_taken_ports(args, drafter)
     explicit = bool(args.drafter_cpus or args.verifier_cpus)
     try:
