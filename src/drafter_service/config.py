@@ -24,7 +24,13 @@ class DrafterConfig(ModelServiceConfig):
         "drafter, or the target's own 4-bit blocks read through the CPU kernel), else bfloat16",
         ["auto", *DTYPE_CHOICES],
     )
-    drafter: str = field("model", "proposer: a draft model, or model-free n-gram prompt lookup", ["model", "ngram"])
+    drafter: str = field(
+        "model",
+        "proposer: a draft model; model-free n-gram prompt lookup; or the model-free suffix drafter (the "
+        "likeliest continuations of the longest match in a trie over the sequence's own text and one over its "
+        "tenant's latest responses, SuffixDecoding)",
+        ["model", "ngram", "suffix"],
+    )
     quantize: str = field(
         "auto",
         "weight quantization (CPU): int8 or int4 weight-only, none, or auto: on the CPU, where the weights "
@@ -56,6 +62,19 @@ class DrafterConfig(ModelServiceConfig):
     )
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
     ngram_max: int = field(4, "longest suffix n-gram the n-gram drafter matches")
+    suffix_depth: int = field(
+        16, "suffix drafter: longest substring its tries count (a match is at most one token shorter)"
+    )
+    suffix_responses: int = field(
+        32, "suffix drafter: responses kept per tenant (API key) in its global trie, the least recent dropped"
+    )
+    suffix_tenants: int = field(16, "suffix drafter: tenants whose global tries it keeps, the least recent dropped")
+    suffix_factor: float = field(
+        2.0, "suffix drafter: the most drafts per token of the match they continue (a short match drafts little)"
+    )
+    suffix_min_prob: float = field(
+        0.1, "suffix drafter: no draft whose estimated probability (its path's frequencies multiplied) is below this"
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -63,6 +82,10 @@ class DrafterConfig(ModelServiceConfig):
             raise ValueError("max_support must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("1 <= ngram_min <= ngram_max is required")
+        if self.suffix_depth < 2 or self.suffix_responses < 0 or self.suffix_tenants < 1:
+            raise ValueError("suffix_depth must be >= 2, suffix_responses >= 0 and suffix_tenants >= 1")
+        if self.suffix_factor <= 0 or not 0 <= self.suffix_min_prob <= 1:
+            raise ValueError("suffix_factor must be > 0 and suffix_min_prob in [0, 1]")
         if self.branch_slots < -1:
             raise ValueError("branch_slots must be -1 (as many as max_sequences), 0 (none) or a number of slots")
         if self.int8_wide_rows < -1:

@@ -1,4 +1,4 @@
-"""`specd drafter`: load the draft model (or the n-gram proposer) and serve DrafterService."""
+"""`specd drafter`: load the draft model (or a model-free proposer) and serve DrafterService."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
-from specd.engine import calibration, checkpoints, cuda_graphs, fused_llama, gemv, models, timing
+from drafter_service.suffix_engine import SuffixDrafter
+from specd.engine import calibration, checkpoints, cuda_graphs, fused_llama, gemv, models, suffix, timing
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM, Row
@@ -25,7 +26,7 @@ from specd.rpc.service_metrics import ServiceMetrics
 from specd.rpc.serving import EngineRunner, fingerprint_pb, run_service
 from specd.rpc.tracing import Tracing
 
-# The n-gram proposer only copies ids it has seen, so any id the verifier accepts is fine.
+# The model-free proposers only copy ids they have seen, so any id the verifier accepts is fine.
 NGRAM_VOCAB_LIMIT = 2**31 - 1
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,12 @@ STEP_TIMING_SIZES = (1, 2, 4, 8, 16, 32)
 DRAFT_GRAPH_BLOCK = 4
 
 
-def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter, common_pb2.ModelInfo]:
-    if config.drafter == "ngram":
-        return _ngram_engine(config)
+Engine = ModelDrafter | NgramDrafter | SuffixDrafter
+
+
+def build_engine(config: DrafterConfig) -> tuple[Engine, common_pb2.ModelInfo]:
+    if config.drafter in ("ngram", "suffix"):
+        return _model_free_engine(config)
     loaded, quantization = _load_weights(config)
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
     # The engine bounds the KV cache first; the warm-up then makes it at that size.
@@ -168,19 +172,33 @@ def reads_blocks(dtype: str, model: torch.nn.Module) -> bool:
     return dtype in ("auto", "float32") and gemv.load() is not None and weights_are_int4(model)
 
 
-def _ngram_engine(config: DrafterConfig) -> tuple[NgramDrafter, common_pb2.ModelInfo]:
-    """Prompt lookup: no model, no device, a vocabulary bound only by the token ids' range."""
+def _model_free_engine(config: DrafterConfig) -> tuple[NgramDrafter | SuffixDrafter, common_pb2.ModelInfo]:
+    """Prompt lookup or the suffix drafter: no model, no device, a vocabulary bound only by the
+    token ids' range."""
     pin(config.cpus)
-    engine = NgramDrafter(
-        NGRAM_VOCAB_LIMIT,
-        config.max_sequences,
-        config.max_context,
-        config.max_draft_tokens,
-        config.ngram_min,
-        config.ngram_max,
-    )
+    engine: NgramDrafter | SuffixDrafter
+    if config.drafter == "ngram":
+        engine = NgramDrafter(
+            NGRAM_VOCAB_LIMIT,
+            config.max_sequences,
+            config.max_context,
+            config.max_draft_tokens,
+            config.ngram_min,
+            config.ngram_max,
+        )
+    else:
+        engine = SuffixDrafter(
+            NGRAM_VOCAB_LIMIT,
+            config.max_sequences,
+            config.max_context,
+            config.max_draft_tokens,
+            config.suffix_depth,
+            config.suffix_responses,
+            config.suffix_tenants,
+            suffix.Limits(config.suffix_factor, config.suffix_min_prob),
+        )
     info = common_pb2.ModelInfo(
-        model_id="ngram",
+        model_id=config.drafter,
         max_context=config.max_context,
         device="cpu",
         max_sequences=config.max_sequences,
@@ -197,7 +215,7 @@ def _prefill_once(lm: BatchedCausalLM, rows: int) -> None:
 
 def register(
     server: grpc.aio.Server,
-    engine: ModelDrafter | NgramDrafter,
+    engine: Engine,
     info: common_pb2.ModelInfo,
     runner: EngineRunner,
     tracing: Tracing,

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
+from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
@@ -28,10 +29,17 @@ def _branch_pb(branch: DraftBranch) -> drafter_pb2.DraftBranch:
     )
 
 
+KINDS = {
+    "model": common_pb2.DRAFTER_KIND_MODEL,
+    "ngram": common_pb2.DRAFTER_KIND_NGRAM,
+    "suffix": common_pb2.DRAFTER_KIND_SUFFIX,
+}
+
+
 class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     def __init__(
         self,
-        engine: ModelDrafter | NgramDrafter,
+        engine: ModelDrafter | NgramDrafter | SuffixDrafter,
         info: common_pb2.ModelInfo,
         runner: EngineRunner,
         tracing: Tracing,
@@ -40,7 +48,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
     ) -> None:
         self.engine = engine
         self.info = info
-        self.kind = common_pb2.DRAFTER_KIND_NGRAM if engine.kind == "ngram" else common_pb2.DRAFTER_KIND_MODEL
+        self.kind = KINDS[engine.kind]
         self.runner = runner
         self.tracing = tracing
         self.metrics = metrics

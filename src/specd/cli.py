@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
+from specd.drafter_choice import MODEL_FREE, auto_drafter, resolve_drafter
 from specd.engine import DTYPE_CHOICES
 
 if TYPE_CHECKING:
@@ -106,11 +107,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drafter",
-        choices=["auto", "distilled", "int4", "int8", "model", "ngram", "none"],
+        choices=["auto", "distilled", "int4", "int8", "model", "ngram", "suffix", "none"],
         default="auto",
         help="distilled: a drafter trained by `specd distill` (default: the one shipped for the embedded "
         "target); int4 / int8: a weight-only copy of the target; model: --draft-model as is (with --quantize); "
-        "ngram: prompt lookup; auto: model (the shipped distilled drafter does not yet beat the quantized copy)",
+        "ngram: prompt lookup; suffix: the suffix drafter (its tries over each request's text and the latest "
+        "responses, per API key); auto: suffix on the CPU where the model drafter would be the target itself "
+        "(a draft would cost a target step), else model (the shipped distilled drafter does not yet beat the "
+        "quantized copy)",
     )
     p.add_argument("--drafter-device", default="cpu")
     p.add_argument("--verifier-device", default="cpu")
@@ -278,24 +282,6 @@ def _add_tls_args(p: argparse.ArgumentParser) -> None:
     tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
 
 
-def resolve_drafter(choice: str, draft_model: str | None, target: str, quantize: str) -> tuple[str, str, str]:
-    """`specd up --drafter` -> (kind, drafter service --model, --quantize)."""
-    from specd.engine.checkpoints import EMBEDDED, EMBEDDED_DRAFTER
-
-    if choice == "auto":
-        # The shipped distilled drafter (a feature head) agrees with the target on about a third of
-        # held-out greedy tokens (src/specd/data/smollm2-135m-drafter/README.md), too few to beat the quantized
-        # copy: auto keeps the copy until a distilled drafter reaches the issue's 0.70. Then: "distilled".
-        choice = "distilled" if draft_model == EMBEDDED_DRAFTER else "model"
-    if choice == "distilled":
-        if draft_model is None and target != EMBEDDED:
-            raise SystemExit("specd up: --drafter distilled needs --draft-model DIR (from specd distill) here")
-        return "distilled", draft_model or EMBEDDED_DRAFTER, "none"
-    if choice in ("int8", "int4"):
-        return choice, draft_model or target, choice
-    return choice, draft_model or target, quantize
-
-
 def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
     """Where `specd up` runs the drafter and the verifier on the CPU (see --placement)."""
     from specd.engine.checkpoints import cache_dir
@@ -310,7 +296,7 @@ def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
         return split_placement(cpus, "asked for")
     if args.placement == "shared" or explicit:
         return CpuPlacement(False, reason="as given" if explicit else "")
-    if not on_cpu or drafter in ("none", "ngram") or len(cpus) < 2:
+    if not on_cpu or drafter in ("none", *MODEL_FREE) or len(cpus) < 2:
         return CpuPlacement(False, reason="no CPU model drafter to overlap with, or one CPU")
     if args.load_format == "dummy":
         return CpuPlacement(False, reason="dummy weights: the split is not timed for them")
@@ -329,7 +315,7 @@ def drafter_overlap(args: argparse.Namespace, placement: CpuPlacement, drafter: 
     if args.pipeline in ("cohort", "ahead"):
         return True  # named: those pipelines are overlap
     on_cpu = args.drafter_device == "cpu" and args.verifier_device == "cpu"
-    return placement.split or explicit or not on_cpu or drafter in ("ngram", "none")
+    return placement.split or explicit or not on_cpu or drafter in ("none", *MODEL_FREE)
 
 
 def apply_placement(args: argparse.Namespace, placement: CpuPlacement) -> None:
@@ -348,7 +334,7 @@ def shared_gpu(args: argparse.Namespace, drafter: str) -> SharedGpu | None:
     CUDA devices: the pipeline defaults to auto, as the two then truly run at once."""
     from specd import mps
 
-    if drafter in ("none", "ngram"):
+    if drafter in ("none", *MODEL_FREE):
         return None
     on_cuda = args.drafter_device.startswith("cuda") and args.verifier_device.startswith("cuda")
     shared = mps.decide(args.shared_gpu, args.drafter_device, args.verifier_device, args.pipeline)
@@ -437,7 +423,14 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
         parser.error("--tls-cert, --tls-key and --tls-ca go together")
     if bool(args.tls_client_cert) != bool(args.tls_client_key) or (args.tls_client_cert and not args.tls_cert):
         parser.error("--tls-client-cert and --tls-client-key go together, and need --tls-cert")
-    drafter, draft_model, quantize = resolve_drafter(args.drafter, args.draft_model, args.target_model, args.quantize)
+    drafter, draft_model, quantize = resolve_drafter(
+        args.drafter, args.draft_model, args.target_model, args.quantize, args.drafter_device
+    )
+    if args.drafter == "auto":
+        why = auto_drafter(args.draft_model, args.target_model, args.drafter_device)[1]
+    else:
+        why = "as asked (--drafter)"
+    print(f"specd up: drafter {drafter}: {why}", file=sys.stderr, flush=True)
     refuse_taken_ports(args, drafter)
     if args.recalibrate:
         from specd.engine import calibration
@@ -496,7 +489,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "drafter",
             *common,
             "--port", str(args.drafter_port),
-            "--drafter", "ngram" if drafter == "ngram" else "model",
+            "--drafter", drafter if drafter in MODEL_FREE else "model",
             "--model", draft_model,
             "--device", args.drafter_device,
             "--dtype", args.drafter_dtype,

@@ -32,6 +32,7 @@ class RefusingScheduler:
     def __init__(self) -> None:
         self.submitted: list[GenerationParams] = []
         self.prompts: list[list[int]] = []  # the prompt of each submission
+        self.tenants: list[str] = []  # the tenant of each submission (SequenceSpec.tenant)
 
     def submit(self, prompt: list[int], params: GenerationParams, carrier: Any = None) -> Any:
         self.submitted.append(params)
@@ -39,8 +40,14 @@ class RefusingScheduler:
         return types.SimpleNamespace(prompt_logprobs=[])
 
     def submit_group(
-        self, prompt: list[int], group: list[GenerationParams], carrier: Any = None, client: str = ""
+        self,
+        prompt: list[int],
+        group: list[GenerationParams],
+        carrier: Any = None,
+        client: str = "",
+        tenant: str = "",
     ) -> list[Any]:
+        self.tenants.append(tenant)
         return [self.submit(prompt, params, carrier) for params in group]
 
     def cancel(self, seq: Any) -> None:
@@ -72,8 +79,10 @@ class GatewayScheduler(Scheduler):
         super().__init__(tok, FakeVerifier(), FakeDrafter() if drafter else None, k, 16, [EOS], **flags)
         self.submitted: list[GenerationParams] = []
 
-    def submit_group(self, prompt: list[int], group: Any, trace_parent: Any = None, client: str = "") -> list[Any]:
-        seqs = super().submit_group(prompt, group, trace_parent, client)
+    def submit_group(
+        self, prompt: list[int], group: Any, trace_parent: Any = None, client: str = "", tenant: str = ""
+    ) -> list[Any]:
+        seqs = super().submit_group(prompt, group, trace_parent, client, tenant)
         self.submitted.extend(group)
         return seqs
 

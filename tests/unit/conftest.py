@@ -7,6 +7,7 @@ import tinymodels
 import torch
 
 from drafter_service.engine import ModelDrafter, NgramDrafter
+from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler
 from specd.engine.kvcache import BatchedCausalLM
@@ -74,6 +75,16 @@ def make_ngram(vocab_size) -> Callable[..., NgramDrafter]:
         max_sequences: int = 8, max_context: int = 512, max_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4
     ) -> NgramDrafter:
         return NgramDrafter(vocab_size, max_sequences, max_context, max_draft_tokens, min_n, max_n)
+
+    return make
+
+
+@pytest.fixture
+def make_suffix(vocab_size) -> Callable[..., SuffixDrafter]:
+    def make(
+        max_sequences: int = 8, max_context: int = 512, max_draft_tokens: int = 8, depth: int = 16, responses: int = 32
+    ) -> SuffixDrafter:
+        return SuffixDrafter(vocab_size, max_sequences, max_context, max_draft_tokens, depth, responses)
 
     return make
 

@@ -7,6 +7,7 @@ import torch
 from tinymodels import backed_kv_bytes, device_under_test
 
 from drafter_service.engine import ModelDrafter, NgramDrafter, default_branch_slots
+from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.params import SamplingParams
 from specd.engine.tasks import DraftTask, SequenceSpec, SparseDist, VerifyTask
@@ -17,16 +18,21 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1)
 MAX_SEQUENCES = 3
 MAX_CONTEXT = 64
 MAX_DRAFT = 8
-ENGINE_KINDS = ["verifier", "drafter", "ngram"]
+ENGINE_KINDS = ["verifier", "drafter", "ngram", "suffix"]
 PROMPT = [11, 22, 33, 44, 55, 11, 22]
 
-Engine = VerifierEngine | ModelDrafter | NgramDrafter
+Engine = VerifierEngine | ModelDrafter | NgramDrafter | SuffixDrafter
 
 
 @pytest.fixture
-def engines(make_verifier, make_drafter, make_ngram) -> dict[str, Engine]:
+def engines(make_verifier, make_drafter, make_ngram, make_suffix) -> dict[str, Engine]:
     limits = {"max_sequences": MAX_SEQUENCES, "max_context": MAX_CONTEXT, "max_draft_tokens": MAX_DRAFT}
-    return {"verifier": make_verifier(**limits), "drafter": make_drafter(**limits), "ngram": make_ngram(**limits)}
+    return {
+        "verifier": make_verifier(**limits),
+        "drafter": make_drafter(**limits),
+        "ngram": make_ngram(**limits),
+        "suffix": make_suffix(**limits),
+    }
 
 
 def open_ok(engine: Engine, *specs: SequenceSpec) -> None:
@@ -131,7 +137,7 @@ def test_verifier_rejects_more_draft_tokens_than_the_limit(engines):
     assert len(verifier.table.get("a").committed) == len(PROMPT)
 
 
-@pytest.mark.parametrize("kind", ["drafter", "ngram"])
+@pytest.mark.parametrize("kind", ["drafter", "ngram", "suffix"])
 def test_drafter_rejects_more_draft_tokens_than_the_limit(engines, kind):
     drafter = engines[kind]
     open_ok(drafter, SequenceSpec("a", PROMPT, GREEDY), SequenceSpec("b", PROMPT, GREEDY))
@@ -155,7 +161,7 @@ def test_verifier_rejects_drafts_beyond_the_context_window(engines):
     assert results[0].error is None
 
 
-@pytest.mark.parametrize("kind", ["drafter", "ngram"])
+@pytest.mark.parametrize("kind", ["drafter", "ngram", "suffix"])
 def test_drafter_rejects_drafts_beyond_the_context_window(engines, kind):
     drafter = engines[kind]
     prompt = list(range(10, 10 + MAX_CONTEXT - 4))
@@ -363,13 +369,13 @@ def greedy_reference(tiny_target, prompts) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize("draft", ["tiny_draft", "close_draft", "tiny_target", "ngram"])
+@pytest.mark.parametrize("draft", ["tiny_draft", "close_draft", "tiny_target", "ngram", "suffix"])
 def test_greedy_speculation_reproduces_target_generate(
-    request, make_verifier, make_drafter, make_ngram, prompts, greedy_reference, draft
+    request, make_verifier, make_drafter, make_ngram, make_suffix, prompts, greedy_reference, draft
 ):
     verifier = make_verifier(max_sequences=len(prompts), max_draft_tokens=8)
-    if draft == "ngram":
-        drafter = make_ngram(max_sequences=len(prompts), max_draft_tokens=8)
+    if draft in ("ngram", "suffix"):
+        drafter = (make_ngram if draft == "ngram" else make_suffix)(max_sequences=len(prompts), max_draft_tokens=8)
     else:
         drafter = make_drafter(max_sequences=len(prompts), max_draft_tokens=8, model=request.getfixturevalue(draft))
     ks = dict(zip(prompts, KS, strict=True))
@@ -547,7 +553,7 @@ def test_an_open_that_cannot_fit_is_refused_before_any_state_changes(engines, ki
     )
     assert [kind_of(e) for e in errors] == [ErrorKind.INVALID_ARGUMENT, None, None, ErrorKind.RESOURCE_EXHAUSTED]
     assert sorted(engine.table.seqs) == ["a", "b", "c"]
-    if kind != "ngram":
+    if kind not in ("ngram", "suffix"):
         assert engine.table.kv_bytes() == backed_kv_bytes(engine.table, 3 * (len(PROMPT) - 1))
 
 

@@ -35,7 +35,12 @@ class ScriptedScheduler:
         self.cancelled: list[int] = []
 
     def submit_group(
-        self, prompt: list[int], group: list[GenerationParams], carrier: Any = None, client: str = ""
+        self,
+        prompt: list[int],
+        group: list[GenerationParams],
+        carrier: Any = None,
+        client: str = "",
+        tenant: str = "",
     ) -> list[Any]:
         self.submitted.extend(group)
         return [

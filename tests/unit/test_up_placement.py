@@ -146,3 +146,22 @@ def test_up_forwards_the_token_tree_and_fan_out_flags_to_the_gateway() -> None:
     command = cli._gateway_command(args, "model", False, [], [])
     flags = dict(zip(command[1::2], command[2::2], strict=False))
     assert (flags["--speculative-siblings"], flags["--speculative-branches"]) == ("1", "2")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([], "specd up: drafter suffix: on the CPU the model drafter would be the target itself"),
+        (["--drafter", "int4"], "specd up: drafter int4: as asked (--drafter)"),
+    ],
+)
+def test_the_start_says_which_drafter_and_why(
+    argv: list[str], said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(placement, "measured_steps", lambda *a: (0.03, 0.05, False))
+    monkeypatch.setattr(cli, "refuse_taken_ports", lambda *a: None)
+    args = cli._up_parser().parse_args(argv)
+    plan = cli._up_plan(cli._up_parser(), args)
+    assert said in capsys.readouterr().err
+    # A model-free drafter shares the cores: it costs no model step to overlap.
+    assert plan.drafter != "suffix" or not plan.placement.split

@@ -16,7 +16,7 @@ import grpc
 
 from gateway.api.choices import Gathered, Outcome, choice_params, merged, request_usage
 from gateway.api.grammar_check import check_constraint
-from gateway.api.limits import api_key
+from gateway.api.limits import api_key, tenant
 from gateway.api.logprob_format import TokenTexts, grpc_logprobs
 from gateway.api.prompts import off_loop, prompts_for
 from gateway.api.validation import InvalidParameter, RequestedParams, choices, generation_params
@@ -66,9 +66,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         sent = dict(context.invocation_metadata() or ())
         metadata = {k: v for k, v in sent.items() if k in ("traceparent", "tracestate")}
         # The peer is "ipv4:HOST:PORT" or "ipv6:[HOST]:PORT": the client is its host.
-        client = api_key(sent.get("authorization")) if self.keyed else context.peer().rpartition(":")[0]
+        key = api_key(sent.get("authorization"))
+        client = key if self.keyed else context.peer().rpartition(":")[0]
         ids = await off_loop(prompts_for(self.tokenizer, self.scheduler.max_context).text_ids, prompt)
-        return self.scheduler.submit_group(ids, choice_params(generation, wanted), metadata, client)
+        group = choice_params(generation, wanted)
+        return self.scheduler.submit_group(ids, group, metadata, client, tenant(key) if self.keyed else "")
 
     async def _abort(self, context: grpc.aio.ServicerContext, error: GenerationError) -> NoReturn:
         await context.abort(error.kind.grpc_status, error.message)

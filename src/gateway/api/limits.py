@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import OrderedDict
 
 from asyncio_throttle import Throttler
@@ -47,6 +48,12 @@ class RateLimiter:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+def tenant(key: str) -> str:
+    """The drafter's tag for an API key's requests (SequenceSpec.tenant): a digest, so the key
+    itself never leaves the gateway."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def api_key(authorization: str | None) -> str:

@@ -21,7 +21,7 @@ from gateway.api import chat_templates
 from gateway.api.chat_stream import ChatChunks
 from gateway.api.choices import Choices, Gathered, Outcome, best, choice_params, merged, request_usage
 from gateway.api.grammar_check import check_constraint
-from gateway.api.limits import RateLimiter, api_key
+from gateway.api.limits import RateLimiter, api_key, tenant
 from gateway.api.logprob_format import TokenTexts, chat_content, completion_logprobs
 from gateway.api.prompts import Prompts, off_loop, prompts_for
 from gateway.api.protocol import ChatCompletionRequest, CompletionRequest, _Request
@@ -156,9 +156,10 @@ class OpenAIApi:
         # A client's own W3C trace context makes the request span a child of its span.
         carrier = {k: v for k in ("traceparent", "tracestate") if (v := request.headers.get(k))}
         address = request.client.host if request.client else ""
-        client = api_key(request.headers.get("authorization")) if self.keyed else address
+        key = api_key(request.headers.get("authorization"))
+        client = key if self.keyed else address
         try:
-            return self.scheduler.submit_group(prompt, group, carrier, client)
+            return self.scheduler.submit_group(prompt, group, carrier, client, tenant(key) if self.keyed else "")
         except GenerationError as exc:
             # The scheduler's refusals of a parameter (one the gateway's flags decide) name it.
             return error_response(exc.status, exc.message, exc.code, getattr(exc, "param", None))

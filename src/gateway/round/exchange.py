@@ -98,6 +98,7 @@ def spec(seq: Any, prefill_tokens: int | None = None) -> common_pb2.SequenceSpec
         json_schema=seq.params.json_schema,
         grammar=seq.params.grammar,
         prefill_tokens=prefill_tokens,
+        tenant=seq.tenant,
     )
 
 

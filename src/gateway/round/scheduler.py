@@ -204,12 +204,14 @@ class Scheduler:
         group: Sequence[GenerationParams],
         trace_parent: Mapping[str, str] | None = None,
         client: str = "",
+        tenant: str = "",
     ) -> list[_Sequence]:
         """Enqueue one sequence per params of `group` (a request's choices), all of them or none.
 
         Everything that could refuse one of them is checked before any is queued, so a request
         never half-runs. Each is its own sequence on the services (the KV cache has no prefix
-        sharing: each prefills the prompt itself).
+        sharing: each prefills the prompt itself). `tenant`: whose text the suffix drafter may
+        draft them from (SequenceSpec.tenant).
         """
         self._check_admission(len(group))
         max_tokens = [self._max_tokens(prompt, params) for params in group]
@@ -217,6 +219,7 @@ class Scheduler:
         seqs = [self._sequence(prompt, params, n, trace_parent) for params, n in zip(group, max_tokens, strict=True)]
         for seq in seqs:
             seq.client = client
+            seq.tenant = tenant
             seq.life.on_over = functools.partial(self.shares.give_back, client)
         self.waiting.extend(seqs)
         self.metrics.waiting.set(len(self.waiting))

@@ -140,6 +140,7 @@ class _Sequence:
     deadline: float = 0.0  # time.monotonic() by which the request must end; 0 = none
     cancelled: bool = False
     client: str = ""  # whose share it counts against (gateway.round.shares)
+    tenant: str = ""  # whose earlier responses the suffix drafter may draft it from (SequenceSpec.tenant)
     drafted: int = 0
     accepted: int = 0
     spec_steps: list[tuple[int, int]] = field(default_factory=list)  # see Finished.spec_steps

@@ -28,6 +28,8 @@ class SequenceSpec:
     prefill_tokens: int | None = None
     # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
     grammar: str = ""
+    # Whose request (SequenceSpec.tenant): the suffix drafter drafts only from its tenant's responses.
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,7 @@ def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
         msg.json_schema,
         msg.prefill_tokens if msg.HasField("prefill_tokens") else None,
         msg.grammar,
+        msg.tenant,
     )
 
 

@@ -62,7 +62,7 @@ from specd.tools.benchstats import (
     summarize,
 )
 from specd.tools.provenance import measured_at, source_commit
-from specd.tools.workloads import prompts_for, workload_names
+from specd.tools.workloads import copy_workload_names, prompts_for, workload_names
 
 HTTP_MODES = ("target", "fixed", "auto", "sequential", "cohort", "ahead", "tree", "fanout", "auto-pipeline", "server")
 HF_MODES = ("hf", "hf-target")
@@ -415,7 +415,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16", help="comma-separated levels")
     p.add_argument("--num-prompts", type=int, default=0, help="requests per level; default max(16, 2 x concurrency)")
     p.add_argument(
-        "--workload", default="chat", help=f"bundled prompts: {', '.join(workload_names())}, mixed or longmix"
+        "--workload",
+        default="chat",
+        help=f"bundled prompts: {', '.join([*workload_names(), *copy_workload_names()])}, mixed or longmix",
     )
     p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': ...} or {'messages': [...]} instead")
     p.add_argument(

@@ -13,6 +13,15 @@ Each workload stresses speculative decoding differently:
 
 ``mixed`` (see :func:`prompts_for`) is every prompt of every workload, in file order.
 
+Three more, in ``data/copy_prompts.jsonl``, are outputs that copy text a drafter has seen: they show
+what a suffix drafter gains (``--drafter suffix``), and ``specd distill`` does not train on them
+(:func:`workload_names` is the other four):
+
+* ``code-edit``: a Python function and "rename X to Y and return the whole function".
+* ``rag-quote``: a passage and a question answered by quoting the passage, several questions a passage.
+* ``agent-loop``: requests that each call one tool in the same JSON shape with new arguments, in
+  order, so that from the second request on the earlier responses hold the shape.
+
 ``longmix`` is the chat prompts with every fourth one replaced by a long prompt (about 1,400
 tokens): six consecutive ``rewrite`` prompts, quoted together under one instruction. It measures
 head-of-line blocking: how much a long prompt's prefill stalls the streams already running.
@@ -26,9 +35,9 @@ from importlib import resources
 
 
 @cache
-def _load() -> dict[str, tuple[str, ...]]:
+def _load(name: str = "prompts.jsonl") -> dict[str, tuple[str, ...]]:
     by_workload: dict[str, list[str]] = {}
-    text = resources.files("specd.tools").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
+    text = resources.files("specd.tools").joinpath(f"data/{name}").read_text(encoding="utf-8")
     for line in text.splitlines():
         if line.strip():
             row = json.loads(line)
@@ -37,7 +46,16 @@ def _load() -> dict[str, tuple[str, ...]]:
 
 
 def workload_names() -> tuple[str, ...]:
+    """The workloads `specd distill` trains on (the copy workloads are held out)."""
     return tuple(_load())
+
+
+def copy_workload_names() -> tuple[str, ...]:
+    """code-edit, rag-quote and agent-loop."""
+    return tuple(_load(COPY_FILE))
+
+
+COPY_FILE = "copy_prompts.jsonl"
 
 
 LONG_EVERY = 4
@@ -60,8 +78,11 @@ def prompts_for(workload: str) -> tuple[str, ...]:
     if workload == "longmix":
         long = iter(_long_prompts(workloads["rewrite"]))
         return tuple(next(long) if i % LONG_EVERY == LONG_EVERY - 1 else p for i, p in enumerate(workloads["chat"]))
+    copies = _load(COPY_FILE)
+    if workload in copies:
+        return copies[workload]
     try:
         return workloads[workload]
     except KeyError:
-        choices = ", ".join([*workloads, "mixed", "longmix"])
+        choices = ", ".join([*workloads, *copies, "mixed", "longmix"])
         raise ValueError(f"unknown workload {workload!r}; choose one of: {choices}") from None
