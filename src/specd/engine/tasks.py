@@ -28,6 +28,8 @@ class SequenceSpec:
     prefill_tokens: int | None = None
     # Structured output by an llguidance grammar (guided_regex, guided_choice); "" = none.
     grammar: str = ""
+    # The ids that end it (the target's, from the gateway); empty: the service's own.
+    end_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
