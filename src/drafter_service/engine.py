@@ -103,6 +103,14 @@ class _DrafterBase:
         return proposals, live
 
 
+def until_end(tokens: list[int], ends: frozenset[int]) -> list[int]:
+    """`tokens` up to the first of `ends`, that one included."""
+    for n, token in enumerate(tokens):
+        if token in ends:
+            return tokens[: n + 1]
+    return tokens
+
+
 def default_branch_slots(max_sequences: int, device: torch.device) -> int:
     """Slots for fan-out branches (drafter_service.fanout) when the operator names none: one a
     sequence on the CPU, whose cache pages are backed only as written; a quarter as many on an
@@ -371,8 +379,8 @@ class ModelDrafter(_DrafterBase):
             if i in constrained and not push_token(state, token):
                 constrained.discard(i)
                 continue
-            if i in constrained and state.grammar is not None and state.grammar.ended:
-                continue  # it drafted end-of-sequence: nothing can follow
+            if token in state.ends or (i in constrained and state.grammar is not None and state.grammar.ended):
+                continue  # it drafted one of the target's end ids: nothing can follow
             if step + 1 < k:
                 still.append((i, state, k))
         return still
@@ -438,7 +446,8 @@ class ModelDrafter(_DrafterBase):
                 drafts[r].append(values[offset])
                 offset += 1
         for (i, state, _), tokens_of_row in zip(active, drafts, strict=True):
-            proposals[i].tokens.extend(tokens_of_row)
+            # Drafted past an end on the device, where no step waits to look; the target stops there.
+            proposals[i].tokens[:] = until_end([*proposals[i].tokens, *tokens_of_row], state.ends)
             state.cached.extend(tokens_of_row[:-1])  # fed in the steps after their own
         return forward_ns
 

@@ -292,12 +292,20 @@ def check_compatible(gateway: TokenizerFingerprint, verifier: VerifierClient, dr
         draft = drafter.fingerprint
         if draft is None:
             raise BackendError("the drafter reports no tokenizer fingerprint")
-        diffs = draft.differences(target)
+        diffs = draft.vocabulary_differences(target)
         if diffs:
             raise BackendError(
                 f"refusing drafter at {drafter.address}: its tokenizer differs from the verifier's ("
                 + "; ".join(diffs)
-                + "); a draft model must share the target's tokenizer exactly"
+                + "); a draft model must share the target's vocabulary exactly"
+            )
+        if notes := draft.config_differences(target):
+            # An instruct target over a base drafter: the target's end ids go with each sequence.
+            log.info(
+                "the drafter at %s is configured apart from the target (%s); the target's end ids count, "
+                "and each sequence carries them to the drafter",
+                drafter.address,
+                "; ".join(notes),
             )
     feature_size = getattr(drafter, "feature_size", 0) if drafter is not None else 0
     if drafter is not None and feature_size and verifier.info is not None and feature_size != verifier.info.hidden_size:

@@ -217,11 +217,19 @@ def die_with_parent() -> None:
     """In a child of `specd up` (PARENT_ENV set): get SIGTERM when it dies, and stop at once if it
     is gone already. Set here rather than between fork and exec, where a threaded parent must not run Python."""
     parent = os.environ.pop(PARENT_ENV, "")
-    if not parent or not sys.platform.startswith("linux"):
+    if parent:
+        die_with(int(parent), signal.SIGTERM, "specd up, which started this service, has exited")
+
+
+def die_with(parent: int, sig: int = signal.SIGKILL, why: str = "the process that started this one has exited") -> None:
+    """Get `sig` when `parent` (this process's parent, by pid) dies, and exit now if it has died
+    already. Linux only (PR_SET_PDEATHSIG), where it holds whatever this process is doing; the
+    parent's thread that started this one must live as long as the parent does."""
+    if not sys.platform.startswith("linux"):
         return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):
-        raise SystemExit("specd up, which started this service, has exited")
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:
+        raise SystemExit(why)
 
 
 def spawn_child(argv: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:

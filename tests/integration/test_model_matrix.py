@@ -3,9 +3,12 @@
 For Llama, Qwen2, Qwen3, Mistral, Phi-3 and Gemma-2 (tiny, random weights, the SmolLM2
 tokenizer; sliding windows narrower than the sequences), a target and a perturbed copy as
 its drafter: greedy output is `generate`'s token for token in float32, and generation stops
-at every end id the model's generation_config.json lists, with OpenAI's finish_reason. The
+at every end id the target's generation_config.json lists, with OpenAI's finish_reason. The
 second end id is crafted to be the greedy continuation of one prompt, so a server that
-stopped only at the tokenizer's eos would run past it.
+stopped only at the tokenizer's eos would run past it. The pair is an instruct target over a
+base drafter: the drafter's generation_config.json lists the tokenizer's eos alone, so the
+pair starts only because the target's end ids count, and the drafter learns them from the
+gateway (tests/unit/test_own_pairs.py has each architecture's pair in process).
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ class Pair:
         self.target = tinymodels.build_architecture(arch, SEED, len(tok), tok.bos_token_id, tok.eos_token_id)
         draft = tinymodels.perturbed(self.target, 0.3, seed=SEED + 1)
         self.ends = [tok.eos_token_id, _second_end(_greedy(self.target, tok, STOP_PROMPT, None), tok.eos_token_id)]
-        for model in (self.target, draft):
-            model.generation_config.eos_token_id = self.ends
+        self.target.generation_config.eos_token_id = self.ends
+        draft.generation_config.eos_token_id = tok.eos_token_id  # a base model's: one end id
         self.target_dir = tinymodels.save(self.target, tok, root / "target")
         self.draft_dir = tinymodels.save(draft, tok, root / "draft")
         self.references = {p: _greedy(self.target, tok, p, self.ends) for p in PROMPTS}
@@ -140,3 +143,4 @@ def test_the_fused_forward_serves_where_it_applies_and_transformers_elsewhere(se
         assert f"the verifier runs transformers' forward ({name} has no fused one)" in text
         assert "runs the fused forward" not in text
     assert f"sequences end at token ids {sorted(pair.ends)}" in text
+    assert f"(end token ids [{pair.ends[0]}] != {sorted(pair.ends)}); the target's end ids count" in text

@@ -142,12 +142,48 @@ def start_up(target: Path, draft: Path, log_dir: Path, name: str, *extra: str, e
     return up
 
 
+def session_processes(sid: int) -> list[str]:
+    """The running processes (zombies have ended) of session `sid`, as "pid command line" each.
+    specd up runs in a session of its own here: every process it or its children start is in
+    it, and stays in it when PID 1 adopts it, which is how a leftover hides from a parent's view."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")[:300]
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(f"{entry} {argv.decode(errors='replace')}")
+    return found
+
+
+def leftovers(up: Up, within_s: float = 30.0) -> list[str]:
+    """What of specd up's session still runs `within_s` after specd up itself has exited (its
+    children's own stops take a few seconds: the gateway drains, the backends' grace)."""
+    assert up.proc.poll() is not None
+    deadline = time.monotonic() + within_s
+    while (left := session_processes(up.proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for line in left:  # not left for the next test
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    return left
+
+
 def stop(up: Up) -> int | None:
+    """SIGTERM specd up, as systemd and Kubernetes stop it; its exit code. Raises if any process
+    of its session is left."""
     code = None
     if up.proc.poll() is None:
         up.proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             code = up.proc.wait(45)
+    if code is not None:
+        left = leftovers(up)
+        assert not left, f"left running after specd up exited on SIGTERM: {left}"
     with contextlib.suppress(ProcessLookupError):
         os.killpg(up.proc.pid, signal.SIGKILL)
     up.proc.wait()
@@ -320,8 +356,31 @@ def test_a_verifier_restarted_with_another_tokenizer_is_refused(model_dirs, log_
         up.kill("verifier")
         wait_until(lambda: up.health().status_code == 200, 90, "the gateway to take the verifier back")
         assert httpx.post(up.base_url + "/v1/completions", json=body, timeout=30).status_code == 200
+        # A gateway killed outright runs no stop: its children (the body-screening worker) end anyway.
+        children = children_of(up.child("gateway"))
+        assert children, "the gateway had no body-screening worker"
+        up.kill("gateway")
+
+        def running(pids: set[int]) -> set[int]:
+            return pids & {int(line.split()[0]) for line in session_processes(up.proc.pid)}
+
+        wait_until(lambda: not running(children), 10, f"the killed gateway's children {children} to end")
+        # Nor does specd up killed outright leave anything: its children die with it, theirs with them.
+        os.kill(up.proc.pid, signal.SIGKILL)
+        up.proc.wait(10)
+        left = leftovers(up)
+        assert not left, f"left running after specd up was killed: {left}"
     finally:
-        assert stop(up) == 0, up.output()[-3000:]
+        stop(up)
+
+
+def children_of(pid: int) -> set[int]:
+    """The children of process `pid`, started by any of its threads (read before it is killed)."""
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            children.update(map(int, Path(f"/proc/{pid}/task/{task}/children").read_text().split()))
+    return children
 
 
 async def streams_with_a_stop(up: Up, prompts: list[str], max_tokens: int) -> tuple[list[str], list[int], int]:

@@ -12,10 +12,11 @@ from typing import Any
 
 from drafter_service.engine import ModelDrafter
 from drafter_service.servicer import DrafterServicer
+from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
-from specd.rpc.serving import EngineRunner
+from specd.rpc.serving import EngineRunner, fingerprint_from_pb, fingerprint_pb
 from specd.rpc.tracing import Tracing
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
@@ -37,6 +38,7 @@ async def _one(request: Any) -> AsyncIterator[Any]:
 def _info(engine: Any, max_sequences: int) -> common_pb2.ModelInfo:
     return common_pb2.ModelInfo(
         model_id="in-process",
+        tokenizer=fingerprint_pb(engine.fingerprint),
         max_context=engine.max_context,
         model_vocab_size=engine.lm.vocab_size,
         max_sequences=max_sequences,
@@ -54,6 +56,11 @@ class _Backend:
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         return True
+
+    @property
+    def fingerprint(self) -> TokenizerFingerprint | None:
+        """What the gateway's pair check reads, as a service reports it in its ModelInfo."""
+        return fingerprint_from_pb(self.info.tokenizer)
 
     def reset_rounds(self) -> None:
         pass

@@ -7,6 +7,11 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,7 +69,7 @@ def test_small_bodies_and_unscreened_routes_never_reach_the_worker():
     assert len(bad) < 1000
     assert asyncio.run(screener.refusal(CHAT, bad)) is None
     assert asyncio.run(screener.refusal("/v1/models", bad + b" " * 1000)) is None
-    assert screener._pool is None
+    assert screener.pid is None
 
 
 def test_the_worker_refuses_a_large_body_and_a_dead_worker_is_replaced():
@@ -73,10 +78,8 @@ def test_the_worker_refuses_a_large_body_and_a_dead_worker_is_replaced():
 
     async def go() -> list[Any]:
         first = await screener.refusal(CHAT, flood)
-        pool = screener._pool
-        assert pool is not None
-        for pid in list(pool._processes):  # the worker killed as an out-of-memory kill would
-            os.kill(pid, signal.SIGKILL)
+        assert screener.pid is not None
+        os.kill(screener.pid, signal.SIGKILL)  # the worker killed as an out-of-memory kill would
         await asyncio.sleep(0.5)
         during = await screener.refusal(CHAT, flood)  # the route parses this one itself
         after = await screener.refusal(CHAT, flood)
@@ -105,3 +108,84 @@ def test_an_empty_prompt_list_is_refused_as_the_route_refuses_it(tok):
     r, _ = http_post(tok, COMPLETIONS, json.loads(body))
     error = r.json()["error"]
     assert refusal == (error["message"], error["code"], error["param"]), refusal
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has ended: only its parent's wait is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_worker_ends_with_the_screens_close_by_itself():
+    screener = BodyScreen(min_bytes=1000)
+    assert asyncio.run(screener.refusal(CHAT, b"[" * 1000)) is not None  # it is up and reading its pipe
+    proc = screener._proc
+    assert proc is not None and _alive(proc.pid)
+    assert str(proc.pid) in Path(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/children").read_text().split()
+    screener.close()
+    assert screener.pid is None and not _alive(proc.pid)
+    assert proc.returncode == 0  # it saw its pipe close and exited; it was not killed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_worker_dies_with_a_killed_gateway():
+    """A gateway killed by SIGKILL runs no stop: its worker must end anyway, in a session of its
+    own too (no terminal's hangup reaches it)."""
+    gateway = subprocess.Popen([sys.executable, "-c", GATEWAY_STANDIN], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert gateway.stdout is not None
+        worker = int(gateway.stdout.readline())
+        assert _alive(worker)
+        gateway.kill()
+        gateway.wait(10)
+        assert _gone_within(worker, 10), f"worker {worker} outlived its gateway"
+    finally:
+        gateway.kill()
+        gateway.wait(10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_die_with_ends_a_child_whose_parent_is_killed_whatever_it_is_doing():
+    """What ends a worker busy parsing, which reads no pipe meanwhile: here one that only sleeps."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_SLEEPER], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == b"armed"
+        parent.kill()
+        parent.wait(10)
+        assert _gone_within(child, 10), f"{child} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait(10)
+
+
+# A gateway's screen as the gateway holds it, started; then killed before any stop.
+GATEWAY_STANDIN = """
+import time
+from gateway.api.body_screen import BodyScreen
+screener = BodyScreen(min_bytes=1)
+screener.start()
+print(screener.pid, flush=True)
+time.sleep(60)
+"""
+# A child that calls die_with and then sleeps, holding no pipe to its parent.
+PARENT_OF_SLEEPER = """
+import os, subprocess, sys, time
+code = "import sys, time; from specd.launch import die_with; die_with(int(sys.argv[1])); print('armed', flush=True)"
+code += "; time.sleep(60)"
+child = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.DEVNULL)
+print(child.pid, flush=True)
+time.sleep(60)
+"""

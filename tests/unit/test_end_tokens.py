@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,8 +13,12 @@ import torch
 from gateway.backends import BackendError, check_compatible
 from specd.engine.checkpoints import MANIFEST, ModelLoadError
 from specd.engine.end_tokens import end_token_ids
+from specd.engine.errors import ErrorKind
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler, canonical
+from specd.engine.params import SamplingParams
+from specd.engine.sequences import SequenceTable
+from specd.engine.tasks import SequenceSpec
 from specd.rpc.serving import fingerprint_from_pb, fingerprint_pb
 
 
@@ -66,14 +72,18 @@ class _Backend:
         self.info = None
 
 
-def test_the_gateway_refuses_backends_whose_end_ids_differ(tok):
+def test_the_gateway_refuses_a_verifier_whose_end_ids_differ_and_tells_of_a_drafters(tok, caplog):
     two = TokenizerFingerprint.of(tok, [tok.eos_token_id, 7])
     one = TokenizerFingerprint.of(tok)
     check_compatible(two, _Backend(two), _Backend(two))  # type: ignore[arg-type]
+    assert "configured apart" not in caplog.text
     with pytest.raises(BackendError, match="verifier's: end token ids"):
         check_compatible(one, _Backend(two), None)  # type: ignore[arg-type]
-    with pytest.raises(BackendError, match=r"refusing drafter.*end token ids"):
+    # A drafter's own end ids are its configuration: the target's count, and travel with each sequence.
+    with caplog.at_level("INFO", logger="gateway.backends"):
         check_compatible(two, _Backend(two), _Backend(one))  # type: ignore[arg-type]
+    told = [r.getMessage() for r in caplog.records if "configured apart" in r.getMessage()]
+    assert len(told) == 1 and f"end token ids [{tok.eos_token_id}] != {list(two.end_token_ids)}" in told[0]
 
 
 def test_the_grammar_allows_every_end_id_where_the_output_is_complete_and_ends_there(tok, vocab_size):
@@ -92,3 +102,27 @@ def test_the_grammar_allows_every_end_id_where_the_output_is_complete_and_ends_t
     plain.push(tok.encode("{}"))
     assert not bool(plain.allowed()[other]) and bool(plain.allowed()[tok.eos_token_id])
     assert torch.equal(m.allowed(), torch.zeros(vocab_size, dtype=torch.bool))
+
+
+def test_a_sequences_end_ids_rule_its_grammar_and_the_services_own_eos_is_then_no_end(tok, vocab_size):
+    """A base drafter's grammar (its tokenizer's eos `<|endoftext|>`) told the target's ends."""
+    base = copy.deepcopy(tok)
+    base.eos_token = "<|endoftext|>"
+    own, target_ends = base.eos_token_id, frozenset({tok.eos_token_id, 7})
+    assert own not in target_ends
+    m = GrammarCompiler(base, vocab_size, [own]).matcher(canonical({"type": "object"}), ends=target_ends)
+    m.push(tok.encode("{}"))
+    allowed = m.allowed()
+    assert allowed[sorted(target_ends)].all() and not bool(allowed[own])
+    m.push([7])
+    assert m.ended
+
+
+def test_end_ids_outside_the_vocabulary_are_refused_at_open(vocab_size):
+    table = SequenceTable(None, vocab_size, 2, 64, torch.device("cpu"))
+    spec = SequenceSpec("s", [1, 2], SamplingParams(temperature=0.0), end_token_ids=(2, vocab_size))
+    errors, _ = table.open([spec])
+    assert errors[0] is not None and errors[0].kind == ErrorKind.INVALID_ARGUMENT
+    assert f"end_token_ids: token id {vocab_size} is outside the vocabulary" in errors[0].message
+    assert table.open([dataclasses.replace(spec, end_token_ids=(2, 7))])[0] == [None]
+    assert table.seqs["s"].ends == {2, 7}

@@ -91,3 +91,24 @@ def test_differences_lists_everything():
         f"vocabulary hash {'a' * 12} != {'b' * 12}",
         "eos token id 2 != 3",
     ]
+
+
+def test_which_ids_are_special_is_the_vocabularys_and_roles_are_configuration(tok):
+    fp = TokenizerFingerprint.of(tok)
+    assert fp.special_ids == tuple(sorted(i for i, t in tok.added_tokens_decoder.items() if t.special))
+    assert tok.eos_token_id in fp.special_ids and len(fp.special_ids) > 3
+    # Another role for a special token (a base model's eos): configuration, told apart from the vocabulary.
+    base = copy.deepcopy(tok)
+    base.eos_token = "<|endoftext|>"
+    other = TokenizerFingerprint.of(base)
+    assert other.vocabulary_differences(fp) == []
+    assert other.config_differences(fp) == [
+        f"eos token id {base.eos_token_id} != {tok.eos_token_id}",
+        f"end token ids [{base.eos_token_id}] != [{tok.eos_token_id}]",
+    ]
+    # A special id the other tokenizer spells as text is a difference of vocabulary.
+    plain = TokenizerFingerprint(
+        fp.vocab_size, fp.vocab_sha256, fp.special_token_ids, fp.end_token_ids, fp.special_ids[1:]
+    )
+    assert fp.vocabulary_differences(plain) == [f"special ids: [{fp.special_ids[0]}] only here, none only there"]
+    assert fp.config_differences(plain) == []

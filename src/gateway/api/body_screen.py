@@ -10,6 +10,12 @@ gets the route's 400 without the loop ever parsing it (a body with several fault
 another one first); one that passes is parsed again by the route as usual, and is within those
 limits, so that parse is bounded. Small bodies never leave the loop: for them the round trip
 costs more than it saves.
+
+The worker is a plain child process that lives and dies with its gateway: it reads requests from a
+pipe the gateway holds, so it ends when the gateway closes that pipe or dies (the kernel closes it
+then), and on Linux it is killed with the gateway besides (PR_SET_PDEATHSIG), even mid-parse. A
+multiprocessing pool did not: the gateway ends with os._exit, its worker held its own queue's
+write end, so it never saw the end, and its resource tracker outlived both.
 """
 
 from __future__ import annotations
@@ -19,18 +25,21 @@ import contextlib
 import importlib
 import json
 import logging
-import multiprocessing
 import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import IO, Any
 
 from pydantic import ValidationError
 
 from gateway.api.prompts import size_problem
 from gateway.api.protocol import CompletionRequest
 from gateway.api.validation import InvalidParameter, choices_problem, validation_refusal
+from specd.launch import die_with
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +111,58 @@ def _prompt_problem(request: Any, text_limit: tuple[int, int] | None) -> Invalid
     return None if text is None else size_problem("prompt", (text,), *text_limit)
 
 
-def _start_worker() -> None:
+# The worker's start: the gateway's import path, then the loop over the pipe (argv: that path as
+# JSON, the gateway's pid).
+WORKER_MAIN = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+    "from gateway.api.body_screen import serve; serve(int(sys.argv[2]))"
+)
+_FRAME = struct.Struct("<Q")  # each message: its length, then its pickle
+
+
+class WorkerDied(Exception):
+    """The worker's pipe broke: it was killed (out of memory, a signal) or exited."""
+
+
+def _send(out: IO[bytes], message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(_FRAME.pack(len(data)) + data)
+    out.flush()
+
+
+def _receive(source: IO[bytes]) -> Any:
+    """The next message, or EOFError where the other end has closed the pipe."""
+    head = source.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        raise EOFError
+    (size,) = _FRAME.unpack(head)
+    data = source.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def serve(parent: int) -> None:
+    """The worker: screen each body the gateway sends on stdin, answer on stdout, until the
+    gateway closes the pipe or dies."""
+    die_with(parent)
     # Screening is the background work: when cores are short, the services' steps and the loop go first.
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever an import prints goes to the log, not into the replies
     _warm()
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            path, body, text_limit = _receive(requests)
+        except EOFError:
+            return  # the gateway closed the pipe, or is gone
+        try:
+            reply: tuple[str, Any] = ("ok", screen(path, body, text_limit))
+        except Exception as exc:  # the gateway logs it and lets the route parse the body
+            reply = ("error", f"{type(exc).__name__}: {exc}")
+        _send(replies, reply)
 
 
 def _warm() -> None:
@@ -120,39 +176,74 @@ class BodyScreen:
     def __init__(self, min_bytes: int = SCREEN_BYTES, text_limit: tuple[int, int] | None = None) -> None:
         self.min_bytes = min_bytes
         self.text_limit = text_limit
-        self._pool: ProcessPoolExecutor | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()  # one body in the worker at a time: its replies come in order
 
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # spawn, not fork: the gateway's gRPC threads must not be copied mid-call.
-            context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(1, mp_context=context, initializer=_start_worker)
-        return self._pool
+    def _worker(self) -> subprocess.Popen[bytes]:
+        """The worker, started if there is none. Called on the event loop's thread, which lives as
+        long as the gateway: PR_SET_PDEATHSIG fires when the thread that started a child ends."""
+        if self._proc is None:
+            argv = [sys.executable, "-c", WORKER_MAIN, json.dumps(sys.path), str(os.getpid())]
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        return self._proc
 
     def start(self) -> None:
         """Start the worker now, so the first large body does not wait for its imports."""
-        self._executor().submit(_warm)
+        self._worker()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _exchange(self, proc: subprocess.Popen[bytes], request: tuple[str, bytes, Any]) -> Refusal | None:
+        """One body through the worker (on an executor thread). A caller cancelled meanwhile still
+        has its exchange finished here, so the next body reads its own reply."""
+        assert proc.stdin is not None and proc.stdout is not None
+        with self._lock:
+            try:
+                _send(proc.stdin, request)
+                status, value = _receive(proc.stdout)
+            except (OSError, EOFError) as exc:
+                raise WorkerDied from exc
+        if status != "ok":
+            raise RuntimeError(value)
+        return value  # type: ignore[no-any-return]
 
     async def refusal(self, path: str, body: bytes) -> Refusal | None:
         """The 400 for `body`, or None to let the route parse it (small, unscreened, or valid)."""
         if len(body) < self.min_bytes or path not in MODELS:
             return None
+        proc = self._worker()
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._executor(), screen, path, body, self.text_limit
+                None, self._exchange, proc, (path, body, self.text_limit)
             )
-        except BrokenProcessPool:
+        except WorkerDied:
             # The worker died (killed, out of memory): a new one for the next body; this one is parsed
             # by the route, as it would be without a screen.
             log.warning("the body-screening worker died; starting another")
-            self._pool = None
+            self._end(proc)
             return None
         except Exception:
             # The screen only spares the loop; the route stays the judge of a body the screen failed on.
             log.exception("screening a %d-byte body for %s failed; the route parses it", len(body), path)
             return None
 
+    def _end(self, proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+        """End `proc`: its pipe closed, then killed if it has not exited within grace_s; reaped."""
+        if self._proc is proc:
+            self._proc = None
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        if self._proc is not None:
+            self._end(self._proc)

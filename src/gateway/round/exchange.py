@@ -84,10 +84,12 @@ async def settle(task: asyncio.Task[Any] | None) -> BaseException | None:
     return None
 
 
-def spec(seq: Any, prefill_tokens: int | None = None) -> common_pb2.SequenceSpec:
+def spec(seq: Any, prefill_tokens: int | None = None, ends: Sequence[int] = ()) -> common_pb2.SequenceSpec:
     """The sequence as committed so far (prompt plus any output), for opening it on a service.
 
     `prefill_tokens`: prefill that many tokens at the open and the rest in rounds (None: all).
+    `ends`: the ids the gateway stops it on (the target's), so a drafter stops there too; none
+    are sent for an ignore_eos sequence, which goes on past them.
     """
     return common_pb2.SequenceSpec(
         sequence_id=seq.id,
@@ -99,6 +101,7 @@ def spec(seq: Any, prefill_tokens: int | None = None) -> common_pb2.SequenceSpec
         grammar=seq.params.grammar,
         prefill_tokens=prefill_tokens,
         tenant=seq.tenant,
+        end_token_ids=() if seq.params.ignore_eos else ends,
     )
 
 
@@ -131,8 +134,10 @@ class Exchange:
         drafter_prefill: DrafterPrefillBudget,
         overlap: bool,
         active: Callable[[], list[Any]],
+        ends: Sequence[int] = (),
     ) -> None:
         self.verifier = verifier
+        self.ends = tuple(sorted(ends))  # the end ids every open carries
         self.drafter = drafter
         self.drafter_link = drafter_link
         self.drafter_prefill = drafter_prefill
@@ -278,7 +283,7 @@ class Exchange:
         if chunks is None:
             budget = budget or self.drafter_prefill.tokens()
             chunks = open_chunks(joining, filling, "drafter_prefill_pending", budget)
-        specs = [spec(s, chunks.get(s.id)) for s in joining]
+        specs = [spec(s, chunks.get(s.id), self.ends) for s in joining]
         opened = time.perf_counter_ns()
         try:
             results = await self.drafter.open(specs)

@@ -132,7 +132,7 @@ class Scheduler:
         # that share cores slow each other far more than the overlap wins (their threads fight
         # over the same cores), so there every exchange runs alone.
         self.exchange = Exchange(
-            verifier, drafter, self.drafter_link, self.drafter_prefill, drafter_overlap, lambda: self.active
+            verifier, drafter, self.drafter_link, self.drafter_prefill, drafter_overlap, lambda: self.active, self.eos
         )
 
     def _fit_to_services(self, verifier: VerifierClient, drafter: DrafterClient | None) -> None:
@@ -456,7 +456,7 @@ class Scheduler:
         """Open `batch` on the verifier; None, with every sequence of it failed, if that failed."""
         try:
             opening = time.perf_counter_ns()
-            results = await self.verifier.open([spec(s, chunks.get(s.id)) for s in batch])
+            results = await self.verifier.open([spec(s, chunks.get(s.id), self.exchange.ends) for s in batch])
             self.drafter_prefill.observe_open(prefilled, time.perf_counter_ns() - opening)
             if [r.sequence_id for r in results] != [s.id for s in batch]:
                 raise BackendError("the verifier answered an open out of protocol")

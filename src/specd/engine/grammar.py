@@ -130,20 +130,21 @@ class GrammarCompiler:
         import llguidance.hf
 
         self.vocab_size = vocab_size
-        eos = int(tokenizer.eos_token_id)
+        self.eos = int(tokenizer.eos_token_id)
         # Every end id (specd.engine.end_tokens) is handled by GrammarMatcher, never by llguidance.
-        self.ends = frozenset(map(int, end_token_ids)) | {eos}
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.ends = frozenset(map(int, end_token_ids)) | {self.eos}
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos)
 
-    def matcher(self, schema_text: str = "", grammar: str = "") -> GrammarMatcher:
-        """The matcher of a JSON Schema or of an llguidance grammar (exactly one of them)."""
+    def matcher(self, schema_text: str = "", grammar: str = "", ends: frozenset[int] | None = None) -> GrammarMatcher:
+        """The matcher of a JSON Schema or of an llguidance grammar (exactly one of them).
+        `ends`: the sequence's end ids (the target's, sent by the gateway); default this service's."""
         if bool(schema_text) == bool(grammar):
             raise GrammarError("give exactly one of a JSON schema and a grammar")
         what = "JSON schema" if schema_text else "grammar"
         m = llguidance.LLMatcher(self._tokenizer, _grammar(schema_text) if schema_text else grammar, log_level=0)
         if m.is_error():
             raise GrammarError(f"cannot compile the {what}: {one_line(m.get_error())}")
-        return GrammarMatcher(m, self.vocab_size, self.ends)
+        return GrammarMatcher(m, self.vocab_size, self.ends if ends is None else ends, self.eos)
 
 
 def grammar_compiler(tokenizer: Any, vocab_size: int, end_token_ids: Sequence[int] = ()) -> GrammarCompiler | None:
@@ -165,11 +166,16 @@ class GrammarMatcher:
     accepted EOS draft) is never output, so it is recorded but constrains nothing.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, ends: frozenset[int]) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, ends: frozenset[int], eos: int | None = None
+    ) -> None:
         self._m = matcher
         self.vocab_size = vocab_size
         self.ends = ends
         self._end_index = sorted(ends)
+        # llguidance allows its tokenizer's eos where the grammar accepts; where that id does not
+        # end this sequence (a drafter's own eos, not among the target's ends) it is masked.
+        self._foreign_eos = eos if eos is not None and eos not in ends and eos < vocab_size else None
         self.tokens: list[int] = []
         # Index in `tokens` of the EOS that ended the output, if any.
         self._ended_at: int | None = None
@@ -194,6 +200,8 @@ class GrammarMatcher:
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         out = torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(np.bool_))
         out[[e for e in self._end_index if e < self.vocab_size]] = self._m.is_accepting()
+        if self._foreign_eos is not None:
+            out[self._foreign_eos] = False
         return out
 
     def push(self, tokens: Sequence[int]) -> None:

@@ -80,6 +80,9 @@ class SequenceState:
     prompt_logprobs: list[TokenLogprob] | None = None
     # Structured output: the grammar state, following the output tokens.
     grammar: GrammarMatcher | None = None
+    # The ids that end it (the target's, sent by the gateway): a drafter drafts nothing after one.
+    # Empty when none were sent (ignore_eos): it drafts on.
+    ends: frozenset[int] = frozenset()
     # A feature drafter's knowledge of the target's hidden states (specd.engine.featurehead).
     features: FeatureTrack | None = None
     # An unseeded drafter's own draws of sibling drafts (drafter_service.siblings): apart from
@@ -178,7 +181,9 @@ class SequenceTable:
                     raise invalid(f"num_generated {spec.num_generated} must be below the prompt's length")
                 if len(self.seqs) + len(opened) >= self.max_sequences:
                     raise exhausted(f"all {self.max_sequences} sequence slots are in use")
-                grammar = self._grammar(spec)
+                self.check_tokens(spec.end_token_ids, "end_token_ids")
+                ends = frozenset(spec.end_token_ids)
+                grammar = self._grammar(spec, ends or None)
             except EngineError as exc:
                 errors[i] = exc
                 continue
@@ -194,6 +199,7 @@ class SequenceTable:
                 len(spec.prompt) - spec.num_generated,
                 spec.logprobs,
                 grammar=grammar,
+                ends=ends,
             )
             opened.append(state)
             # A sequence that scores its prompt is prefilled whole: its logprobs come back with the open.
@@ -214,7 +220,7 @@ class SequenceTable:
             self.seqs[state.sequence_id] = state
         return errors, forward_ns
 
-    def _grammar(self, spec: SequenceSpec) -> GrammarMatcher | None:
+    def _grammar(self, spec: SequenceSpec, ends: frozenset[int] | None) -> GrammarMatcher | None:
         """The sequence's grammar state, having consumed what it already generated; None if unconstrained."""
         if not spec.json_schema and not spec.grammar:
             return None
@@ -227,7 +233,7 @@ class SequenceTable:
                 "this service has no grammar engine for its tokenizer: it cannot apply a json_schema or grammar"
             )
         try:
-            grammar = self.grammars.matcher(spec.json_schema, spec.grammar)
+            grammar = self.grammars.matcher(spec.json_schema, spec.grammar, ends)
             if spec.num_generated:
                 grammar.push(spec.prompt[len(spec.prompt) - spec.num_generated :])
         except GrammarError as exc:

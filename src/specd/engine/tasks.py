@@ -30,6 +30,8 @@ class SequenceSpec:
     grammar: str = ""
     # Whose request (SequenceSpec.tenant): the suffix drafter drafts only from its tenant's responses.
     tenant: str = ""
+    # The ids that end it (the target's, from the gateway); empty: the service's own.
+    end_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

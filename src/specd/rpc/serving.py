@@ -88,6 +88,7 @@ def fingerprint_pb(fp: TokenizerFingerprint | None) -> common_pb2.TokenizerFinge
         vocab_sha256=fp.vocab_sha256,
         special_token_ids=fp.special_token_ids,
         end_token_ids=fp.end_token_ids,
+        special_ids=fp.special_ids,
     )
 
 
@@ -95,7 +96,11 @@ def fingerprint_from_pb(msg: common_pb2.TokenizerFingerprint) -> TokenizerFinger
     if not msg.vocab_sha256:
         return None
     return TokenizerFingerprint(
-        msg.vocab_size, msg.vocab_sha256, dict(msg.special_token_ids), tuple(sorted(msg.end_token_ids))
+        msg.vocab_size,
+        msg.vocab_sha256,
+        dict(msg.special_token_ids),
+        tuple(sorted(msg.end_token_ids)),
+        tuple(sorted(msg.special_ids)),
     )
 
 
@@ -169,6 +174,7 @@ def spec_from_pb(msg: common_pb2.SequenceSpec) -> SequenceSpec:
         msg.prefill_tokens if msg.HasField("prefill_tokens") else None,
         msg.grammar,
         msg.tenant,
+        tuple(msg.end_token_ids),
     )
 
 

@@ -89,7 +89,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenizerFingerprint(_message.Message):
-    __slots__ = ("vocab_size", "vocab_sha256", "special_token_ids", "end_token_ids")
+    __slots__ = ("vocab_size", "vocab_sha256", "special_token_ids", "end_token_ids", "special_ids")
     class SpecialTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,11 +101,13 @@ class TokenizerFingerprint(_message.Message):
     VOCAB_SHA256_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_IDS_FIELD_NUMBER: _ClassVar[int]
     vocab_size: int
     vocab_sha256: str
     special_token_ids: _containers.ScalarMap[str, int]
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    special_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., special_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings")
@@ -158,7 +160,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens", "grammar", "tenant")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens", "grammar", "tenant", "end_token_ids")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class SequenceSpec(_message.Message):
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -177,7 +180,8 @@ class SequenceSpec(_message.Message):
     prefill_tokens: int
     grammar: str
     tenant: str
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., tenant: _Optional[str] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenResult(_message.Message):
     __slots__ = ("sequence_id", "error", "prompt_logprobs", "prefill_pending")
