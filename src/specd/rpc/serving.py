@@ -435,6 +435,8 @@ def run_service(
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
     log.info("%s", kv_cache_summary(engine.table))
+    if info.weights:
+        log.warning("the %s serves %s weights: its text is meaningless, only its speed is real", name, info.weights)
     info.lease_seconds = config.lease_s
     leases = Leases(config.lease_s)
     metrics = ServiceMetrics(name, engine)

@@ -106,7 +106,7 @@ class TokenizerFingerprint(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings")
+    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings", "weights")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ModelInfo(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokenizer: TokenizerFingerprint
     max_context: int
@@ -129,7 +130,8 @@ class ModelInfo(_message.Message):
     lease_seconds: float
     hidden_size: int
     step_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
-    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., hidden_size: _Optional[int] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
+    weights: str
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., hidden_size: _Optional[int] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("sequences", "forward_ns")
