@@ -188,6 +188,7 @@ class EngineRunner:
     """
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:
@@ -226,6 +227,7 @@ class SequenceRpcs:
     async def open_sequences(
         self, sequences: Iterable[common_pb2.SequenceSpec], owner: str
     ) -> list[common_pb2.OpenResult]:
+        sequences = list(sequences)
         wire = [spec_from_pb(s) for s in sequences]
         if problem := bad_owner(owner):
             error = common_pb2.SequenceError(code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message=problem)
@@ -235,15 +237,34 @@ class SequenceRpcs:
         specs = [dataclasses.replace(s, sequence_id=s.sequence_id and engine_id(owner, s.sequence_id)) for s in wire]
         take = getattr(self.engine, "take_prompt_logprobs", None)  # a verifier's: prompt logprobs when asked for
 
-        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]], list[int]]:
+        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]], list[int], list[int], int]:
             errors, forward_ns = open_leased(self.engine, self.leases, owner, specs)
             scored = [take(s.sequence_id) if take and e is None else [] for s, e in zip(specs, errors, strict=True)]
             table = self.engine.table
             states = [table.seqs[s.sequence_id] if e is None else None for s, e in zip(specs, errors, strict=True)]
-            self.metrics.observe_open(sum(len(state.cached) for state in states if state), forward_ns)
-            return errors, scored, [table.pending(state) if state else 0 for state in states]
+            cached = [len(state.cached) if state else 0 for state in states]
+            self.metrics.observe_open(sum(cached), forward_ns)
+            return errors, scored, [table.pending(state) if state else 0 for state in states], cached, forward_ns
 
-        (errors, scored, pending), _ = await self.runner.run(open_all)
+        arrived = time.time_ns()
+        (errors, scored, pending, cached, forward_ns), queue_ns = await self.runner.run(open_all)
+        if self.tracing.enabled:
+            contexts = [dict(s.trace_context) for s in sequences]
+            attributes = {
+                "specd.batch_size": len(wire),
+                "specd.forward_ms": forward_ns / 1e6,
+                "specd.queue_ms": queue_ns / 1e6,
+            }
+            per_sequence = [
+                {
+                    **attributes,
+                    "specd.prompt_tokens": len(s.prompt),
+                    "specd.prefilled": n,
+                    "specd.error": bool(e),
+                }
+                for s, n, e in zip(wire, cached, errors, strict=True)
+            ]
+            trace_open(self.tracing, f"{self.runner.name}.open", contexts, per_sequence, arrived, time.time_ns())
         return [
             common_pb2.OpenResult(
                 sequence_id=s.sequence_id,
@@ -378,6 +399,22 @@ async def expire_leases(
             leases.detach_s,
             leases.lease_s,
         )
+
+
+def trace_open(
+    tracing: Tracing,
+    name: str,
+    contexts: Sequence[Mapping[str, str]],
+    attributes: Sequence[Mapping[str, Any]],
+    start_ns: int,
+    end_ns: int,
+) -> None:
+    """A span (`<service>.open`) in each traced sequence's request trace for the open that
+    prefilled it: its prompt tokens, those it prefilled, and the batch's forward time."""
+    for carrier, attrs in zip(contexts, attributes, strict=True):
+        parent = tracing.extract(carrier)
+        if parent is not None:
+            tracing.start(name, parent, start_ns, attrs, kind=SpanKind.SERVER).end(end_time=end_ns)
 
 
 def trace_round(

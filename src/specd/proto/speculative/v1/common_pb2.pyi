@@ -158,7 +158,14 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens", "grammar")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens", "grammar", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +174,7 @@ class SequenceSpec(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -175,7 +183,8 @@ class SequenceSpec(_message.Message):
     json_schema: str
     prefill_tokens: int
     grammar: str
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenResult(_message.Message):
     __slots__ = ("sequence_id", "error", "prompt_logprobs", "prefill_pending")
