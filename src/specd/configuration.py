@@ -92,6 +92,9 @@ class ModelServiceConfig:
 
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(0, "gRPC port")
+    port_file: str = field(
+        "", "write the gRPC port bound to this file, before the model loads (with --port 0: the one the OS picked)"
+    )
     model: str = field("embedded", "model: a local HF directory, a .gguf file, or 'embedded'")
     device: str = field("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     dtype: str = field("float32", "activation dtype", choices=DTYPE_CHOICES)

@@ -24,7 +24,7 @@ from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist
-from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
+from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free, write_port_file
 from specd.proto.speculative.v1 import common_pb2
 from specd.rpc import backend_auth
 from specd.rpc.leases import Leases, bad_owner, engine_id, public_message
@@ -264,7 +264,7 @@ class SequenceRpcs:
                 }
                 for s, n, e in zip(wire, cached, errors, strict=True)
             ]
-            trace_open(self.tracing, f"{self.runner.name}.open", contexts, per_sequence, arrived, time.time_ns())
+            self.tracing.record_opens(f"{self.runner.name}.open", contexts, per_sequence, arrived, time.time_ns())
         return [
             common_pb2.OpenResult(
                 sequence_id=s.sequence_id,
@@ -401,22 +401,6 @@ async def expire_leases(
         )
 
 
-def trace_open(
-    tracing: Tracing,
-    name: str,
-    contexts: Sequence[Mapping[str, str]],
-    attributes: Sequence[Mapping[str, Any]],
-    start_ns: int,
-    end_ns: int,
-) -> None:
-    """A span (`<service>.open`) in each traced sequence's request trace for the open that
-    prefilled it: its prompt tokens, those it prefilled, and the batch's forward time."""
-    for carrier, attrs in zip(contexts, attributes, strict=True):
-        parent = tracing.extract(carrier)
-        if parent is not None:
-            tracing.start(name, parent, start_ns, attrs, kind=SpanKind.SERVER).end(end_time=end_ns)
-
-
 def trace_round(
     tracing: Tracing,
     name: str,
@@ -467,30 +451,31 @@ def run_service(
         tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
         log.info("clients: %s", client_authentication(config.host, bool(tokens), bool(config.tls_client_ca)))
         check_free({name: (config.host, config.port), "metrics": (config.host, config.metrics_port)})
-        engine, info = runner.call(build, config)
-    except (ModelLoadError, ValueError, PortUnavailable) as exc:
+    except (ValueError, PortUnavailable) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
-    log.info("%s", kv_cache_summary(engine.table))
-    if info.weights:
-        log.warning("the %s serves %s weights: its text is meaningless, only its speed is real", name, info.weights)
-    info.lease_seconds = config.lease_s
-    leases = Leases(config.lease_s)
-    metrics = ServiceMetrics(name, engine)
-    if config.metrics_port:
-        metrics.serve(config.host, config.metrics_port)
-    asyncio.run(
-        serve(
-            name,
-            config.host,
-            config.port,
-            config.max_message_bytes,
+
+    def load() -> tuple[Callable[[grpc.aio.Server], Iterable[str]], Callable[[], Awaitable[None]]]:
+        try:
+            engine, info = runner.call(build, config)
+        except (ModelLoadError, ValueError, PortUnavailable) as exc:
+            log.error("cannot start the %s: %s", name, exc)
+            sys.exit(2)
+        log.info("%s", kv_cache_summary(engine.table))
+        if info.weights:
+            log.warning("the %s serves %s weights: its text is meaningless, only its speed is real", name, info.weights)
+        info.lease_seconds = config.lease_s
+        leases = Leases(config.lease_s)
+        metrics = ServiceMetrics(name, engine)
+        if config.metrics_port:
+            metrics.serve(config.host, config.metrics_port)
+        return (
             lambda server: register(server, engine, info, runner, tracing, metrics, leases),
-            credentials=credentials,
-            background=lambda: expire_leases(name, leases, engine, runner, metrics),
-            interceptors=backend_auth.server_interceptors(tokens),
+            lambda: expire_leases(name, leases, engine, runner, metrics),
         )
-    )
+
+    listen = Listen(config.host, config.port, config.port_file, credentials)
+    asyncio.run(serve(name, listen, config.max_message_bytes, load, backend_auth.server_interceptors(tokens)))
     tracing.shutdown()
     exit_at_once()
 
@@ -534,34 +519,46 @@ def client_authentication(host: str, token: bool, mutual_tls: bool) -> str:
     return f"ANYONE who reaches {host} (--insecure: no token, no mutual TLS)"
 
 
+@dataclasses.dataclass(frozen=True)
+class Listen:
+    """Where a service listens: port 0 takes one the OS picks; `port_file`, if set, gets the port
+    bound, written before the model loads (the port is the service's from then on)."""
+
+    host: str
+    port: int
+    port_file: str = ""
+    credentials: grpc.ServerCredentials | None = None
+
+
 async def serve(
     name: str,
-    host: str,
-    port: int,
+    listen: Listen,
     max_message_bytes: int,
-    register: Callable[[grpc.aio.Server], Iterable[str]],
-    grace_s: float = 5.0,
-    credentials: grpc.ServerCredentials | None = None,
-    background: Callable[[], Awaitable[None]] | None = None,
+    load: Callable[[], tuple[Callable[[grpc.aio.Server], Iterable[str]], Callable[[], Awaitable[None]] | None]],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    grace_s: float = 5.0,
 ) -> None:
-    """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
+    """Bind the port, `load` the engine (its servicers' registration and a background task), then
+    serve gRPC (TLS with credentials) with health checking and reflection until SIGTERM/SIGINT."""
     options = channel_options(max_message_bytes) + SERVER_OPTIONS
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    try:
+        port = add_port(server, f"{listen.host}:{listen.port}", listen.credentials)
+    except PortUnavailable as exc:  # taken since run_service's check
+        log.error("cannot start the %s: %s", name, exc)
+        sys.exit(2)
+    if listen.port_file:
+        write_port_file(listen.port_file, port)
+    register, background = load()
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    try:
-        add_port(server, address, credentials)
-    except PortUnavailable as exc:  # taken since run_service's check
-        log.error("cannot start the %s: %s", name, exc)
-        sys.exit(2)
     await server.start()
     for service in ["", *service_names]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s (%s)", name, address, "TLS" if credentials is not None else "plaintext")
+    secure = "TLS" if listen.credentials is not None else "plaintext"
+    log.info("%s serving on %s:%d (%s)", name, listen.host, port, secure)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
