@@ -45,8 +45,9 @@ SUCCESSOR_PROB = 0.9
 # normal value, and summed over a 32-layer 8B body they move the residual stream a small fraction
 # of the embedding's length.
 OUTPUT_SCALE = 1e-2
-# The fraction of a probe's tokens whose argmax must be the model's own successor for the
-# construction to count as holding for this architecture (post-norms, say, would undo the scaling).
+# At load, a probe of PROBE_TOKENS tokens of the cycle: at least MIN_PROBE_AGREEMENT of them must
+# have their constructed successor as argmax, or the construction does not hold for the
+# architecture (layers whose outputs are renormalized to the embeddings' size, say).
 PROBE_TOKENS = 64
 MIN_PROBE_AGREEMENT = 0.98
 
@@ -160,11 +161,10 @@ def shape(model: Any, nexts: torch.Tensor, scale: float) -> None:
         raise ModelLoadError(
             f"synthetic weights need as many embeddings as head rows, not {embed.shape[0]} and {head.shape[0]}"
         )
-    directions = torch.nn.functional.normalize(embed.float(), dim=1)
     # The final norm leaves a row of length sqrt(hidden): this sets the successor's logit to `scale`.
     rows = torch.zeros(head.shape, dtype=torch.float32, device=head.device)
-    rows.index_add_(0, nexts, directions)
-    head.copy_(rows * (scale / math.sqrt(head.shape[1])))
+    rows.index_add_(0, nexts, torch.nn.functional.normalize(embed.float(), dim=1))
+    head.copy_(rows.mul_(scale / math.sqrt(head.shape[1])))
 
 
 def probe(model: Any, tokens: torch.Tensor, nexts: torch.Tensor) -> float:
