@@ -16,9 +16,10 @@ its own time budget and each failure recorded in the JSON rather than ending the
 - `cuda_tests`: the unit tests with SPECD_TEST_DEVICE=cuda (the GPU-specific ones first), then
   the integration tests with both services on the GPU, in what time is left for them.
 - `services`: `specd up` with both services on the GPU (dummy 135M weights, the drafter the same
-  weights), `specd bench` at 1 and 8 clients: `round_overhead_ms` (a round outside the two
-  forwards) and `shared_gpu` (draft-ahead's verify exchange against its forward, without and
-  with CUDA MPS); each stack's trace summarised per span (`spans_ms`).
+  weights), `specd bench` at 1 and 8 clients: `round_overhead_ms` (a round outside the models'
+  forwards on its path, the drafter's beside the verify counted) and `shared_gpu` (draft-ahead's
+  verify exchange against its forward, without and with CUDA MPS); each stack's trace summarised
+  per span (`spans_ms`).
 - `compile`: the 135M shape's one-token step with its body compiled by torch.compile (inductor),
   captured as the services capture theirs, beside the plain capture (last: a compile cannot be
   cut short).
@@ -34,6 +35,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import shutil
@@ -975,24 +977,30 @@ def _tail(log: Path | None, limit: int = 3000) -> str:
 
 
 def round_figures(report: dict[str, Any]) -> dict[str, Any]:
-    """From a `specd bench` report: per mode and clients, a round's time outside the two forwards,
-    and the verify exchange beside the verifier's forward."""
+    """From a `specd bench` report: per mode and clients, a round's time and its parts (draft +
+    verify + join + outside = round), its time outside the models' forwards on its path (the
+    drafter's beside the verify counted; see specd.tools.benchstats.round_costs), and the verify
+    exchange beside the verifier's forward."""
     out: dict[str, Any] = {}
     for r in report.get("results", []):
         key = f"{r.get('mode')}@{r.get('concurrency')}"
-        parts = {k: r.get(k) for k in ("round_draft_ms", "round_verify_ms", "round_overhead_ms")}
-        forwards = {k: r.get(k) for k in ("round_drafter_forward_ms", "round_verifier_forward_ms")}
-        entry: dict[str, Any] = {"tok_s": r.get("output_tokens_per_s"), **parts, **forwards}
-        if isinstance(r.get("speedup_vs_target"), (int, float)):
+        names = ("round_draft_ms", "round_verify_ms", "round_join_ms", "round_outside_ms", "round_overhead_ms")
+        forwards = ("round_drafter_forward_ms", "round_verifier_forward_ms", "round_drafter_beside_forward_ms")
+        entry: dict[str, Any] = {"tok_s": r.get("output_tokens_per_s"), **{k: r.get(k) for k in (*names, *forwards)}}
+        if _is_number(r.get("speedup_vs_target")):
             entry["x_target"] = round(r["speedup_vs_target"], 3)
-        if all(isinstance(v, (int, float)) for v in (*parts.values(), *forwards.values())):
-            total = sum(parts.values())
-            entry["round_ms"] = round(total, 3)
-            entry["outside_forwards_ms"] = round(total - sum(forwards.values()), 3)
-        if isinstance(r.get("round_verify_ms"), (int, float)) and r.get("round_verifier_forward_ms"):
+        # Reports from before the gateway timed the round whole have no round_round_ms: no round then.
+        for figure, source in (("round_ms", "round_round_ms"), ("outside_forwards_ms", "round_outside_forwards_ms")):
+            if _is_number(r.get(source)):
+                entry[figure] = round(r[source], 3)
+        if _is_number(r.get("round_verify_ms")) and r.get("round_verifier_forward_ms"):
             entry["verify_exchange_x_forward"] = round(r["round_verify_ms"] / r["round_verifier_forward_ms"], 3)
         out[key] = entry
     return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 # -- main ------------------------------------------------------------------

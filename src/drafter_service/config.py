@@ -60,6 +60,11 @@ class DrafterConfig(ModelServiceConfig):
         "--max-sequences on the CPU (pages are backed as written), a quarter as many on a GPU (the slots are "
         "reserved up front); 0: no branches",
     )
+    synthetic_agreement: float = field(
+        0.8,
+        "--load-format synthetic: the fraction of tokens whose greedy successor the drafter shares with the "
+        "target's (0 to 1)",
+    )
     ngram_min: int = field(1, "shortest suffix n-gram the n-gram drafter matches")
     ngram_max: int = field(4, "longest suffix n-gram the n-gram drafter matches")
     suffix_depth: int = field(
@@ -78,6 +83,8 @@ class DrafterConfig(ModelServiceConfig):
 
     def validate(self) -> None:
         super().validate()
+        if not 0.0 <= self.synthetic_agreement <= 1.0:
+            raise ValueError(f"synthetic_agreement must be between 0 and 1, not {self.synthetic_agreement}")
         if self.max_support < 1:
             raise ValueError("max_support must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -14,7 +14,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import ModelDrafter, NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from drafter_service.suffix_engine import SuffixDrafter
-from specd.engine import calibration, checkpoints, cuda_graphs, fused_llama, gemv, models, suffix, timing
+from specd.engine import calibration, checkpoints, cuda_graphs, fused_llama, gemv, models, suffix, synthetic, timing
 from specd.engine.cpus import pin
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM, Row
@@ -75,6 +75,7 @@ def build_engine(config: DrafterConfig) -> tuple[Engine, common_pb2.ModelInfo]:
         max_sequences=config.max_sequences,
         max_draft_tokens=config.max_draft_tokens,
         step_timings=[common_pb2.StepTiming(sequences=n, forward_ns=ns) for n, ns in step_timings],
+        weights=loaded.weights,
     )
     return engine, info
 
@@ -134,8 +135,9 @@ def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:
     # A quantized copy is made from float32 weights: rounded to bfloat16 first, 4-bit weights
     # would no longer be 4-bit, and the int4 copy of a Q4_1 target would lose its exactness.
     load_dtype = "float32" if quantization != "none" else activation_dtype(config.dtype, config.device, "none")
+    made = synthetic.SyntheticSpec(config.synthetic_seed, config.synthetic_agreement)
     loaded = models.load_for_serving(
-        config.model, config.device, load_dtype, config.threads, config.cpus, config.load_format
+        config.model, config.device, load_dtype, config.threads, config.cpus, config.load_format, made
     )
     loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
     if quantization == "auto-cpu" and reads_blocks(config.dtype, loaded.model):

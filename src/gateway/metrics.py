@@ -51,6 +51,20 @@ class RoundTimes:
         """Network, serialisation and gateway scheduling: the round minus the services' own time on its path."""
         return self.round_ns - self.drafter_ns - self.verifier_ns
 
+    @property
+    def outside_ns(self) -> int:
+        """The round outside its exchanges: draft + verify + join + outside = round. (`overhead_ns`
+        overlaps the exchanges, so it adds to them into more than the round.)"""
+        return self.round_ns - self.draft_ns - self.verify_ns - self.join_ns
+
+    @property
+    def forwards_ns(self) -> int:
+        """The models' forwards on the round's path: the drafter's before the verify, then the
+        verifier's or, where it took longer, the drafter's beside the verify (draft-ahead, prefill
+        chunks), which the verify waits for. At least their time: on one device the two may run one
+        after the other. A join's Open reports no forward time: see `join_ns`."""
+        return self.drafter_forward_ns + max(self.verifier_forward_ns, self.overlap_forward_ns)
+
     def attributes(self, batch_size: int) -> dict[str, float | int]:
         return {
             "specd.batch_size": batch_size,
@@ -66,6 +80,8 @@ class RoundTimes:
             "specd.overlap_forward_ms": self.overlap_forward_ns / 1e6,
             "specd.join_ms": self.join_ns / 1e6,
             "specd.overhead_ms": self.overhead_ns / 1e6,
+            "specd.outside_ms": self.outside_ns / 1e6,
+            "specd.forwards_ms": self.forwards_ns / 1e6,
         }
 
 
@@ -191,9 +207,13 @@ class GatewayMetrics:
         """Each round's latency by phase, the batch and the queue, and the ks chosen."""
         self.round_latency = Histogram(
             "specd_round_latency_seconds",
-            "Round latency split into draft (drafter exchange), verify (verifier exchange) and overhead "
-            "(network, serialisation and gateway scheduling: the round minus both services' own time); "
-            "drafter_forward and verifier_forward are the models' forward time inside those exchanges",
+            "Round latency: round (the whole), split into draft (drafter exchange), verify (verifier exchange, "
+            "and any drafter exchange beside it), join (the drafter opening joining sequences) and outside "
+            "(the gateway's own time), which add up to round; overhead (network, serialisation and gateway "
+            "scheduling: the round minus both services' own time) overlaps them; drafter_forward and "
+            "verifier_forward are the models' forward time inside draft and verify, drafter_beside_forward "
+            "the drafter's inside the exchange beside the verify, forwards the models' forward time on the "
+            "round's path (see gateway.metrics.RoundTimes)",
             ["phase"],
             buckets=LATENCY_BUCKETS,
             registry=r,
@@ -244,12 +264,21 @@ class GatewayMetrics:
         """One round; `proposals` holds (draft tokens, accepted) per sequence verified."""
         self.rounds.inc()
         self.batch_size.observe(batch_size)
-        self.round_latency.labels(phase="draft").observe(times.draft_ns / 1e9)
-        self.round_latency.labels(phase="verify").observe(times.verify_ns / 1e9)
-        self.round_latency.labels(phase="overhead").observe(max(0, times.overhead_ns) / 1e9)
-        # The models' own forward time, for the bound on speedup that `specd bench` reports.
-        self.round_latency.labels(phase="drafter_forward").observe(times.drafter_forward_ns / 1e9)
-        self.round_latency.labels(phase="verifier_forward").observe(times.verifier_forward_ns / 1e9)
+        phases = {
+            "round": times.round_ns,
+            "draft": times.draft_ns,
+            "verify": times.verify_ns,
+            "join": times.join_ns,
+            "outside": times.outside_ns,
+            "overhead": max(0, times.overhead_ns),
+            # The models' own forward time, for the bound on speedup that `specd bench` reports.
+            "drafter_forward": times.drafter_forward_ns,
+            "verifier_forward": times.verifier_forward_ns,
+            "drafter_beside_forward": times.overlap_forward_ns,
+            "forwards": times.forwards_ns,
+        }
+        for phase, ns in phases.items():
+            self.round_latency.labels(phase=phase).observe(ns / 1e9)
         for drafted, accepted in proposals:
             if drafted == 0:
                 continue

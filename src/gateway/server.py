@@ -67,6 +67,9 @@ async def run(config: GatewayConfig) -> None:
     scheduler = _start_scheduler(config, tokenizer, verifier, drafter, eos, tracing)
     api = _openai_api(config, scheduler, tokenizer, model_name, _health_status(scheduler, verifier, drafter))
     api.keyed = api_keys.enabled  # clients are their keys, else their addresses
+    api.weights = made_weights(verifier, drafter)
+    if api.weights:
+        log.warning("the backends' weights are made, not loaded: %s; the text is meaningless", api.weights)
     grpc_server = None
     if config.grpc_port:
         grpc_server = await _start_grpc(config, scheduler, tokenizer, model_name, api_keys, api_tls)
@@ -96,6 +99,13 @@ async def run(config: GatewayConfig) -> None:
             await backend.close()
         tracing.shutdown()
         screen.close()
+
+
+def made_weights(verifier: Any, drafter: Any) -> str:
+    """How the backends' weights were made where they are not a checkpoint's (ModelInfo.weights), for
+    /v1/models and the log; "" where both serve their model's own."""
+    made = [(role, pool.info.weights) for role, pool in (("target", verifier), ("drafter", drafter)) if pool]
+    return "; ".join(f"{role} {weights}" for role, weights in made if weights)
 
 
 def _backend_pools(config: GatewayConfig, backend_tls: Any, token: str) -> tuple[Any, Any]:

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from specd.drafter_choice import MODEL_FREE, auto_drafter, resolve_drafter
-from specd.engine import DTYPE_CHOICES
+from specd.engine import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 
 if TYPE_CHECKING:
     from specd.mps import SharedGpu
@@ -128,11 +128,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--load-format",
-        choices=["auto", "dummy"],
+        choices=LOAD_FORMAT_CHOICES,
         default="auto",
         help="both models' weights; dummy: random weights in the shape of each model directory's config.json "
-        "(timing a model whose weights are not at hand: every output is meaningless)",
+        "(timing a model whose weights are not at hand: every output is meaningless); synthetic: weights of "
+        "that shape made so that the drafter agrees with the target on a set fraction of greedy tokens",
     )
+    p.add_argument("--synthetic-agreement", type=float, default=0.8, help="see specd drafter --help")
+    p.add_argument("--synthetic-seed", type=int, default=0, help="both services' (see specd drafter --help)")
     p.add_argument(
         "--cuda-graphs",
         choices=["auto", "on", "off"],
@@ -298,8 +301,8 @@ def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
         return CpuPlacement(False, reason="as given" if explicit else "")
     if not on_cpu or drafter in ("none", *MODEL_FREE) or len(cpus) < 2:
         return CpuPlacement(False, reason="no CPU model drafter to overlap with, or one CPU")
-    if args.load_format == "dummy":
-        return CpuPlacement(False, reason="dummy weights: the split is not timed for them")
+    if args.load_format != "auto":
+        return CpuPlacement(False, reason=f"{args.load_format} weights: the split is not timed for them")
     step_all, step_half, cached = measured_steps(
         args.target_model, args.verifier_dtype, cpus, cache_dir() / "calibration", args.recalibrate
     )
@@ -423,6 +426,8 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
         parser.error("--tls-cert, --tls-key and --tls-ca go together")
     if bool(args.tls_client_cert) != bool(args.tls_client_key) or (args.tls_client_cert and not args.tls_cert):
         parser.error("--tls-client-cert and --tls-client-key go together, and need --tls-cert")
+    if not 0 <= args.synthetic_agreement <= 1:
+        parser.error(f"--synthetic-agreement must be between 0 and 1, not {args.synthetic_agreement}")
     drafter, draft_model, quantize = resolve_drafter(
         args.drafter, args.draft_model, args.target_model, args.quantize, args.drafter_device
     )
@@ -470,6 +475,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
     # any local user could otherwise open sequences on them.
     common = ["--host", LOOPBACK, "--max-context", str(args.max_context), "--lease-s", str(args.lease_s), *tracing]
     common += ["--load-format", args.load_format, "--cuda-graphs", args.cuda_graphs]
+    common += ["--synthetic-seed", str(args.synthetic_seed)]
     children = {
         "verifier": [
             "verifier",
@@ -494,6 +500,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "--device", args.drafter_device,
             "--dtype", args.drafter_dtype,
             "--quantize", quantize,
+            "--synthetic-agreement", str(args.synthetic_agreement),
             "--metrics-port", str(args.drafter_metrics_port),
             "--threads", str(args.drafter_threads),
             "--cpus", args.drafter_cpus,

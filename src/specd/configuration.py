@@ -92,14 +92,22 @@ class ModelServiceConfig:
 
     host: str = field("127.0.0.1", "address to listen on")
     port: int = field(0, "gRPC port")
+    port_file: str = field(
+        "", "write the gRPC port bound to this file, before the model loads (with --port 0: the one the OS picked)"
+    )
     model: str = field("embedded", "model: a local HF directory, a .gguf file, or 'embedded'")
     device: str = field("cpu", "torch device, e.g. cpu, cuda, cuda:1")
     dtype: str = field("float32", "activation dtype", choices=DTYPE_CHOICES)
     load_format: str = field(
         "auto",
         "auto: the model's weights; dummy: random weights in the shape of the model's config.json (with its "
-        "tokenizer), made on the device, to time a model whose weights are not at hand; its output is meaningless",
+        "tokenizer), made on the device, to time a model whose weights are not at hand; its output is meaningless; "
+        "synthetic: weights of that shape made so that a drafter and a target of one --synthetic-seed agree on "
+        "a set fraction of greedy tokens (the drafter's --synthetic-agreement), their text meaningless",
         LOAD_FORMAT_CHOICES,
+    )
+    synthetic_seed: int = field(
+        0, "--load-format synthetic: the seed of the token cycle; the drafter and the target must share it"
     )
     cuda_graphs: str = field(
         "auto",
@@ -146,6 +154,8 @@ class ModelServiceConfig:
         from specd.engine.cpus import parse_cpus
 
         parse_cpus(self.cpus)
+        if self.synthetic_seed < 0:
+            raise ValueError("synthetic_seed must be >= 0")
         if self.lease_s < 0:
             raise ValueError("lease_s must be >= 0")
         if self.max_sequences < 1 or self.max_context < 2 or self.max_draft_tokens < 0:

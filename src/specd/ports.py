@@ -7,8 +7,10 @@ service on a taken port fails to bind instead, and these checks say so before an
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 SERVER_OPTIONS: list[tuple[str, Any]] = [("grpc.so_reuseport", 0)]
@@ -39,3 +41,12 @@ def check_free(wanted: Mapping[str, tuple[str, int]]) -> None:
     """Raise PortUnavailable naming every port of `wanted` another process holds."""
     if taken := taken_ports(wanted):
         raise PortUnavailable(f"in use by another process: {'; '.join(taken)}")
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write the port a service bound to `path`, whole or not at all: a reader polling for the
+    file never sees it half written."""
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    partial.write_text(f"{port}\n")
+    partial.replace(target)

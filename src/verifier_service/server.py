@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from specd.engine import calibration, cuda_graphs, fused_llama, models, timing
+from specd.engine import calibration, cuda_graphs, fused_llama, models, synthetic, timing
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -21,8 +21,9 @@ from verifier_service.servicer import VerifierServicer
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
+    made = synthetic.SyntheticSpec(config.synthetic_seed)
     loaded = models.load_for_serving(
-        config.model, config.device, config.dtype, config.threads, config.cpus, config.load_format
+        config.model, config.device, config.dtype, config.threads, config.cpus, config.load_format, made
     )
     loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "verifier"))
     lm = BatchedCausalLM(loaded.model, loaded.device, loaded.dtype)
@@ -52,6 +53,7 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         hidden_size=lm.hidden_size,
         max_sequences=config.max_sequences,
         max_draft_tokens=config.max_draft_tokens,
+        weights=loaded.weights,
     )
     return engine, info
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,9 +75,16 @@ def wait_grpc_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 1
 class Service:
     name: str
     proc: subprocess.Popen
-    port: int
+    known_port: int  # 0: not read yet from `port_file`
     log: Path
     grpc_port: int = 0  # the gateway's gRPC port
+    port_file: Path | None = None  # where a backend started with --port 0 writes the port it bound
+
+    @property
+    def port(self) -> int:
+        if not self.known_port and self.port_file is not None:
+            self.known_port = read_port_file(self.port_file, self.proc, self.log)
+        return self.known_port
 
     @property
     def address(self) -> str:
@@ -87,6 +95,18 @@ class Service:
 
     def stop(self) -> None:
         stop_all([self])
+
+
+def read_port_file(path: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> int:
+    """The port a service wrote to `path` once it bound it (before its model loads)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return int(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"{path.stem} exited with {proc.returncode} before binding a port:\n{log.read_text()}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no port in {path} after {timeout_s}s:\n{log.read_text()}")
 
 
 def stop_all(services: list[Service]) -> None:
@@ -109,7 +129,7 @@ def base_url(gateway: Service) -> str:
 
 def spawn(name: str, args: list[str], log_dir: Path, port: int, command: list[str] | None = None) -> Service:
     """`specd NAME ARGS`, or `COMMAND ARGS` (a script that runs NAME its own way)."""
-    log = log_dir / f"{name}-{port}.log"
+    log = log_dir / f"{name}-{port or uuid.uuid4().hex[:12]}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     argv = [*(command or [sys.executable, "-m", "specd.cli", name]), *args]
     with open(log, "wb") as out:
@@ -147,9 +167,15 @@ class Stack:
 
 
 def spawn_backend(kind: str, args: list[str], log_dir: Path, port: int | None = None) -> Service:
-    """A backend process on `port` (default: a free one), not yet waited for (see `ready_backend`)."""
-    port = port or free_port()
-    return spawn(kind, ["--host", HOST, "--port", str(port), *args], log_dir, port)
+    """A backend process on `port`, not yet waited for (see `ready_backend`). By default it binds
+    a port the OS picks and writes it to a file: no other process can take it between a pick and
+    the bind (`free_port`'s race, with many test processes at once). Its `port` waits for the file."""
+    if port:
+        return spawn(kind, ["--host", HOST, "--port", str(port), *args], log_dir, port)
+    port_file = log_dir / f"{kind}-{uuid.uuid4().hex[:12]}.port"
+    service = spawn(kind, ["--host", HOST, "--port", "0", "--port-file", str(port_file), *args], log_dir, 0)
+    service.port_file = port_file
+    return service
 
 
 def ready_backend(service: Service) -> Service:

@@ -89,6 +89,13 @@ def test_every_request_is_one_trace_across_three_services(traced):
             assert a["specd.overhead_ms"] == pytest.approx(
                 a["specd.round_ms"] - a["specd.drafter_ms"] - a["specd.verifier_ms"]
             )
+            parts = a["specd.draft_ms"] + a["specd.verify_ms"] + a["specd.join_ms"] + a["specd.outside_ms"]
+            assert parts == pytest.approx(a["specd.round_ms"]) and a["specd.outside_ms"] >= 0
+        # Each service's open of the request is a span of its trace, under the request.
+        for service in ("verifier", "drafter"):
+            opens = [s for s in trace if s["name"] == f"{service}.open"]
+            assert len(opens) == 1 and opens[0]["parent_span_id"] == request["span_id"], service
+            assert opens[0]["attributes"]["specd.prompt_tokens"] > 0
 
 
 def test_concurrent_requests_share_rounds_but_keep_their_own_traces(traced):

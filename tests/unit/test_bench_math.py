@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics import GatewayMetrics, RoundTimes
 from specd.tools.bench import (
     add_bounds,
     add_deltas,
@@ -198,7 +201,8 @@ def test_compare_outputs_counts_differences_from_target():
 
 def test_round_costs_split_a_round_and_its_share_outside_the_models():
     after = {"specd_rounds_total": 10.0}
-    for phase, total_s in (("draft", 1.0), ("verify", 0.9), ("overhead", 0.1), ("drafter_forward", 0.95)):
+    phases = (("round", 2.0), ("draft", 1.0), ("verify", 0.9), ("overhead", 0.1), ("drafter_forward", 0.95))
+    for phase, total_s in (*phases, ("forwards", 1.8), ("join", 0.0)):
         after[f"specd_round_latency_seconds_sum|phase={phase}"] = total_s
         after[f"specd_round_latency_seconds_count|phase={phase}"] = 10.0
     after["specd_round_latency_seconds_sum|phase=verifier_forward"] = 0.85
@@ -210,6 +214,30 @@ def test_round_costs_split_a_round_and_its_share_outside_the_models():
     assert costs["round_draft_ms"] == pytest.approx(100.0)
     assert costs["round_outside_models"] == pytest.approx(1 - 180 / 200)
     assert costs["rounds"] == 10
+
+
+def test_round_costs_add_up_from_the_gateways_metrics():
+    # Two rounds through the gateway's own metrics: a sequential one and a draft-ahead one whose
+    # drafter's prefill beside the verify outlasted the verifier's forward, then joined a sequence.
+    metrics = GatewayMetrics(4)
+    ms = 1_000_000
+    metrics.observe_round([], 1, RoundTimes(10 * ms, 4 * ms, 5 * ms, 3 * ms, 4 * ms, 2 * ms, 3 * ms))
+    ahead = RoundTimes(13 * ms, 2 * ms, 9 * ms, ms, 4 * ms, ms, 3 * ms, 8 * ms, 1_500_000, 0, 7 * ms)
+    metrics.observe_round([], 1, ahead)
+    after = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            after[sample.name + "".join(f"|{k}={v}" for k, v in sorted(sample.labels.items()))] = sample.value
+    costs = round_costs({}, after)
+    parts = ("round_draft_ms", "round_verify_ms", "round_join_ms", "round_outside_ms")
+    assert costs["round_round_ms"] == pytest.approx(11.5)
+    assert sum(costs[k] for k in parts) == pytest.approx(costs["round_round_ms"])
+    # Not draft + verify + overhead, which counts the time outside the services twice.
+    assert costs["round_draft_ms"] + costs["round_verify_ms"] + costs["round_overhead_ms"] > 11.5
+    # Forwards on the path: 2 + 3 = 5 ms, then 1 + max(3, 7) = 8 ms; the join's 1.5 ms apart.
+    assert costs["round_forwards_ms"] == pytest.approx(6.5)
+    assert costs["round_outside_forwards_ms"] == pytest.approx(11.5 - 6.5 - 0.75)
+    assert costs["round_outside_models"] == pytest.approx(4.25 / 11.5)
 
 
 def test_blocks_split_the_prompts_in_whole_waves():

@@ -49,7 +49,7 @@ def test_a_config_alone_gives_a_model_of_its_shape_with_a_warning(tmp_path: Path
 def test_dummy_needs_a_config(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"needs a directory with a config\.json"):
         models.load_model(str(tmp_path), torch.device("cpu"), torch.float32, "dummy")
-    with pytest.raises(ValueError, match="--load-format takes auto or dummy"):
+    with pytest.raises(ValueError, match="--load-format takes auto, dummy, synthetic"):
         models.load_model(str(tmp_path), torch.device("cpu"), torch.float32, "pt")
 
 

@@ -113,18 +113,28 @@ def test_round_figures_take_the_forwards_out_of_a_round() -> None:
                 "mode": "ahead",
                 "concurrency": 1,
                 "output_tokens_per_s": 40.0,
+                "round_round_ms": 42.0,
                 "round_draft_ms": 10.0,
                 "round_verify_ms": 30.0,
+                "round_join_ms": 0.5,
+                "round_outside_ms": 1.5,
+                # The services' outside time overlaps the exchanges: it is no part of the round's sum.
                 "round_overhead_ms": 5.0,
                 "round_drafter_forward_ms": 8.0,
                 "round_verifier_forward_ms": 20.0,
+                "round_outside_forwards_ms": 13.5,
                 "speedup_vs_target": 0.6667,
-            }
+            },
+            {"mode": "sequential", "concurrency": 1, "round_draft_ms": 10.0, "round_overhead_ms": 5.0},
         ]
     }
     figures = check.round_figures(bench)["ahead@1"]
-    assert figures["round_ms"] == 45.0 and figures["x_target"] == 0.667 and figures["tok_s"] == 40.0
-    assert figures["outside_forwards_ms"] == 17.0
+    assert figures["round_ms"] == 42.0 and figures["x_target"] == 0.667 and figures["tok_s"] == 40.0
+    parts = ("round_draft_ms", "round_verify_ms", "round_join_ms", "round_outside_ms")
+    assert sum(figures[k] for k in parts) == figures["round_ms"]
+    assert figures["outside_forwards_ms"] == 13.5
+    # A report from before the round was timed whole: no round is made up from its parts.
+    assert "round_ms" not in check.round_figures(bench)["sequential@1"]
     assert figures["verify_exchange_x_forward"] == 1.5
     services = {"no_mps": {"ahead@1": figures, "sequential@1": {**figures, "outside_forwards_ms": 4.0}}}
     summary = check.service_summary({**services, "mps": {"skipped": "no daemon"}})

@@ -150,7 +150,11 @@ def test_specd_up_passes_the_gpu_flags_to_both_services(tmp_path: Path, monkeypa
         "--verifier-device",
         "cuda:0",
         "--load-format",
-        "dummy",
+        "synthetic",
+        "--synthetic-agreement",
+        "0.6",
+        "--synthetic-seed",
+        "4",
         "--cuda-graphs",
         "off",
     ]
@@ -158,8 +162,10 @@ def test_specd_up_passes_the_gpu_flags_to_both_services(tmp_path: Path, monkeypa
         cli.up(argv)
     for service in ("verifier", "drafter"):
         args = started[service]
-        assert args[args.index("--load-format") + 1] == "dummy"
+        assert args[args.index("--load-format") + 1] == "synthetic"
+        assert args[args.index("--synthetic-seed") + 1] == "4"
         assert args[args.index("--cuda-graphs") + 1] == "off"
+    assert started["drafter"][started["drafter"].index("--synthetic-agreement") + 1] == "0.6"
     gateway = started["gateway"]
     assert gateway[gateway.index("--pipeline") + 1] == "sequential"
     assert f"no {mps.CONTROL} on PATH" in capsys.readouterr().err

@@ -4,6 +4,7 @@ with a 400 naming it, or accepted and ignored for a reason docs/api.md states.""
 from __future__ import annotations
 
 import asyncio
+import types
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from openai.types.chat import completion_create_params as chat_params
 
 from gateway.api.openai_api import OpenAIApi
 from gateway.api.protocol import IGNORED, REFUSED, ChatCompletionRequest, CompletionRequest
+from gateway.server import made_weights
+from specd.proto.speculative.v1 import common_pb2
 
 API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
@@ -128,6 +131,31 @@ def test_models_retrieve_answers_the_served_model_and_404s_others(tok):
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     message = nowhere.json()["error"]["message"]
     assert nowhere.status_code == 404 and "GET /v1/nope" in message and "POST /v1/responses" in message
+
+
+def test_the_model_card_says_when_the_weights_are_made(tok):
+    def pool(weights: str) -> Any:
+        return types.SimpleNamespace(info=common_pb2.ModelInfo(model_id="m", weights=weights))
+
+    assert made_weights(pool(""), pool("")) == "" and made_weights(pool(""), None) == ""
+    made = made_weights(pool("synthetic (seed 0)"), pool("synthetic (seed 0, agreement 0.8)"))
+    assert made == "target synthetic (seed 0); drafter synthetic (seed 0, agreement 0.8)"
+    api = OpenAIApi(RefusingScheduler(), tok, "served", health=None)  # type: ignore[arg-type]
+    app = api.app()
+
+    async def go() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+            plain = (await client.get("/v1/models")).json()["data"][0]
+            api.weights = made
+            return [
+                plain,
+                (await client.get("/v1/models")).json()["data"][0],
+                (await client.get("/v1/models/served")).json(),
+            ]
+
+    plain, listed, retrieved = asyncio.run(go())
+    assert "weights" not in plain
+    assert listed["weights"] == retrieved["weights"] == made
 
 
 @pytest.mark.parametrize(

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free, taken_ports
+from specd.rpc.serving import Listen, serve
 from specd.rpc.tls import add_port
 
 
@@ -44,6 +49,24 @@ def test_a_second_grpc_server_cannot_bind_a_port_the_first_serves() -> None:
             await first.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_service_on_port_0_binds_one_and_writes_it_before_it_loads(tmp_path: Path) -> None:
+    port_file = tmp_path / "verifier.port"
+    seen: list[int] = []
+
+    async def stop() -> None:  # runs once serving, its signal handlers set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def load() -> tuple[Any, Any]:
+        # The port is the service's before its model loads: the file is there, and the port taken.
+        seen.append(int(port_file.read_text()))
+        assert taken_ports({"verifier": ("127.0.0.1", seen[0])})
+        return (lambda server: []), stop
+
+    asyncio.run(serve("verifier", Listen("127.0.0.1", 0, str(port_file)), 1 << 20, load))
+    assert seen and seen[0] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["verifier.port"]  # no partial file left behind
 
 
 def test_health_check_stays_open_and_watch_needs_the_key() -> None:

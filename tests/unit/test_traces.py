@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from specd.tools.traces import load_spans, main, percentile, render_text, summarise
+from gateway.metrics import RoundTimes
+from specd.tools.traces import load_spans, main, parse_text, percentile, render_text, summarise
 
 TRACE_A = "a" * 32
 TRACE_B = "b" * 32
@@ -394,3 +395,36 @@ def test_overlap_share_counts_time_both_models_were_busy() -> None:
     assert overlap["verifier_busy_share"] == pytest.approx(20 / 30)
     sequential = [span("drafter.draft", 0, 10), span("verifier.verify", 10, 20)]
     assert summarise(sequential)["overlap"]["overlap_share"] == 0
+
+
+def test_a_round_adds_up_and_counts_the_drafter_beside_the_verify() -> None:
+    # A draft-ahead round whose drafter prefilled a chunk beside the verify, longer than the
+    # verifier's forward, then opened a joining sequence: 2 + 9 + 1.5 + 0.5 = 13 ms.
+    times = RoundTimes(
+        round_ns=13 * MS,
+        draft_ns=2 * MS,
+        verify_ns=9 * MS,
+        join_ns=int(1.5 * MS),
+        drafter_ns=int(1.5 * MS),
+        verifier_ns=4 * MS,
+        drafter_forward_ns=1 * MS,
+        verifier_forward_ns=3 * MS,
+        overlap_ns=8 * MS,
+        overlap_forward_ns=7 * MS,
+    )
+    attrs = times.attributes(batch_size=1)
+    parts = ("specd.draft_ms", "specd.verify_ms", "specd.join_ms", "specd.outside_ms")
+    assert sum(attrs[k] for k in parts) == pytest.approx(attrs["specd.round_ms"]) and attrs["specd.outside_ms"] == 0.5
+    # The verify waited for the drafter's 7 ms beside it, not the verifier's 3.
+    assert attrs["specd.forwards_ms"] == pytest.approx(8.0)
+    b = Builder()
+    request = b.add(TRACE_A, "specd.request", GATEWAY, 0, 20)
+    b.add(TRACE_A, "specd.round", GATEWAY, 1, 13, parent=request, **{k[6:]: v for k, v in attrs.items()}, round_id=9)
+    rounds = summarise(load_spans_from(b.spans))["rounds"]
+    # Outside the forwards on its path (8 ms) and its join (1.5 ms): 3.5 of 13 ms.
+    assert rounds["outside_models_share"] == pytest.approx(3.5 / 13)
+    assert rounds["phases"]["outside_ms"]["p50_ms"] == pytest.approx(0.5)
+
+
+def load_spans_from(records: list[dict[str, Any]]) -> list[Any]:
+    return parse_text("\n".join(json.dumps(r) for r in records))

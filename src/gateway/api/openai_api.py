@@ -72,6 +72,8 @@ class OpenAIApi:
         self.texts = TokenTexts(tokenizer)
         self.routes: list[str] = []  # "METHOD /path" of every route served, for the 404 of any other
         self.keyed = False  # whether clients are told apart by API key (else by address): gateway.round.shares
+        # How the backends' weights were made where they are no checkpoint's (gateway.server.made_weights).
+        self.weights = ""
 
     @property
     def prompts(self) -> Prompts:
@@ -131,7 +133,10 @@ class OpenAIApi:
         return JSONResponse(self._model_card())
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}
+        if self.weights:
+            card["weights"] = self.weights  # made, not loaded: the text is meaningless
+        return card
 
     async def metrics(self) -> Response:
         return Response(self.scheduler.metrics.render(), media_type=CONTENT_TYPE_LATEST)

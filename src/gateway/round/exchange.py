@@ -35,6 +35,7 @@ from gateway.round.messages import (
 from gateway.round.prefill_budget import DrafterPrefillBudget
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2
 from specd.rpc.serving import add_penalties_pb, logprobs_request_pb, sampling_pb
+from specd.rpc.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ def spec(seq: Any, prefill_tokens: int | None = None, ends: Sequence[int] = ()) 
         prefill_tokens=prefill_tokens,
         tenant=seq.tenant,
         end_token_ids=() if seq.params.ignore_eos else ends,
+        # The service's open span joins the request's trace.
+        trace_context=Tracing.inject(seq.span) if getattr(seq, "span", None) is not None else None,
     )
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 # A Llama model's forward in the drafter and the verifier (specd.engine.fused_llama.choose).
 DECODER_CHOICES = ("auto", "fused", "transformers")
-# Where a service's weights come from (--load-format): the model's files, or random ones of its shape.
-LOAD_FORMAT_CHOICES = ("auto", "dummy")
+# Where a service's weights come from (--load-format): the model's files, random ones of its shape, or
+# ones made to agree with the other model's at a set rate (specd.engine.synthetic).
+LOAD_FORMAT_CHOICES = ("auto", "dummy", "synthetic")
 # Whether the forward runs as captured CUDA graphs (--cuda-graphs; specd.engine.cuda_graphs).
 CUDA_GRAPH_CHOICES = ("auto", "on", "off")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specd.engine import draftlm, featurehead
+from specd.engine import LOAD_FORMAT_CHOICES, draftlm, featurehead, synthetic
 from specd.engine.attention_layout import UnsupportedAttention, layout
 from specd.engine.checkpoints import ModelLoadError, is_distilled, load_tokenizer, materialize
 from specd.engine.cpus import pin
@@ -50,20 +50,27 @@ def load_distilled(path: str | Path, dtype: torch.dtype, materialize: Any) -> An
     return draftlm.load(path, dtype, materialize)
 
 
+def read_config(path: Path, load_format: str) -> Any:
+    """The transformers config in `path`'s config.json, for weights made rather than loaded."""
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"--load-format {load_format} needs a directory with a config.json, not {str(path)!r}")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
+
+
 def load_dummy(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
     """`--load-format dummy`: a causal LM of the architecture and shape in `spec`'s config.json,
     with random weights made on `device` in `dtype` (an 8B shape on a GPU takes seconds, and never
     passes through host memory). Its output is meaningless: it is for timing a model whose
     weights are not at hand."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     path = Path(spec)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"--load-format dummy needs a directory with a config.json, not {spec!r}")
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the model config in {path}: {exc}") from exc
+    config = read_config(path, "dummy")
     log.warning(
         "--load-format dummy: %s has RANDOM weights in the shape of %s; every token it outputs is meaningless",
         config.model_type,
@@ -77,13 +84,39 @@ def load_dummy(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 
     return model.eval()
 
 
+def load_synthetic(
+    spec: str, device: torch.device, dtype: torch.dtype, made: synthetic.SyntheticSpec, tokens: int, end_ids: Any
+) -> Any:
+    """`--load-format synthetic` (specd.engine.synthetic): a causal LM of the shape in `spec`'s
+    config.json, made on `device` so that its greedy successors agree with the target's at `made`'s rate."""
+    from transformers import AutoModelForCausalLM
+
+    path = materialize(spec)
+    config = read_config(path, "synthetic")
+    synthetic.untie(config)
+    log.warning(
+        "--load-format synthetic: %s has %s weights in the shape of %s; its text is meaningless",
+        config.model_type,
+        made.describe().upper(),
+        path / "config.json",
+    )
+    torch.manual_seed(made.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attention_implementation(path)
+        )
+    return synthetic.make(model, made, tokens, end_ids)
+
+
 def load_model(spec: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto") -> Any:
     from transformers import AutoModelForCausalLM
 
     if load_format == "dummy":
         return load_dummy(spec, device, dtype)
+    if load_format == "synthetic":
+        raise ValueError("--load-format synthetic builds its weights beside the tokenizer: use load_for_serving")
     if load_format != "auto":
-        raise ValueError(f"--load-format takes auto or dummy, not {load_format!r}")
+        raise ValueError(f"--load-format takes {', '.join(LOAD_FORMAT_CHOICES)}, not {load_format!r}")
     path = materialize(spec)
     if is_distilled(path):
         try:
@@ -129,12 +162,21 @@ class LoadedModel:
     fingerprint: TokenizerFingerprint
     # The tokenizer itself: structured output compiles grammars against it.
     tokenizer: Any = None
+    # How the weights were made, for ModelInfo.weights: "" (the checkpoint's), "dummy", or synthetic's.
+    weights: str = ""
 
 
 def load_for_serving(
-    spec: str, device_name: str, dtype_name: str, threads: int = 0, cpus: str = "", load_format: str = "auto"
+    spec: str,
+    device_name: str,
+    dtype_name: str,
+    threads: int = 0,
+    cpus: str = "",
+    load_format: str = "auto",
+    made: synthetic.SyntheticSpec | None = None,
 ) -> LoadedModel:
     """What a model service loads at startup: weights on their device, and the tokenizer's identity.
+    `made`: what --load-format synthetic builds from (default: the target's, seed 0).
 
     Pinning comes first, so every thread torch starts afterwards inherits it.
     """
@@ -143,7 +185,14 @@ def load_for_serving(
     dtype = parse_dtype(dtype_name)
     if threads or pinned:
         torch.set_num_threads(threads or len(pinned))
-    model = load_model(spec, device, dtype, load_format)
     tokenizer = load_tokenizer(spec)
-    fingerprint = TokenizerFingerprint.of(tokenizer, end_token_ids(spec, tokenizer))
-    return LoadedModel(model, device, dtype, fingerprint, tokenizer)
+    end_ids = end_token_ids(spec, tokenizer)
+    if load_format == "synthetic":
+        made = made or synthetic.SyntheticSpec()
+        model = load_synthetic(spec, device, dtype, made, len(tokenizer), end_ids)
+        weights = made.describe()
+    else:
+        model = load_model(spec, device, dtype, load_format)
+        weights = "" if load_format == "auto" else load_format
+    fingerprint = TokenizerFingerprint.of(tokenizer, end_ids)
+    return LoadedModel(model, device, dtype, fingerprint, tokenizer, weights)

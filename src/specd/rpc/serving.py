@@ -24,7 +24,7 @@ from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.params import LogprobsRequest, Penalties, SamplingParams, TokenLogprob
 from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist
-from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free
+from specd.ports import SERVER_OPTIONS, PortUnavailable, check_free, write_port_file
 from specd.proto.speculative.v1 import common_pb2
 from specd.rpc import backend_auth
 from specd.rpc.leases import Leases, bad_owner, engine_id, public_message
@@ -195,6 +195,7 @@ class EngineRunner:
     """
 
     def __init__(self, name: str) -> None:
+        self.name = name
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def call(self, fn: Callable[..., R], *args: Any) -> R:
@@ -233,6 +234,7 @@ class SequenceRpcs:
     async def open_sequences(
         self, sequences: Iterable[common_pb2.SequenceSpec], owner: str
     ) -> list[common_pb2.OpenResult]:
+        sequences = list(sequences)
         wire = [spec_from_pb(s) for s in sequences]
         if problem := bad_owner(owner):
             error = common_pb2.SequenceError(code=common_pb2.ERROR_CODE_INVALID_ARGUMENT, message=problem)
@@ -242,15 +244,34 @@ class SequenceRpcs:
         specs = [dataclasses.replace(s, sequence_id=s.sequence_id and engine_id(owner, s.sequence_id)) for s in wire]
         take = getattr(self.engine, "take_prompt_logprobs", None)  # a verifier's: prompt logprobs when asked for
 
-        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]], list[int]]:
+        def open_all() -> tuple[list[EngineError | None], list[list[TokenLogprob]], list[int], list[int], int]:
             errors, forward_ns = open_leased(self.engine, self.leases, owner, specs)
             scored = [take(s.sequence_id) if take and e is None else [] for s, e in zip(specs, errors, strict=True)]
             table = self.engine.table
             states = [table.seqs[s.sequence_id] if e is None else None for s, e in zip(specs, errors, strict=True)]
-            self.metrics.observe_open(sum(len(state.cached) for state in states if state), forward_ns)
-            return errors, scored, [table.pending(state) if state else 0 for state in states]
+            cached = [len(state.cached) if state else 0 for state in states]
+            self.metrics.observe_open(sum(cached), forward_ns)
+            return errors, scored, [table.pending(state) if state else 0 for state in states], cached, forward_ns
 
-        (errors, scored, pending), _ = await self.runner.run(open_all)
+        arrived = time.time_ns()
+        (errors, scored, pending, cached, forward_ns), queue_ns = await self.runner.run(open_all)
+        if self.tracing.enabled:
+            contexts = [dict(s.trace_context) for s in sequences]
+            attributes = {
+                "specd.batch_size": len(wire),
+                "specd.forward_ms": forward_ns / 1e6,
+                "specd.queue_ms": queue_ns / 1e6,
+            }
+            per_sequence = [
+                {
+                    **attributes,
+                    "specd.prompt_tokens": len(s.prompt),
+                    "specd.prefilled": n,
+                    "specd.error": bool(e),
+                }
+                for s, n, e in zip(wire, cached, errors, strict=True)
+            ]
+            self.tracing.record_opens(f"{self.runner.name}.open", contexts, per_sequence, arrived, time.time_ns())
         return [
             common_pb2.OpenResult(
                 sequence_id=s.sequence_id,
@@ -437,28 +458,31 @@ def run_service(
         tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
         log.info("clients: %s", client_authentication(config.host, bool(tokens), bool(config.tls_client_ca)))
         check_free({name: (config.host, config.port), "metrics": (config.host, config.metrics_port)})
-        engine, info = runner.call(build, config)
-    except (ModelLoadError, ValueError, PortUnavailable) as exc:
+    except (ValueError, PortUnavailable) as exc:
         log.error("cannot start the %s: %s", name, exc)
         sys.exit(2)
-    log.info("%s", kv_cache_summary(engine.table))
-    info.lease_seconds = config.lease_s
-    leases = Leases(config.lease_s)
-    metrics = ServiceMetrics(name, engine)
-    if config.metrics_port:
-        metrics.serve(config.host, config.metrics_port)
-    asyncio.run(
-        serve(
-            name,
-            config.host,
-            config.port,
-            config.max_message_bytes,
+
+    def load() -> tuple[Callable[[grpc.aio.Server], Iterable[str]], Callable[[], Awaitable[None]]]:
+        try:
+            engine, info = runner.call(build, config)
+        except (ModelLoadError, ValueError, PortUnavailable) as exc:
+            log.error("cannot start the %s: %s", name, exc)
+            sys.exit(2)
+        log.info("%s", kv_cache_summary(engine.table))
+        if info.weights:
+            log.warning("the %s serves %s weights: its text is meaningless, only its speed is real", name, info.weights)
+        info.lease_seconds = config.lease_s
+        leases = Leases(config.lease_s)
+        metrics = ServiceMetrics(name, engine)
+        if config.metrics_port:
+            metrics.serve(config.host, config.metrics_port)
+        return (
             lambda server: register(server, engine, info, runner, tracing, metrics, leases),
-            credentials=credentials,
-            background=lambda: expire_leases(name, leases, engine, runner, metrics),
-            interceptors=backend_auth.server_interceptors(tokens),
+            lambda: expire_leases(name, leases, engine, runner, metrics),
         )
-    )
+
+    listen = Listen(config.host, config.port, config.port_file, credentials)
+    asyncio.run(serve(name, listen, config.max_message_bytes, load, backend_auth.server_interceptors(tokens)))
     tracing.shutdown()
     exit_at_once()
 
@@ -502,34 +526,46 @@ def client_authentication(host: str, token: bool, mutual_tls: bool) -> str:
     return f"ANYONE who reaches {host} (--insecure: no token, no mutual TLS)"
 
 
+@dataclasses.dataclass(frozen=True)
+class Listen:
+    """Where a service listens: port 0 takes one the OS picks; `port_file`, if set, gets the port
+    bound, written before the model loads (the port is the service's from then on)."""
+
+    host: str
+    port: int
+    port_file: str = ""
+    credentials: grpc.ServerCredentials | None = None
+
+
 async def serve(
     name: str,
-    host: str,
-    port: int,
+    listen: Listen,
     max_message_bytes: int,
-    register: Callable[[grpc.aio.Server], Iterable[str]],
-    grace_s: float = 5.0,
-    credentials: grpc.ServerCredentials | None = None,
-    background: Callable[[], Awaitable[None]] | None = None,
+    load: Callable[[], tuple[Callable[[grpc.aio.Server], Iterable[str]], Callable[[], Awaitable[None]] | None]],
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    grace_s: float = 5.0,
 ) -> None:
-    """Start a gRPC server (TLS with `credentials`) with health checking and reflection; run until SIGTERM/SIGINT."""
+    """Bind the port, `load` the engine (its servicers' registration and a background task), then
+    serve gRPC (TLS with credentials) with health checking and reflection until SIGTERM/SIGINT."""
     options = channel_options(max_message_bytes) + SERVER_OPTIONS
     server = grpc.aio.server(options=options, interceptors=list(interceptors))
+    try:
+        port = add_port(server, f"{listen.host}:{listen.port}", listen.credentials)
+    except PortUnavailable as exc:  # taken since run_service's check
+        log.error("cannot start the %s: %s", name, exc)
+        sys.exit(2)
+    if listen.port_file:
+        write_port_file(listen.port_file, port)
+    register, background = load()
     service_names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    address = f"{host}:{port}"
-    try:
-        add_port(server, address, credentials)
-    except PortUnavailable as exc:  # taken since run_service's check
-        log.error("cannot start the %s: %s", name, exc)
-        sys.exit(2)
     await server.start()
     for service in ["", *service_names]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s serving on %s (%s)", name, address, "TLS" if credentials is not None else "plaintext")
+    secure = "TLS" if listen.credentials is not None else "plaintext"
+    log.info("%s serving on %s:%d (%s)", name, listen.host, port, secure)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

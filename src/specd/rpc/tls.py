@@ -75,7 +75,8 @@ def server_name_option(server_name: str) -> list[tuple[str, Any]]:
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []
 
 
-def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> None:
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind `address` for `server`; the port bound (the one the OS picked, for port 0)."""
     try:
         bound = (
             server.add_secure_port(address, credentials)
@@ -86,6 +87,7 @@ def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCred
         bound = 0
     if bound == 0:
         raise PortUnavailable(f"cannot listen on {address}: another process holds the port, or the address is not here")
+    return bound
 
 
 class ApiKeyError(ValueError):

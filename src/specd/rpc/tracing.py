@@ -127,6 +127,21 @@ class Tracing:
         span.end(end_time=end_ns)
         return span
 
+    def record_opens(
+        self,
+        name: str,
+        contexts: Sequence[Mapping[str, str]],
+        attributes: Sequence[Mapping[str, Any]],
+        start_ns: int,
+        end_ns: int,
+    ) -> None:
+        """A span (`<service>.open`) in each traced sequence's request trace for the open that
+        prefilled it: its prompt tokens, those it prefilled, and the batch's forward time."""
+        for carrier, attrs in zip(contexts, attributes, strict=True):
+            parent = self.extract(carrier)
+            if parent is not None:
+                self.start(name, parent, start_ns, attrs, kind=SpanKind.SERVER).end(end_time=end_ns)
+
     @staticmethod
     def inject(span: Span) -> dict[str, str]:
         carrier: dict[str, str] = {}

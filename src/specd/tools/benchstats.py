@@ -117,17 +117,24 @@ def histogram_mean(before: Mapping[str, float], after: Mapping[str, float], name
 
 
 def round_costs(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """Mean per-round times (ms) by phase, and the mean k chosen per sequence-round."""
+    """Mean per-round times (ms) by phase, and the mean k chosen per sequence-round.
+
+    draft + verify + join + outside = round (gateway.metrics.RoundTimes); overhead (the round
+    outside the services' own time) overlaps the exchanges and adds to nothing. outside_forwards
+    is the round outside the models' forwards on its path, the drafter's beside the verify counted,
+    and outside the joins (the drafter's Open reports no forward time)."""
     name = "specd_round_latency_seconds"
+    phases = ("round", "draft", "verify", "join", "outside", "overhead")
+    forwards = ("drafter_forward", "verifier_forward", "drafter_beside_forward", "forwards")
     out = {
         f"round_{phase}_ms": histogram_mean(before, after, name, f"|phase={phase}") * 1000
-        for phase in ("draft", "verify", "overhead", "drafter_forward", "verifier_forward")
+        for phase in (*phases, *forwards)
     }
-    round_ms = out["round_draft_ms"] + out["round_verify_ms"] + out["round_overhead_ms"]
-    model_ms = out["round_drafter_forward_ms"] + out["round_verifier_forward_ms"]
+    round_ms = out["round_round_ms"]
+    out["round_outside_forwards_ms"] = round_ms - out["round_forwards_ms"] - out["round_join_ms"]
     # What disaggregation costs: the share of a round spent outside the two models'
     # forward passes (network hops, serialisation, scheduling, sampling).
-    out["round_outside_models"] = 1.0 - model_ms / round_ms if round_ms > 0 else float("nan")
+    out["round_outside_models"] = out["round_outside_forwards_ms"] / round_ms if round_ms > 0 else float("nan")
     out["rounds"] = delta(before, after, "specd_rounds_total")
     out["mean_k"] = histogram_mean(before, after, "specd_spec_decode_chosen_k")
     out["mean_batch"] = histogram_mean(before, after, "specd_round_batch_size")

@@ -6,7 +6,8 @@ one pretty-printed document), auto-detected per line, and reports:
 
 * per service and span name: count and p50/p95/p99 duration;
 * round phases from the gateway's ``specd.round`` spans, and the share of round time
-  spent outside the two models' forward passes;
+  spent outside the two models' forward passes on the round's path (the drafter's beside the
+  verify counted) and outside its joins;
 * overlap: the share of wall time the drafter and the verifier were busy at once;
 * acceptance: rate, mean acceptance length and per-position acceptance;
 * requests: TTFT/TPOT percentiles and finish reasons;
@@ -40,6 +41,10 @@ PHASES = (
     "drafter_forward_ms",
     "verifier_forward_ms",
     "overhead_ms",
+    "join_ms",
+    "outside_ms",
+    "overlap_forward_ms",
+    "forwards_ms",
 )
 SPAN_QUANTILES = (50, 95, 99)
 REQUEST_QUANTILES = (50, 95)
@@ -327,16 +332,23 @@ def _rounds(round_spans: Sequence[Span], groups: dict[Any, list[Span]]) -> dict[
         phases[phase] = _ms_quantiles(values, SPAN_QUANTILES)
     firsts = [group[0] for group in groups.values()]
     round_total = sum(_number(s, "round_ms") or 0.0 for s in firsts)
-    in_models = sum(
-        (_number(s, "drafter_forward_ms") or 0.0) + (_number(s, "verifier_forward_ms") or 0.0) for s in firsts
-    )
-    share = _ratio(in_models, round_total)
+    share = _ratio(sum(_in_models(s) for s in firsts), round_total)
     return {
         "count": len(groups),
         "span_count": len(round_spans),
         "phases": phases,
         "outside_models_share": None if share is None else 1.0 - share,
     }
+
+
+def _in_models(span: Span) -> float:
+    """A round's time in the models' forwards on its path, and in its joins (the drafter's Opens,
+    which report no forward time of their own): gateway.metrics.RoundTimes.forwards_ns where the
+    span has it, else (older gateways) the two exchanges' forwards."""
+    forwards = _number(span, "forwards_ms")
+    if forwards is None:
+        forwards = (_number(span, "drafter_forward_ms") or 0.0) + (_number(span, "verifier_forward_ms") or 0.0)
+    return forwards + (_number(span, "join_ms") or 0.0)
 
 
 def _acceptance(round_spans: Sequence[Span]) -> dict[str, Any]:

@@ -110,7 +110,7 @@ class TokenizerFingerprint(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., special_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings")
+    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings", "weights")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class ModelInfo(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokenizer: TokenizerFingerprint
     max_context: int
@@ -133,7 +134,8 @@ class ModelInfo(_message.Message):
     lease_seconds: float
     hidden_size: int
     step_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
-    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., hidden_size: _Optional[int] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ...) -> None: ...
+    weights: str
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., hidden_size: _Optional[int] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("sequences", "forward_ns")
@@ -160,7 +162,14 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SequenceSpec(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens", "grammar", "tenant", "end_token_ids")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_generated", "logprobs", "json_schema", "prefill_tokens", "grammar", "tenant", "end_token_ids", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +180,7 @@ class SequenceSpec(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -181,7 +191,8 @@ class SequenceSpec(_message.Message):
     grammar: str
     tenant: str
     end_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., tenant: _Optional[str] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., logprobs: _Optional[_Union[LogprobsRequest, _Mapping]] = ..., json_schema: _Optional[str] = ..., prefill_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., tenant: _Optional[str] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenResult(_message.Message):
     __slots__ = ("sequence_id", "error", "prompt_logprobs", "prefill_pending")
