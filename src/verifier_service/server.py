@@ -20,6 +20,11 @@ from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
 
 
+def verify_rows(max_sequences: int, max_draft_tokens: int) -> int:
+    """The most tokens one verify forward feeds: every open sequence's drafts and the position after them."""
+    return max_sequences * (max_draft_tokens + 1)
+
+
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
     loaded = models.load_for_serving(
         config.model, config.device, config.dtype, config.threads, config.cpus, config.load_format
@@ -35,11 +40,10 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_draft_tokens,
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
     )
-    # Rounds of a few sequences verify a few rows each, where the products differ most; a step of
-    # a few dozen sequences can still be cheaper through the kernel's blocks than torch's float32
-    # matrix-matrix product on a CPU of few cores, so the calibration goes that far.
+    # Every verify and step forward takes the same products (the kernel's where it applies): a
+    # position's logits then carry the same bits in a verify of any size as in its one-token step.
     with timing.alone():
-        lm.calibrate_products(timing.CALIBRATION_ROWS)
+        lm.calibrate_products(verify_rows(config.max_sequences, config.max_draft_tokens))
         lm.warm_up(min(config.max_draft_tokens, 8) + 1)
         # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
         cuda_graphs.enable(
