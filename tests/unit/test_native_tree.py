@@ -155,3 +155,22 @@ def test_placement() -> None:
     assert place.visible == [0, 0, 0, 0b1, 0b10, 0b101, 0b1101]
     chains = native_layer.placement([10, 4], [3, 1], [None, None])
     assert chains == native_layer.Placement([10, 11, 12, 4], [10, 11, 12, 4])
+
+
+def test_a_chain_attends_together_as_its_nodes_in_a_tree_alone_bit_for_bit(kernel: gemv.Gemv) -> None:
+    # A chain's tokens attend together, each key read once for all of them (layer.c's attend_chain);
+    # a tree's attend one by one. A chain's nodes in a tree must give the chain's bits: past a
+    # tile of 64 keys and over more tokens than attend together (16), beside another slot's chain.
+    lm = _lm(kernel)
+    lm.model.body.linears.max_rows = lm.head_product.kernel_max_rows = 64
+    prompt = [(7 * i + 3) % 120 for i in range(70)]
+    drafts = [(11 * i + 5) % 120 for i in range(21)]
+    for slot in (0, 1):
+        lm.forward([Row(slot, 0, prompt, 0)])
+    calls = _spy(lm)
+    chain = lm.forward([Row(0, 70, drafts, 0), Row(2, 0, PROMPT[:5], 0)])[0]
+    # The chain, and a sibling of its second token: a tree, whose nodes attend one by one.
+    parents = [*range(-1, len(drafts) - 1), 0]
+    tree = lm.forward([Row(1, 70, [*drafts, 9], 0, parents=parents), Row(3, 0, PROMPT[:5], 0)])[0]
+    assert calls == [False, True]
+    assert torch.equal(chain, tree[: len(drafts)])
