@@ -142,11 +142,13 @@ static void attend(const float *q, const float *keys, const float *values, const
                    int64_t d, float scale, float *scores, float *out) {
     const int64_t n = seen->n + seen->extra;
     float top = -INFINITY;
-    for (int64_t p = 0; p < n; p++) {
+    int64_t first = 0;
+    for (; first + 4 <= seen->n; first += 4) dot8x4(q, keys + first * stride, stride, d, scale, scores + first);
+    for (int64_t p = first; p < n; p++) {
         const int64_t at = p < seen->n ? p : seen->picked[p - seen->n];
         scores[p] = dot8(q, keys + at * stride, d) * scale;
-        top = scores[p] > top ? scores[p] : top;
     }
+    for (int64_t p = 0; p < n; p++) top = scores[p] > top ? scores[p] : top;
     const __m256 shift = _mm256_set1_ps(top);
     int64_t p = 0;
     for (; p + 8 <= n; p += 8) _mm256_storeu_ps(scores + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), shift)));
