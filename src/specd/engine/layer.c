@@ -180,7 +180,9 @@ static void attend(const float *q, const float *keys, const float *values, const
 static void attend_chain(const float *qkv, int64_t width, int64_t t0, int64_t t1, int64_t hq, int64_t group,
                          int64_t kv, const float *keys, const float *values, const int64_t *positions,
                          int64_t stride, int64_t d, float scale, int64_t span, float *work, float *attended) {
-    const int64_t queries = (t1 - t0) * group, lanes = d / 8, last = positions[t1 - 1] + 1;
+    const int64_t queries = (t1 - t0) * group, lanes = d / 8;
+    int64_t last = 0;
+    for (int64_t t = t0; t < t1; t++) last = positions[t] + 1 > last ? positions[t] + 1 : last;
     float *scores = work, *acc = work + queries * span;
     for (int64_t p0 = 0; p0 < last; p0 += KEY_TILE)
         for (int64_t i = 0; i < queries; i++) {
