@@ -1,11 +1,12 @@
-"""Time the embedded float32 target's one-token step, a 5-position verify and a batched step of 8
-sequences as the verifier builds them ("native": each decoder layer in one C call, its products
+"""Time the embedded float32 target's one-token step, verifies of 5 and 9 positions (k = 4 and 8)
+and a batched step of 8 sequences as the verifier builds them ("native": each decoder layer in one C call, its products
 through the gemv kernel reading the weights' exact Q4_1 / Q8_0 blocks, in 16-lane AVX-512 form
 where the CPU has it), the same with the 8-lane AVX2 products ("native-avx2"), with the same
 products but torch's calls between them ("blocks"), with the kernel on the float32 weights
 ("kernel"), and with torch's products only ("torch", as before the kernel: the head's plain or
 transposed product by the same calibration), and compare the greedy tokens of them all on a few
-chat prompts.
+chat prompts. Prints each configuration's verify/step ratios (verify(5) / step, verify(9) / step):
+what a verify costs in one-token steps, which caps what any drafter can gain.
 
 The configurations alternate in short blocks within one process, so a neighbour's load on a
 shared machine falls on all alike. Run pinned to one core, or on two:
@@ -31,6 +32,7 @@ from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.timing import CALIBRATION_ROWS
 from specd.placement import cpu_model
+from verifier_service.server import verify_rows
 
 CHATS = [
     "What is the capital of France? Answer in one sentence.",
@@ -39,6 +41,7 @@ CHATS = [
     "Give me a haiku about the sea.",
 ]
 CONTEXT = 100
+CONFIGS = ("native", "native-avx2", "blocks", "kernel", "torch")
 # Sequences in the batched step (one token each), as at 8 clients.
 BATCH = 8
 
@@ -76,6 +79,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=8, help="steps per block")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch's threads, and the kernel's")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {', '.join(CONFIGS)}")
     args = parser.parse_args()
     # The calibrations log what they measured and chose.
     logging.basicConfig(level=logging.INFO)
@@ -85,7 +89,7 @@ def main() -> None:
     lm = BatchedCausalLM(model, torch.device("cpu"), torch.float32)
     lm.reserve(BATCH, 512)
     start = time.perf_counter()
-    lm.calibrate_products(CALIBRATION_ROWS)
+    lm.calibrate_products(verify_rows(BATCH, 8))
     calibration_s = time.perf_counter() - start
     linears: gemv.RowKernel = model.base_model.linears
     # The head as it was before the kernel: plain or transposed, chosen by the same calibration.
@@ -96,13 +100,17 @@ def main() -> None:
         torch_head.calibrate(CALIBRATION_ROWS)
     finally:
         gemv.load = real_load
-    configs = {
-        "native": (lm.head_product, linears.kernel_rows),
-        "native-avx2": (lm.head_product, linears.kernel_rows),
-        "blocks": (lm.head_product, linears.kernel_rows),
-        "kernel": (lm.head_product, linears.kernel_rows),
-        "torch": (torch_head, frozenset[int]()),
+    every = {
+        "native": (lm.head_product, linears.max_rows),
+        "native-avx2": (lm.head_product, linears.max_rows),
+        "blocks": (lm.head_product, linears.max_rows),
+        "kernel": (lm.head_product, linears.max_rows),
+        "torch": (torch_head, 0),
     }
+    unknown = set(args.configs.split(",")) - set(every)
+    if unknown:
+        parser.error(f"--configs: no configuration {', '.join(sorted(unknown))}")
+    configs = {name: every[name] for name in args.configs.split(",")}
     products = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     held = {m: m.__dict__.get(gemv.BLOCKS_ATTRIBUTE) for m in products}
     head_blocks = lm.head_product.blocks
@@ -112,7 +120,7 @@ def main() -> None:
     assert kernel is not None, "no gemv kernel on this machine"
 
     def use(name: str) -> None:
-        lm.head_product, linears.kernel_rows = configs[name]
+        lm.head_product, linears.max_rows = configs[name]
         for m in products:
             m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name in ("native", "native-avx2", "blocks") else None
         lm.head_product.blocks = head_blocks if name in ("native", "native-avx2", "blocks") else None
@@ -126,7 +134,7 @@ def main() -> None:
         lm.forward([Row(slot, 0, context, len(context) - 1)])
     batch = [Row(slot, CONTEXT, [context[slot]], 0) for slot in range(BATCH)]
     samples: dict[str, dict[str, list[float]]] = {
-        name: {"step": [], "verify5": [], f"batch{BATCH}": []} for name in configs
+        name: {"step": [], "verify5": [], "verify9": [], f"batch{BATCH}": []} for name in configs
     }
     for block in range(args.blocks):
         for name in configs if block % 2 == 0 else reversed(list(configs)):
@@ -134,6 +142,9 @@ def main() -> None:
             samples[name]["step"].append(block_ms(lambda: lm.forward([Row(0, CONTEXT, [context[7]], 0)]), args.runs))
             samples[name]["verify5"].append(
                 block_ms(lambda: lm.forward([Row(0, CONTEXT, context[10:15], 0)]), args.runs)
+            )
+            samples[name]["verify9"].append(
+                block_ms(lambda: lm.forward([Row(0, CONTEXT, context[10:19], 0)]), args.runs)
             )
             samples[name][f"batch{BATCH}"].append(block_ms(lambda: lm.forward(batch), args.runs))
     for slot in range(BATCH):
@@ -152,8 +163,8 @@ def main() -> None:
         "torch": torch.__version__,
         "calibration_s": calibration_s,
         "weight_MB": nbytes / 1e6,
-        "kernel_rows_linears": sorted(linears.kernel_rows),
-        "kernel_rows_head": sorted(lm.head_product.kernel_rows),
+        "kernel_max_rows_linears": linears.max_rows,
+        "kernel_max_rows_head": lm.head_product.kernel_max_rows,
     }
     for name in configs:
         use(name)
@@ -161,6 +172,10 @@ def main() -> None:
             median, best = statistics.median(blocks), min(blocks)
             result[f"{name}_{what}_ms"] = {"median": median, "best": best, "blocks": blocks}
             result[f"{name}_{what}_GBps"] = {"median": nbytes / median / 1e6, "best": nbytes / best / 1e6}
+        # Per block, a verify against the step timed beside it; the median of those ratios.
+        for verify in ("verify5", "verify9"):
+            ratios = [v / s for v, s in zip(samples[name][verify], samples[name]["step"], strict=True)]
+            result[f"{name}_{verify}_per_step"] = statistics.median(ratios)
         result[f"{name}_greedy"] = [greedy(lm, ids, args.new) for ids in prompts]
     result["greedy_same"] = [
         len({tuple(result[f"{name}_greedy"][i]) for name in configs}) == 1 for i in range(len(CHATS))
@@ -171,6 +186,12 @@ def main() -> None:
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
     print(json.dumps({k: v for k, v in result.items() if "greedy" not in k or k == "greedy_same"}, indent=1))
+    for name in configs:
+        print(
+            f"{name}: verify(5)/step {result[f'{name}_verify5_per_step']:.2f}, "
+            f"verify(9)/step {result[f'{name}_verify9_per_step']:.2f} "
+            f"(step {result[f'{name}_step_ms']['median']:.1f} ms, medians of {args.blocks} blocks; {result['cpu']})"
+        )
 
 
 if __name__ == "__main__":

@@ -107,13 +107,19 @@ def _measure(
     sizes = [n for n in STEP_TIMING_SIZES if n <= config.max_sequences]
     if on_cpu:
         # The steps follow from the products chosen: the same choices on the same key, the same costs.
-        key = {**key, "quantization": quantization, "products": lm.product_choices(), "sizes": sizes}
+        key = {**key, "quantization": quantization, "products": _products(lm), "sizes": sizes}
         timed, _ = calibration.cached("steps", key, lambda: lm.time_steps(sizes), config.recalibrate)
         step_timings = [(int(n), int(ns)) for n, ns in timed]
     else:
         step_timings = lm.time_steps(sizes)
     log.info("one-token step: %s", ", ".join(f"{n} sequences {ns / 1e6:.1f} ms" for n, ns in step_timings))
     return step_timings
+
+
+def _products(lm: BatchedCausalLM) -> dict[str, Any]:
+    """What the products chosen at this start are, for the steps' key: the steps cost what they run."""
+    head = lm.head_product
+    return {"head_kernel_rows": head.kernel_max_rows, "head_transposed": sorted(head.transposed_rows)}
 
 
 def _calibrate_wide_rows(lm: BatchedCausalLM, key: dict[str, Any], recalibrate: bool) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from specd.engine import calibration, cuda_graphs, fused_llama, models, synthetic, timing
+from specd.engine import calibration, cuda_graphs, fused_llama, models, synthetic
 from specd.engine.grammar import grammar_compiler
 from specd.engine.kvcache import BatchedCausalLM
 from specd.proto.speculative.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -18,6 +18,11 @@ from specd.rpc.tracing import Tracing
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.servicer import VerifierServicer
+
+
+def verify_rows(max_sequences: int, max_draft_tokens: int) -> int:
+    """The most tokens one verify forward feeds: every open sequence's drafts and the position after them."""
+    return max_sequences * (max_draft_tokens + 1)
 
 
 def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.ModelInfo]:
@@ -36,10 +41,10 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         config.max_draft_tokens,
         grammar_compiler(loaded.tokenizer, lm.vocab_size, loaded.fingerprint.end_token_ids),
     )
-    # Rounds of a few sequences verify a few rows each, where the products differ most; a step of
-    # a few dozen sequences can still be cheaper through the kernel's blocks than torch's float32
-    # matrix-matrix product on a CPU of few cores, so the calibration goes that far.
-    calibration.calibrate_products(lm, config.model, config.load_format, timing.CALIBRATION_ROWS, config.recalibrate)
+    # Every verify and step forward takes the same products (the kernel's where it applies): a
+    # position's logits then carry the same bits in a verify of any size as in its one-token step.
+    rows = verify_rows(config.max_sequences, config.max_draft_tokens)
+    calibration.calibrate_products(lm, config.model, config.load_format, rows, config.recalibrate)
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
     cuda_graphs.enable(lm, config.cuda_graphs, min(config.max_draft_tokens, 8) + 1, "verifier", config.max_sequences)

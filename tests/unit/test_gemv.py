@@ -23,6 +23,9 @@ from specd.engine.timing import best_times
 
 # (outputs, inputs): odd output counts, inputs with and without a partial last group of 8.
 SHAPES = [(37, 64), (37, 19), (5, 3), (129, 100), (8, 576)]
+# Row counts a product is checked at against each row alone: every one to 12 (steps, verifies of a few
+# sequences), then past the block forms' rows per pass and up to a verify of many sequences.
+ROW_COUNTS = [*range(1, 13), 16, 17, 24, 25, 33, 45, 64]
 
 
 @pytest.fixture
@@ -54,13 +57,13 @@ def test_a_row_s_outputs_are_bitwise_the_same_alone_or_in_any_batch(kernel: gemv
     # last bits for some output, so a kernel whose order depended on R or on the block would fail.
     torch.manual_seed(n + k)
     weight = torch.randn(n, k)
-    x = torch.randn(12, k)
-    alone = torch.cat([kernel.linear(x[i : i + 1], weight) for i in range(12)])
-    for rows in range(1, 13):
+    x = torch.randn(64, k)
+    alone = torch.cat([kernel.linear(x[i : i + 1], weight) for i in range(64)])
+    for rows in ROW_COUNTS:
         torch.testing.assert_close(kernel.linear(x[:rows], weight), alone[:rows], rtol=0, atol=0)
         # The same row at another place in the batch.
-        shifted = kernel.linear(x[12 - rows :], weight)
-        torch.testing.assert_close(shifted, alone[12 - rows :], rtol=0, atol=0)
+        shifted = kernel.linear(x[64 - rows :], weight)
+        torch.testing.assert_close(shifted, alone[64 - rows :], rtol=0, atol=0)
 
 
 def test_only_float32_contiguous_cpu_tensors_without_autograd_are_accepted(kernel: gemv.Gemv) -> None:
@@ -74,20 +77,21 @@ def test_only_float32_contiguous_cpu_tensors_without_autograd_are_accepted(kerne
         assert kernel.accepts(x, weight)
 
 
-def test_the_row_kernel_uses_the_kernel_only_for_chosen_rows_and_plain_float32_linears(
+def test_the_row_kernel_takes_every_count_to_its_bound_and_only_plain_float32_linears(
     kernel: gemv.Gemv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[tuple[int, ...]] = []
     real = gemv.Gemv.linear
     monkeypatch.setattr(gemv.Gemv, "linear", lambda self, x, *a: calls.append(tuple(x.shape)) or real(self, x, *a))
     products = gemv.RowKernel()
-    products.kernel, products.kernel_rows = kernel, frozenset({1, 3})
+    products.kernel, products.max_rows = kernel, 3
     linear = nn.Linear(16, 24)
     with torch.inference_mode():
-        for shape in [(1, 1, 16), (1, 3, 16), (3, 1, 16), (1, 2, 16)]:
+        for shape in [(1, 1, 16), (1, 3, 16), (3, 1, 16), (1, 2, 16), (2, 2, 16), (1, 4, 16)]:
             x = torch.randn(shape)
             torch.testing.assert_close(products(linear, x), linear(x), rtol=1e-5, atol=1e-5)
-        assert calls == [(1, 1, 16), (1, 3, 16), (3, 1, 16)]  # tokens, not sequences, count
+        # Every count up to the bound, none past it; tokens, not sequences, count.
+        assert calls == [(1, 1, 16), (1, 3, 16), (3, 1, 16), (1, 2, 16)]
         calls.clear()
         products(Int8WeightOnlyLinear(nn.Linear(64, 32)), torch.randn(1, 64))
         products(copy.deepcopy(linear).bfloat16(), torch.randn(1, 16, dtype=torch.bfloat16))
@@ -105,12 +109,12 @@ def test_without_a_compiler_everything_stays_on_torch(
     assert caplog.text.count("the gemv kernel is unavailable") == 1
     linear = nn.Linear(16, 8)
     products = gemv.RowKernel()
-    assert products.calibrate([linear], 4, repeats=1) == frozenset()
+    assert products.choose([linear], 4) == 0 and not products.takes(1)
     x = torch.randn(1, 2, 16)
     torch.testing.assert_close(products(linear, x), linear(x))
     head = HeadProduct(nn.Linear(16, 300))
     head.calibrate(3, repeats=1)
-    assert head.kernel is None and head.kernel_rows == frozenset()
+    assert head.kernel is None and head.kernel_max_rows == 0
 
 
 def test_a_failed_build_falls_back_and_a_good_one_is_cached(
@@ -150,8 +154,8 @@ def test_the_fused_forward_with_the_kernel_keeps_the_greedy_tokens(kernel: gemv.
     lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32)
     prompt = [5, 17, 33, 2, 90, 41, 8]
     want, (want_steps, want_verify) = _greedy(lm, prompt, 24)
-    fused.body.linears.kernel, fused.body.linears.kernel_rows = kernel, frozenset(range(1, 64))
-    lm.head_product.kernel, lm.head_product.kernel_rows = kernel, frozenset(range(1, 64))
+    fused.body.linears.kernel, fused.body.linears.max_rows = kernel, 64
+    lm.head_product.kernel, lm.head_product.kernel_max_rows = kernel, 64
     got, (steps, verify) = _greedy(lm, prompt, 24)
     assert got == want
     torch.testing.assert_close(steps, want_steps, rtol=1e-4, atol=1e-4)
@@ -161,11 +165,11 @@ def test_the_fused_forward_with_the_kernel_keeps_the_greedy_tokens(kernel: gemv.
     torch.testing.assert_close(verify, steps, rtol=1e-4, atol=1e-4)
 
 
-def test_the_body_calibrates_its_linears_once_for_every_layer(kernel: gemv.Gemv) -> None:
+def test_the_body_chooses_its_linears_once_for_every_layer(kernel: gemv.Gemv) -> None:
     fused = fused_llama.fuse(tinymodels.build_model(0, 96, 1, 2))
-    chosen = fused.body.calibrate(3)
-    assert chosen <= frozenset({1, 2, 3})
-    assert fused.body.linears.kernel is gemv.load()
+    assert fused.body.choose_products(3) == 3
+    assert fused.body.linears.kernel is gemv.load() and fused.body.native is not None
+    assert [fused.body.kernel_takes(rows) for rows in range(5)] == [False, True, True, True, False]
     assert all(layer.linears is fused.body.linears for layer in fused.body.layers)
 
 
@@ -232,6 +236,26 @@ def test_exact_blocks_give_the_float32_kernel_s_outputs_bit_for_bit(
     torch.testing.assert_close(kernel.linear(x, weight, None, blocks), alone, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("kind", "make"), [("q4", _q4_weight), ("q8", _q8_weight)])
+@pytest.mark.parametrize(("n", "k"), [(37, 576), (19, 1536)])
+def test_a_row_read_from_blocks_is_bitwise_the_same_alone_or_in_a_batch_of_any_size(
+    block_form: gemv.Gemv, kind: str, make: object, n: int, k: int
+) -> None:
+    # The verifier's exactness up to max_sequences x (k + 1) rows: 5 and 9 (a verify of k = 4 or 8)
+    # and on to 64, at the start and the end of a batch, in the 8- and 16-lane forms.
+    kernel = block_form
+    assert callable(make)
+    weight = make(n, k, n * k)
+    blocks = gemv.as_blocks(weight)
+    assert blocks is not None and blocks.kind == kind
+    torch.manual_seed(n)
+    x = torch.randn(64, k)
+    alone = torch.cat([kernel.linear(x[i : i + 1], weight, None, blocks) for i in range(64)])
+    for rows in ROW_COUNTS:
+        assert torch.equal(kernel.linear(x[:rows], weight, None, blocks), alone[:rows]), rows
+        assert torch.equal(kernel.linear(x[64 - rows :], weight, None, blocks), alone[64 - rows :]), rows
+
+
 def test_weights_that_blocks_cannot_rebuild_exactly_keep_their_float32_product() -> None:
     assert gemv.as_blocks(torch.randn(16, 64)) is None
     # One weight one unit in the last place off its block's value: no block form is exact.
@@ -255,8 +279,7 @@ def test_the_body_reads_exact_blocks_and_keeps_its_tokens(kernel: gemv.Gemv) -> 
     fused = fused_llama.fuse(model)
     lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32)
     prompt = [5, 17, 33, 2, 90, 41, 8]
-    fused.body.linears.calibrate(list(_body_products(fused)), 1, repeats=1)
-    fused.body.linears.kernel, fused.body.linears.kernel_rows = kernel, frozenset(range(1, 64))
+    assert fused.body.linears.choose(list(_body_products(fused)), 64) == 64
     held = [m.__dict__.get(gemv.BLOCKS_ATTRIBUTE) for m in _body_products(fused)]
     assert held and all(b is not None and b.kind == "q4" for b in held)
     got, (steps, verify) = _greedy(lm, prompt, 16)

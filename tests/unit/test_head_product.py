@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from specd.engine import gemv, head_product
 from specd.engine.head_product import HeadProduct
 from specd.engine.quant import Int8WeightOnlyLinear
 from specd.engine.timing import calibration_rows, choose_rows
@@ -59,14 +60,46 @@ def test_the_product_is_picked_by_row_count(monkeypatch):
     assert calls == [torch.Size([32, 8])]  # W·hᵀ: the weight on the left
 
 
-def test_calibration_measures_every_row_count_and_keeps_only_what_it_chose(caplog):
+def test_without_the_kernel_calibration_measures_every_row_count(monkeypatch, caplog):
+    monkeypatch.setattr(gemv, "load", lambda: None)
     product = HeadProduct(nn.Linear(64, 4096))
     with caplog.at_level("INFO", logger="specd.engine.head_product"):
         chosen = product.calibrate(6, repeats=1)
     assert chosen == product.transposed_rows
     assert chosen <= frozenset(range(1, 7))
-    assert product.kernel_rows <= frozenset(range(1, 7)) and not product.kernel_rows & chosen
-    assert "plain / transposed / kernel ms by rows: 1:" in caplog.text and " 6: " in caplog.text
+    assert product.kernel is None and product.kernel_max_rows == 0
+    assert "plain / transposed ms by rows: 1:" in caplog.text and " 6: " in caplog.text
+
+
+def test_the_kernel_takes_the_head_for_every_row_count_by_rule_not_by_timing(kernel, monkeypatch):
+    def no_timing(*args):
+        raise AssertionError("the kernel's head is not chosen by timing")
+
+    monkeypatch.setattr(head_product, "best_times", no_timing)
+    product = HeadProduct(nn.Linear(64, 300))
+    assert product.calibrate(80) == frozenset()
+    assert product.kernel is gemv.load() and product.kernel_max_rows == 80 and product.transposed_rows == frozenset()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["float32", "q8-blocks"])
+def test_a_row_s_logits_through_the_kernel_are_bitwise_its_own_at_any_row_count(kernel, tied):
+    # A verify of k = 4 or 8 at 1 sequence, and up to 64 rows (16 sequences x 4 positions).
+    torch.manual_seed(1)
+    head = nn.Linear(576, 1000, bias=False)
+    if tied:  # an embedding held as Q8_0, tied to the head
+        with torch.no_grad():
+            head.weight.copy_((head.weight / 1e-3).round().clamp(-127, 127) * 1e-3)
+            scale = (head.weight.view(1000, 18, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+            head.weight.copy_(((head.weight.view(1000, 18, 32) / scale).round() * scale).view(1000, 576))
+    product = HeadProduct(head)
+    product.calibrate(64)
+    assert product.kernel is gemv.load() and (product.blocks is not None) == tied
+    hidden = torch.randn(64, 576)
+    with torch.inference_mode():
+        alone = torch.cat([product(hidden[i : i + 1]) for i in range(64)])
+        for rows in [*range(1, 13), 16, 17, 33, 64]:
+            assert torch.equal(product(hidden[:rows]), alone[:rows]), rows
+            assert torch.equal(product(hidden[64 - rows :]), alone[64 - rows :]), rows
 
 
 def test_a_head_that_is_not_a_plain_linear_layer_keeps_its_own_product():

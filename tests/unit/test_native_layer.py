@@ -4,9 +4,7 @@ torch forward wherever the native layers do not apply."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
+import pytest
 import tinymodels
 import torch
 from torch import nn
@@ -15,18 +13,20 @@ from specd.engine import fused_llama, gemv
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.native_layer import NativeLayers
 
-ROWS = frozenset(range(1, 9))
+MAX_ROWS = 8
 
 
-def _lm(kernel: gemv.Gemv, seed: int = 3, **overrides: object) -> BatchedCausalLM:
+def _lm(
+    kernel: gemv.Gemv, seed: int = 3, max_rows: int = MAX_ROWS, max_positions: int = 64, **overrides: object
+) -> BatchedCausalLM:
     # head_dim 16 (64 / 4 heads), 2 key/value heads; intermediate 100: not a multiple of 8.
     model = tinymodels.build_model(seed, 120, 1, 2, layers=3, intermediate_size=100, **overrides)
     fused = fused_llama.fuse(model)
-    fused.body.linears.kernel, fused.body.linears.kernel_rows = kernel, ROWS
+    fused.body.linears.kernel, fused.body.linears.max_rows = kernel, max_rows
     fused.body.native = NativeLayers.build(fused.body, kernel)
-    lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32, max_slots=4, max_positions=64)
-    # The head's product as calibration would choose it: the kernel's, whose rows do not interact.
-    lm.head_product.kernel, lm.head_product.kernel_rows = kernel, ROWS
+    lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32, max_slots=4, max_positions=max_positions)
+    # The head's product as `calibrate_products` chooses it: the kernel's, whose rows do not interact.
+    lm.head_product.kernel, lm.head_product.kernel_max_rows = kernel, max_rows
     return lm
 
 
@@ -36,7 +36,7 @@ def _native(lm: BatchedCausalLM, on: bool, kernel: gemv.Gemv) -> None:
 
 
 def _rounds(lm: BatchedCausalLM) -> list[torch.Tensor]:
-    """Prefills (torch: more tokens than ROWS), then ragged batches of steps and verifies over
+    """Prefills (torch: more tokens than MAX_ROWS), then ragged batches of steps and verifies over
     three slots: every forward's logits."""
     prompts = {0: [5, 17, 33, 2, 90, 41, 8, 11, 60], 2: [7, 7, 19, 100, 3, 55, 31, 9, 12, 13], 3: [44] * 9}
     out = [lm.forward([Row(s, 0, p, len(p) - 1)])[0] for s, p in prompts.items()]
@@ -75,6 +75,28 @@ def test_a_token_s_logits_are_bitwise_the_same_alone_or_beside_others(kernel: ge
     lm.forward([Row(1, 0, prompt[:4], 0)])
     verify = lm.forward([Row(0, len(prompt), tokens, 0), Row(1, 4, [6, 6, 6], 0)])[0]
     assert torch.equal(verify, torch.cat(steps))
+
+
+@pytest.mark.parametrize("verified", [5, 9, 24, 61])
+def test_a_verify_of_any_length_to_the_bound_is_its_steps_bit_for_bit(kernel: gemv.Gemv, verified: int) -> None:
+    # A verify of k = 4 or 8 and on to the bound (64 tokens with the other row's 3): every position's
+    # logits are its one-token step's, attention over the new positions included.
+    lm = _lm(kernel, max_rows=64, max_positions=80)
+    rng = torch.Generator().manual_seed(verified)
+    prompt = torch.randint(0, 120, (9,), generator=rng).tolist()
+    tokens = torch.randint(0, 120, (verified,), generator=rng).tolist()
+    lm.forward([Row(0, 0, prompt, 0)])
+    steps = [lm.forward([Row(0, len(prompt) + i, [t], 0)])[0] for i, t in enumerate(tokens)]
+    lm.cache.release(0)
+    lm.forward([Row(0, 0, prompt, 0)])
+    lm.forward([Row(1, 0, prompt[:4], 0)])
+    calls: list[int] = []
+    real = lm.model.body.native.forward
+    lm.model.body.native.forward = lambda x, *a: calls.append(x.shape[0]) or real(x, *a)  # type: ignore[method-assign]
+    verify = lm.forward([Row(0, len(prompt), tokens, 0), Row(1, 4, [6, 6, 6], 0)])[0]
+    assert calls == [verified + 3]
+    for i in range(verified):
+        assert torch.equal(verify[i], steps[i][0]), i
 
 
 def test_forwards_the_native_layers_do_not_take_run_the_torch_forward(kernel: gemv.Gemv) -> None:
@@ -128,57 +150,5 @@ def test_torch_runs_on_one_thread_where_the_kernel_takes_the_products(kernel: ge
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert {threads for fed, threads in seen if fed in ROWS} == {1}
-    assert {threads for fed, threads in seen if fed not in ROWS} == {2}
-
-
-def _paced(lm: BatchedCausalLM, native_s: float, torch_s: float) -> fused_llama.RoundForward:
-    """A round forward whose time says which layers ran it: `native_s` where the kernel takes
-    its token count (the native layers), `torch_s` where it does not."""
-    body = lm.model.body
-
-    def round_forward(tokens: int) -> Callable[[], object]:
-        return lambda: time.sleep(native_s if body.kernel_takes(tokens) else torch_s)
-
-    return round_forward
-
-
-def test_whole_forwards_take_back_counts_the_products_left_to_torch(kernel: gemv.Gemv) -> None:
-    # Where the products alone are about even, the native layers still save torch's attention,
-    # norms and rotations: the whole forward decides. Untimed counts follow the next timed one.
-    lm = _lm(kernel)
-    body = lm.model.body
-    body.linears.kernel_rows = frozenset(range(1, 17))
-    settled = body.settle_native(32, _paced(lm, native_s=0.002, torch_s=0.006))
-    assert settled == frozenset(range(1, 33))
-    assert body.linears.kernel_rows == frozenset(range(1, 17))  # as it was, for the caller to set
-
-
-def test_whole_forwards_leave_torch_where_it_runs_them_faster(kernel: gemv.Gemv) -> None:
-    lm = _lm(kernel)
-    body = lm.model.body
-    body.linears.kernel_rows = frozenset(range(1, 17))
-    assert body.settle_native(32, _paced(lm, native_s=0.006, torch_s=0.002)) == frozenset(range(1, 17))
-
-
-def test_the_calibration_times_whole_forwards_and_frees_its_slots(kernel: gemv.Gemv, monkeypatch) -> None:
-    lm = _lm(kernel)
-    body = lm.model.body
-
-    def products_say(linears: object, rows: int) -> frozenset[int]:
-        body.linears.kernel_rows = frozenset({1, 2})
-        return body.linears.kernel_rows
-
-    monkeypatch.setattr(body.linears, "calibrate", products_say)
-    timed: list[int] = []
-    real = lm.round_forward
-
-    def spy(tokens: int, context: int = 16) -> Callable[[], object] | None:
-        timed.append(tokens)
-        return real(tokens, context)
-
-    monkeypatch.setattr(lm, "round_forward", spy)
-    lm.calibrate_products(6)
-    assert timed == [3, 4, 5, 6]
-    assert body.kernel_takes(1) and body.native is not None
-    assert not any(lm.cache._high)  # every slot the timing filled is free again
+    assert {threads for fed, threads in seen if fed <= MAX_ROWS} == {1}
+    assert {threads for fed, threads in seen if fed > MAX_ROWS} == {2}

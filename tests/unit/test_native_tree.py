@@ -13,8 +13,8 @@ from specd.engine import fused_llama, gemv, native_layer, trees
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.native_layer import NativeLayers
 
-ROWS = frozenset(range(1, 17))
-# A prompt longer than ROWS: its prefill takes the torch forward, the same in every slot.
+MAX_ROWS = 16
+# A prompt longer than MAX_ROWS: its prefill takes the torch forward, the same in every slot.
 PROMPT = [5, 17, 33, 2, 90, 41, 8, 11, 60, 7, 19, 100, 3, 55, 31, 9, 12, 13]
 PREFIX = 2  # committed tokens not cached yet, fed before the drafts
 # Two siblings at the root, one with a branch of two below it and a sibling below that.
@@ -27,12 +27,12 @@ def _lm(kernel: gemv.Gemv) -> BatchedCausalLM:
     # head_dim 16 (64 / 4 heads), 2 key/value heads; intermediate 100: not a multiple of 8.
     model = tinymodels.build_model(3, 120, 1, 2, layers=3, intermediate_size=100)
     fused = fused_llama.fuse(model)
-    fused.body.linears.kernel, fused.body.linears.kernel_rows = kernel, ROWS
+    fused.body.linears.kernel, fused.body.linears.max_rows = kernel, MAX_ROWS
     fused.body.native = NativeLayers.build(fused.body, kernel)
     assert fused.body.native is not None
     lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32, max_slots=4, max_positions=96)
     # The head's product as calibration would choose it: the kernel's, whose rows do not interact.
-    lm.head_product.kernel, lm.head_product.kernel_rows = kernel, ROWS
+    lm.head_product.kernel, lm.head_product.kernel_max_rows = kernel, MAX_ROWS
     return lm
 
 
@@ -138,7 +138,7 @@ def test_the_check_can_fail(kernel: gemv.Gemv, monkeypatch: pytest.MonkeyPatch) 
 def test_trees_larger_than_the_kernel_takes_run_the_torch_forward(kernel: gemv.Gemv) -> None:
     lm = _lm(kernel)
     size = native_layer.MAX_TREE_NODES + 1
-    lm.model.body.linears.kernel_rows = ROWS | {size}
+    lm.model.body.linears.max_rows = size
     calls = _spy(lm)
     parents = [-1, -1, *range(size - 2)]
     lm.forward([Row(0, 0, [3] * size, 0, parents=parents)])
@@ -155,3 +155,22 @@ def test_placement() -> None:
     assert place.visible == [0, 0, 0, 0b1, 0b10, 0b101, 0b1101]
     chains = native_layer.placement([10, 4], [3, 1], [None, None])
     assert chains == native_layer.Placement([10, 11, 12, 4], [10, 11, 12, 4])
+
+
+def test_a_chain_attends_together_as_its_nodes_in_a_tree_alone_bit_for_bit(kernel: gemv.Gemv) -> None:
+    # A chain's tokens attend together, each key read once for all of them (layer.c's attend_chain);
+    # a tree's attend one by one. A chain's nodes in a tree must give the chain's bits: past a
+    # tile of 64 keys and over more tokens than attend together (16), beside another slot's chain.
+    lm = _lm(kernel)
+    lm.model.body.linears.max_rows = lm.head_product.kernel_max_rows = 64
+    prompt = [(7 * i + 3) % 120 for i in range(70)]
+    drafts = [(11 * i + 5) % 120 for i in range(21)]
+    for slot in (0, 1):
+        lm.forward([Row(slot, 0, prompt, 0)])
+    calls = _spy(lm)
+    chain = lm.forward([Row(0, 70, drafts, 0), Row(2, 0, PROMPT[:5], 0)])[0]
+    # The chain, and a sibling of its second token: a tree, whose nodes attend one by one.
+    parents = [*range(-1, len(drafts) - 1), 0]
+    tree = lm.forward([Row(1, 70, [*drafts, 9], 0, parents=parents), Row(3, 0, PROMPT[:5], 0)])[0]
+    assert calls == [False, True]
+    assert torch.equal(chain, tree[: len(drafts)])

@@ -11,7 +11,8 @@ import pytest
 import tinymodels
 import torch
 
-from specd.engine import calibration, fused_llama, gemv
+from specd.engine import calibration, gemv
+from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
 
 
@@ -115,27 +116,31 @@ def test_the_weights_key_follows_their_content(tmp_path: Path) -> None:
     assert calibration.model_identity(str(model), "dummy") != first
 
 
-def _lm() -> BatchedCausalLM:
-    model = tinymodels.build_model(3, 120, 1, 2, layers=2)
-    return BatchedCausalLM(fused_llama.fuse(model), torch.device("cpu"), torch.float32, max_slots=4, max_positions=64)
+def test_a_kept_head_choice_is_applied_without_timing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel cannot take the LM head, its torch products are timed once per key; a later
+    start applies what was kept and computes what the first one did."""
+    monkeypatch.setattr(calibration, "calibration_dir", lambda: tmp_path)
+    monkeypatch.setattr(gemv, "load", lambda: None)  # no kernel: the head's products are timed
+    timed: list[int] = []
 
+    def lm() -> BatchedCausalLM:
+        model = tinymodels.build_model(3, 120, 1, 2, layers=2)
+        return BatchedCausalLM(model, torch.device("cpu"), torch.float32, max_slots=4, max_positions=64)
 
-@pytest.mark.parametrize("choose", ["timed", "kernel"])
-def test_kept_choices_give_the_forward_that_timing_chose(choose: str) -> None:
-    """A start that applies the kept choices computes what the start that chose them computed."""
-    if gemv.load() is None:
-        pytest.skip("no C compiler for the kernel")
-    chosen, kept = _lm(), _lm()
-    chosen.calibrate_products(6)
-    if choose == "kernel":  # whatever the timing said: the kernel and the native layers for every row count
-        chosen.apply_product_choices(
-            {"head": {"transposed": [], "kernel": [*range(1, 8)]}, "body": {"kernel": [*range(1, 8)]}}
-        )
-        assert chosen.model.base_model.native is not None and chosen.head_product.kernel is not None
-    choices = chosen.product_choices()
-    kept.apply_product_choices(choices)
-    assert kept.product_choices() == choices
-    assert (kept.model.base_model.native is None) == (chosen.model.base_model.native is None)
-    rows = [Row(0, 0, [1, 2, 3, 4, 5], 4), Row(1, 0, [6, 7], 1)]
+    first, second = lm(), lm()
+    original = HeadProduct._time
+
+    def counted(self: HeadProduct, max_rows: int, repeats: int) -> frozenset[int]:
+        timed.append(max_rows)
+        return original(self, max_rows, repeats) | {2, 3}  # whatever the timing said, rows 2 and 3 transposed
+
+    monkeypatch.setattr(HeadProduct, "_time", counted)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    calibration.calibrate_products(first, str(tmp_path / "m"), "dummy", 6)
+    calibration.calibrate_products(second, str(tmp_path / "m"), "dummy", 6)
+    assert timed == [6]
+    assert second.head_product.transposed_rows == first.head_product.transposed_rows >= {2, 3}
+    rows = [Row(0, 0, [1, 2, 3], 2), Row(1, 0, [6, 7], 1)]
     with torch.inference_mode():
-        assert all(map(torch.equal, chosen.forward(rows), kept.forward(rows)))
+        assert all(map(torch.equal, first.forward(rows), second.forward(rows)))

@@ -184,19 +184,13 @@ def model_key(lm: Any, spec: str, load_format: str) -> dict[str, Any]:
 
 
 def calibrate_products(lm: Any, spec: str, load_format: str, max_rows: int, recalibrate: bool = False) -> None:
-    """`lm.calibrate_products(max_rows)` once per key: kept choices are applied without timing.
-    A drafter and a verifier holding the same weights on the same cores share the entry."""
+    """`lm.calibrate_products(max_rows)`, with whatever it times (the LM head's torch products, where
+    the CPU kernel cannot take them) timed once per key and read back at later starts. A drafter
+    and a verifier holding the same weights on the same cores share the entry."""
     if lm.device.type != "cpu":
         return
-
-    def measure() -> dict[str, Any]:
-        lm.calibrate_products(max_rows)
-        return lm.product_choices()
-
     key = {**model_key(lm, spec, load_format), "rows": max_rows}
-    choices, kept = cached("products", key, measure, recalibrate)
-    if kept:
-        lm.apply_product_choices(choices)
+    lm.calibrate_products(max_rows, kept=lambda measure: cached("head", key, measure, recalibrate)[0])
 
 
 def forget(directory: Path | None = None) -> int:

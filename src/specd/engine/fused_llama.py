@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,16 +32,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from specd.engine import DECODER_CHOICES, gemv
+from specd.engine import DECODER_CHOICES
 from specd.engine.gemv import RowKernel
 from specd.engine.native_layer import NativeLayers, placement
-from specd.engine.timing import MARGIN, best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
-
-
-# A whole forward of so many tokens, ready to time (None where it cannot be run).
-RoundForward = Callable[[int], Callable[[], object] | None]
 
 
 def supports(model: Any) -> bool:
@@ -107,7 +102,7 @@ class FusedLlamaLayer(nn.Module):
 
     def __init__(self, layer: Any, config: Any, index: int, linears: RowKernel) -> None:
         super().__init__()
-        # The body's, shared by every layer: one measured choice of product for the whole model.
+        # The body's, shared by every layer: one choice of product for the whole model.
         self.linears = linears
         attn, mlp = layer.self_attn, layer.mlp
         self.index = index
@@ -124,9 +119,6 @@ class FusedLlamaLayer(nn.Module):
         self.down_proj = mlp.down_proj
         # Released as they are fused, so the model never holds both copies of every layer.
         attn.q_proj = attn.k_proj = attn.v_proj = mlp.gate_proj = mlp.up_proj = None
-
-    def products(self) -> tuple[nn.Module, ...]:
-        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, cache: Any
@@ -167,7 +159,7 @@ class FusedLlamaBody(nn.Module):
         super().__init__()
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
-        # Torch's products until `calibrate` measures the kernel's.
+        # Torch's products until `choose_products` takes the kernel's.
         self.linears = RowKernel()
         self.layers = nn.ModuleList(
             FusedLlamaLayer(layer, config, i, self.linears)
@@ -176,84 +168,26 @@ class FusedLlamaBody(nn.Module):
         self.norm = base.norm.weight
         self.eps = float(config.rms_norm_eps)
         self.heads_per_kv_head = int(config.num_attention_heads) // int(config.num_key_value_heads)
-        # The layers in one C call each (specd.engine.native_layer), made by `calibrate` where they apply.
+        # The layers in one C call each (specd.engine.native_layer), made by `choose_products` where they apply.
         self.native: NativeLayers | None = None
 
-    def calibrate(self, max_rows: int, round_forward: RoundForward | None = None) -> frozenset[int]:
-        """Choose the float32 linears' product for forwards of up to max_rows tokens by timing every
-        layer's products (`specd.engine.gemv.RowKernel.calibrate`); the token counts it took the
-        kernel for. `round_forward(tokens)`: a whole forward of that many tokens to time, for
-        `settle_native`."""
-        products = [m for layer in self.layers for m in layer.products()]
-        chosen = self.linears.calibrate(products, max_rows)
-        self.native = NativeLayers.build(self, self.linears.kernel) if chosen else None
-        if self.native is not None and round_forward is not None:
-            self.linears.kernel_rows = chosen = self.settle_native(max_rows, round_forward)
+    def choose_products(self, max_rows: int) -> int:
+        """Run the float32 linears' products through the gemv kernel, and each decoder layer in one
+        native call where the layers take it, for every forward of 1..max_rows tokens
+        (`specd.engine.gemv.RowKernel.choose`: a rule, so every such forward takes the same
+        products and a token's bits do not depend on the forward it is in); the bound taken."""
+        products = [
+            m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        taken = self.linears.choose(products, max_rows)
+        self.native = NativeLayers.build(self, self.linears.kernel) if taken else None
         if self.native is not None:
-            log.info("the decoder layers run in one native call each for forwards of %s tokens", sorted(chosen))
-        return chosen
-
-    def choices(self) -> dict[str, list[int]]:
-        """What `calibrate` chose, to keep (`specd.engine.calibration`) and `apply_choices` at a later start."""
-        return {"kernel": sorted(self.linears.kernel_rows)}
-
-    def apply_choices(self, choices: dict[str, list[int]]) -> None:
-        """Take the token counts a calibration chose for the kernel (and the native layers) without timing."""
-        rows = frozenset(choices["kernel"])
-        self.linears.kernel, self.linears.kernel_rows = (gemv.load(), rows) if rows else (None, frozenset())
-        if self.linears.kernel is None:
-            self.linears.kernel_rows, self.native = frozenset(), None
-            return
-        self.linears.kernel.set_threads(torch.get_num_threads())
-        gemv.attach_blocks([m for layer in self.layers for m in layer.products() if type(m) is nn.Linear])
-        self.native = NativeLayers.build(self, self.linears.kernel)
-
-    def settle_native(self, max_rows: int, round_forward: RoundForward) -> frozenset[int]:
-        """The kernel's token counts, with those its products alone left to torch taken back unless a
-        whole forward runs faster through torch's layers. The kernel's token counts also choose
-        the native layers, which replace a dozen torch operations a layer (attention, norms,
-        rotations) with one C call: where the products alone are about even (a few dozen rows),
-        that is what decides."""
-        kernel_rows = self.linears.kernel_rows
-        timed = calibration_rows(max_rows)
-        measured: dict[int, tuple[float, float]] = {}
-        for rows in (r for r in timed if r not in kernel_rows):
-            run = round_forward(rows)
-            if run is not None:
-                measured[rows] = self._both_ways(rows, run)
-        if not measured:
-            return kernel_rows
-        log.info(
-            "whole forwards, torch / native layers ms by tokens: %s",
-            ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in measured.items()),
-        )
-        # A tie goes to the native layers (torch's keep a count only where they ran it faster by the
-        # margin): their attention gains with context, and a round's rows have more context than
-        # these forwards (a few cached tokens each, to start up fast).
-        tie = 1 / (1 - MARGIN) - 1
-        return kernel_rows | choose_rows(measured, margin=-tie)
-
-    def _both_ways(self, rows: int, run: Callable[[], object]) -> tuple[float, float]:
-        """Seconds of `run` (a forward of `rows` tokens) through torch's layers and through the native ones."""
-        kernel_rows = self.linears.kernel_rows
-
-        def torch_layers() -> None:
-            self.linears.kernel_rows = kernel_rows
-            run()
-
-        def native_layers() -> None:
-            self.linears.kernel_rows = kernel_rows | {rows}
-            run()
-
-        try:
-            torch_s, native_s = best_times([torch_layers, native_layers], 3)
-        finally:
-            self.linears.kernel_rows = kernel_rows
-        return torch_s, native_s
+            log.info("the decoder layers run in one native call each for forwards of 1 to %d tokens", taken)
+        return taken
 
     def kernel_takes(self, tokens: int) -> bool:
         """Whether a forward of `tokens` tokens runs its products on the gemv kernel."""
-        return tokens in self.linears.kernel_rows
+        return self.linears.takes(tokens)
 
     def native_forward(
         self,
@@ -267,11 +201,11 @@ class FusedLlamaBody(nn.Module):
         id per row as a tensor) at `starts` of `slots`, every layer in one native call
         (`specd.engine.native_layer`), their keys and values written to `cache`; `trees`: each row's
         token tree (its parents, specd.engine.trees), or None for a chain. None where the native
-        layers do not take this forward (not built, a token count the kernel was not chosen for, a
+        layers do not take this forward (not built, more tokens than the kernel's bound, a
         tree too large, a cache they cannot address)."""
         counts = [1] * len(slots) if isinstance(tokens, torch.Tensor) else [len(t) for t in tokens]
         native = self.native
-        if native is None or sum(counts) not in self.linears.kernel_rows:
+        if native is None or not self.linears.takes(sum(counts)):
             return None
         place = placement(starts, counts, trees or [None] * len(counts))
         if place is None:

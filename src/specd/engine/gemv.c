@@ -1,6 +1,6 @@
-// y[r, n] = sum_k x[r, k] * w[n, k]: a few rows of activations against a linear layer's weight, for
-// the one-token steps and short verifies of a CPU decode. Built by specd.engine.gemv with -mavx2
-// -mfma -ffp-contract=off -pthread.
+// y[r, n] = sum_k x[r, k] * w[n, k]: rows of activations against a linear layer's weight, for the
+// one-token steps and the verifies of a CPU decode (every forward up to specd.engine.gemv.RowKernel's
+// bound). Built by specd.engine.gemv with -mavx2 -mfma -ffp-contract=off -pthread.
 //
 // Threads. specd_set_threads(n) shares each product's weight rows among n threads (the caller and
 // n - 1 helpers, which spin briefly between products and then sleep): a weight row's outputs are
@@ -10,9 +10,11 @@
 // weight is held in: the k group of 8 starting at k is multiplied and added into accumulator
 // (k / 8) % 4 (eight lanes each, in order of k; the last, partial group through a masked load),
 // then the four are folded as (a0 + a1) + (a2 + a3) and summed horizontally. A row's outputs are
-// therefore bitwise the same alone or in a batch, which keeps a verify's logits equal to the
-// one-token steps' (greedy exactness). Four chains, not one, so that a row's multiply-adds do not
-// wait on each other's latency.
+// therefore bitwise the same alone or in a batch of any size. That keeps a verify's logits equal to
+// the one-token steps' (greedy exactness) only where both take this kernel: specd.engine.gemv's
+// RowKernel takes it for every forward up to a bound, by rule, since torch's product sums a row
+// differently beside other rows. Four chains, not one, so that a row's multiply-adds do not wait on
+// each other's latency.
 //
 // Weight forms. specd_gemv reads nn.Linear's row-major float32 weight. specd_gemv_q4 and
 // specd_gemv_q8 read it as blocks of 32 inputs, GGUF's Q4_1 (w = d * q + m, q in 0..15) and Q8_0

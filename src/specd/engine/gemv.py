@@ -13,9 +13,9 @@ bitwise the same alone or in a batch (`gemv.c` says how).
 A float32 weight loaded from a GGUF's Q4_1 or Q8_0 tensor holds only the values those 4- and 8-bit
 blocks give. `as_blocks` finds such a weight's blocks, checks that they rebuild every float32
 weight bit for bit, and the kernel then reads the blocks instead: the same products, bitwise, from
-an eighth or about a quarter of the bytes a step streams. Whether the kernel is used at all, and
-for which row counts, is measured per model (`RowKernel.calibrate`): where it is not faster, or
-cannot be built (no compiler, no AVX2/FMA, not Linux on x86-64), torch's product runs as before.
+an eighth or about a quarter of the bytes a step streams. Where the kernel is used is a rule
+(`RowKernel.choose`): every forward up to a bound, wherever it can be built; where it cannot (no
+compiler, no AVX2/FMA, not Linux on x86-64), torch's product runs as before.
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from specd.engine import block_cache
-from specd.engine.timing import best_times, calibration_rows, choose_rows
 
 log = logging.getLogger(__name__)
 
@@ -279,68 +277,60 @@ def load() -> Gemv | None:
     return None
 
 
-# The attribute of an nn.Linear holding its weight's `Blocks` (set by `RowKernel.calibrate`; a plain
+# The attribute of an nn.Linear holding its weight's `Blocks` (set by `RowKernel.choose`; a plain
 # attribute, so a copy of the model keeps it and its state dict does not).
 BLOCKS_ATTRIBUTE = "gemv_blocks"
 
 
 class RowKernel:
-    """The linear products of one model, through the kernel for the row counts (tokens in a forward)
-    where `calibrate` measured it faster; torch's otherwise, and for any layer but a float32 nn.Linear.
-    A layer whose weight has exact blocks (`as_blocks`) is read from them."""
+    """The linear products of one model: through the kernel for every forward of 1..`max_rows` tokens
+    where `choose` found that it applies, torch's otherwise, and for any layer but a float32
+    nn.Linear. A layer whose weight has exact blocks (`as_blocks`) is read from them.
+
+    The choice is a rule, never a timing: a row's outputs are bitwise its own only while every
+    forward it can share takes the same product (the kernel's do not depend on the rows beside
+    them; torch's do), so the kernel takes every token count up to the bound or none."""
 
     def __init__(self) -> None:
         self.kernel: Gemv | None = None
-        self.kernel_rows: frozenset[int] = frozenset()
+        self.max_rows = 0
+
+    def takes(self, rows: int) -> bool:
+        """Whether a forward of `rows` tokens runs its products on the kernel."""
+        return self.kernel is not None and 1 <= rows <= self.max_rows
 
     def __call__(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel
         if (
             kernel is not None
-            and x.numel() // x.shape[-1] in self.kernel_rows
+            and self.takes(x.numel() // x.shape[-1])
             and type(linear) is nn.Linear
             and kernel.accepts(x, linear.weight)
         ):
             return kernel.linear(x, linear.weight, linear.bias, linear.__dict__.get(BLOCKS_ATTRIBUTE))
         return linear.forward(x)
 
-    def calibrate(self, linears: Sequence[nn.Module], max_rows: int, repeats: int = 3) -> frozenset[int]:
-        """Time `linears` one after another (a forward's products, so the weights stream from memory
-        as in a step) through torch and through the kernel for the row counts `calibration_rows`
-        gives up to `max_rows`, and keep the kernel for those `choose_rows` picks; returns them."""
+    def choose(self, linears: Sequence[nn.Module], max_rows: int) -> int:
+        """Take the kernel for forwards of 1..`max_rows` tokens where it loads (Linux on x86-64 with
+        AVX2 and FMA, and a C compiler) and every one of `linears` is a float32 nn.Linear on the
+        CPU; returns the bound taken (0: torch's products throughout)."""
         plain = [m for m in linears if type(m) is nn.Linear and m.weight.dtype == torch.float32]
-        kernel = load() if plain and max_rows > 0 and all(m.weight.device.type == "cpu" for m in plain) else None
-        self.kernel, self.kernel_rows = kernel, frozenset()
+        usable = bool(plain) and len(plain) == len(linears) and all(m.weight.device.type == "cpu" for m in plain)
+        kernel = load() if usable and max_rows > 0 else None
+        self.kernel, self.max_rows = kernel, max_rows if kernel is not None else 0
         if kernel is None:
-            return self.kernel_rows
+            return 0
         kernel.set_threads(torch.get_num_threads())
         held = attach_blocks(plain)
-        timings: dict[int, tuple[float, float]] = {}
-        with torch.inference_mode():
-            for rows in calibration_rows(max_rows):
-                inputs = [torch.randn(rows, m.in_features) for m in plain]
-
-                def run_torch(inputs: list[torch.Tensor] = inputs) -> None:
-                    for m, x in zip(plain, inputs, strict=True):
-                        F.linear(x, m.weight, m.bias)
-
-                def run_kernel(inputs: list[torch.Tensor] = inputs, gemv: Gemv = kernel) -> None:
-                    for m, x in zip(plain, inputs, strict=True):
-                        gemv.linear(x, m.weight, m.bias, m.__dict__.get(BLOCKS_ATTRIBUTE))
-
-                torch_s, kernel_s = best_times([run_torch, run_kernel], repeats)
-                timings[rows] = (torch_s, kernel_s)
-        self.kernel_rows = choose_rows(timings)
         log.info(
-            "float32 linears: the gemv kernel (%d threads) for %s, %d of %d layers read from exact 4- or 8-bit "
-            "blocks (torch / kernel ms by rows: %s)",
+            "float32 linears: the gemv kernel (%d threads) for forwards of 1 to %d tokens, %d of %d layers read "
+            "from exact 4- or 8-bit blocks",
             torch.get_num_threads(),
-            f"rows {sorted(self.kernel_rows)}" if self.kernel_rows else "no row count",
+            max_rows,
             held,
             len(plain),
-            ", ".join(f"{rows}: {a * 1e3:.1f} / {b * 1e3:.1f}" for rows, (a, b) in sorted(timings.items())),
         )
-        return self.kernel_rows
+        return max_rows
 
 
 def attach_blocks(linears: Sequence[nn.Linear]) -> int:

@@ -11,14 +11,14 @@ rejected positions are overwritten later, the accepted prefix is never recompute
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from specd.engine.attention_layout import layout
 from specd.engine.forward_masks import positions_and_mask, row_tree
-from specd.engine.head_product import HeadProduct
+from specd.engine.head_product import HeadProduct, Keep
 from specd.engine.host_threads import around_forward
 from specd.engine.rows import Row
 from specd.engine.slot_cache import DEFAULT_POSITIONS, DEFAULT_SLOTS, SlotKVCache, to_device
@@ -112,42 +112,18 @@ class BatchedCausalLM:
                 self.cache.release(slot)
         return timed
 
-    def calibrate_products(self, max_rows: int) -> None:
-        """On the CPU, measure the LM head's products for up to max_rows rows and the decoder's linear
-        products for forwards of up to max_rows tokens (where the model's forward can choose: the fused
-        one, `specd.engine.fused_llama`), and use the fastest for each; other devices keep torch's."""
+    def calibrate_products(self, max_rows: int, kept: Keep | None = None) -> None:
+        """On the CPU, choose the products of forwards of up to max_rows tokens: the gemv kernel for
+        the LM head and the decoder's linears (where the model's forward can take it: the fused one,
+        `specd.engine.fused_llama`) wherever it applies, by rule, so that every such forward takes
+        the same products; where it does not, the head's torch product is timed per row count.
+        Other devices keep torch's. `kept`: see `HeadProduct.calibrate`."""
         if self.device.type != "cpu":
             return
-        self.head_product.calibrate(max_rows)
-        calibrate = getattr(self._base, "calibrate", None)
-        if calibrate is not None:
-            calibrate(max_rows, self.round_forward)
-        for slot in range(self.cache.max_slots):
-            self.cache.release(slot)
-
-    def product_choices(self) -> dict[str, Any]:
-        """What `calibrate_products` chose, to keep (`specd.engine.calibration`)."""
-        body = getattr(self._base, "choices", None)
-        return {"head": self.head_product.choices(), "body": body() if body is not None else None}
-
-    def apply_product_choices(self, choices: dict[str, Any]) -> None:
-        """Take what an earlier `calibrate_products` on the same machine and weights chose, without timing."""
-        self.head_product.apply_choices(choices["head"])
-        apply = getattr(self._base, "apply_choices", None)
-        if apply is not None and choices.get("body") is not None:
-            apply(choices["body"])
-
-    def round_forward(self, tokens: int, context: int = 16) -> Callable[[], object] | None:
-        """A forward of `tokens` tokens spread over the cache's slots, one a slot where it has as
-        many (a round of that many sequences), each after `context` cached tokens, to time; None
-        where the cache cannot hold them. Start-up only: the caller releases the slots."""
-        slots = min(tokens, self.cache.max_slots)
-        counts = [tokens // slots + (i < tokens % slots) for i in range(slots)]
-        context = min(context, self.cache.max_positions - counts[0])
-        if context < 1:
-            return None
-        self.forward([Row(slot, 0, [0] * context, context - 1) for slot in range(slots)])
-        return lambda: self.forward([Row(slot, context, [0] * n, n - 1) for slot, n in enumerate(counts)])
+        self.head_product.calibrate(max_rows, kept=kept)
+        choose = getattr(self._base, "choose_products", None)
+        if choose is not None:
+            choose(max_rows)
 
     def forward(
         self, rows: Sequence[Row], ids: torch.Tensor | None = None, inputs: list[torch.Tensor] | None = None

@@ -8,7 +8,9 @@
 // on the rows beside it), its norms, rotation and attention over the keys it sees in its slot,
 // summed in increasing key order and in an order that depends on nothing but the token. So a
 // token's hidden state is bitwise the same in a one-token step, in a verify of several positions
-// and as a node of a token tree. Built with gemv.c.
+// and as a node of a token tree. A chain's tokens in one slot (a verify's positions) attend together,
+// each tile of keys and values read once for all their query heads, with each query's arithmetic
+// unchanged. Built with gemv.c.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -101,12 +103,30 @@ static void rotate(float *v, const float *cos, const float *sin, int64_t d) {
     for (int64_t i = 0; i < d; i++) v[i] = in[i] * cos[i] + in[i < half ? i + half : i - half] * sin[i];
 }
 
-static inline float dot8(const float *a, const float *b, int64_t d) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+static inline float fold8(__m256 acc) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+}
+
+static inline float dot8(const float *a, const float *b, int64_t d) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    return fold8(acc);
+}
+
+// dot8 of a against four rows of b (stride apart) at once: each sum is dot8's, operation for
+// operation; four chains, so the multiply-adds do not wait on each other's latency.
+static inline void dot8x4(const float *a, const float *b, int64_t stride, int64_t d, float scale, float *out) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 av = _mm256_loadu_ps(a + i);
+        acc0 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + stride + i), acc1);
+        acc2 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + 2 * stride + i), acc2);
+        acc3 = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + 3 * stride + i), acc3);
+    }
+    out[0] = fold8(acc0) * scale, out[1] = fold8(acc1) * scale, out[2] = fold8(acc2) * scale, out[3] = fold8(acc3) * scale;
 }
 
 // The keys one token sees: the first `n` positions, then the positions in `picked`, in this order.
@@ -122,11 +142,13 @@ static void attend(const float *q, const float *keys, const float *values, const
                    int64_t d, float scale, float *scores, float *out) {
     const int64_t n = seen->n + seen->extra;
     float top = -INFINITY;
-    for (int64_t p = 0; p < n; p++) {
+    int64_t first = 0;
+    for (; first + 4 <= seen->n; first += 4) dot8x4(q, keys + first * stride, stride, d, scale, scores + first);
+    for (int64_t p = first; p < n; p++) {
         const int64_t at = p < seen->n ? p : seen->picked[p - seen->n];
         scores[p] = dot8(q, keys + at * stride, d) * scale;
-        top = scores[p] > top ? scores[p] : top;
     }
+    for (int64_t p = 0; p < n; p++) top = scores[p] > top ? scores[p] : top;
     const __m256 shift = _mm256_set1_ps(top);
     int64_t p = 0;
     for (; p + 8 <= n; p += 8) _mm256_storeu_ps(scores + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + p), shift)));
@@ -145,10 +167,71 @@ static void attend(const float *q, const float *keys, const float *values, const
     for (int64_t i = 0; i < lanes; i++) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
 }
 
+// Tokens of one chain whose query heads attend together (`attend_chain`): bounds its workspace.
+#define CHAIN_TOKENS 16
+// Keys (and values) taken through every query of a chain before the next ones: they stay in L1.
+#define KEY_TILE 64
+
+// Attention of the query heads sharing key/value head `kv` for tokens [t0, t1) of one chain (one
+// slot; token t sees the keys 0..positions[t]); out rows `attended` + (t * hq + h) * d. The keys
+// and values are read a tile at a time for all of them, where `attend` reads them all once a query
+// head and token. Each query's sums are `attend`'s, operation for operation and in the same order,
+// so its output is bitwise the same. `work`: CHAIN_TOKENS * group * (span + d) floats.
+static void attend_chain(const float *qkv, int64_t width, int64_t t0, int64_t t1, int64_t hq, int64_t group,
+                         int64_t kv, const float *keys, const float *values, const int64_t *positions,
+                         int64_t stride, int64_t d, float scale, int64_t span, float *work, float *attended) {
+    const int64_t queries = (t1 - t0) * group, lanes = d / 8;
+    int64_t last = 0;
+    for (int64_t t = t0; t < t1; t++) last = positions[t] + 1 > last ? positions[t] + 1 : last;
+    float *scores = work, *acc = work + queries * span;
+    for (int64_t p0 = 0; p0 < last; p0 += KEY_TILE)
+        for (int64_t i = 0; i < queries; i++) {
+            const int64_t t = t0 + i / group, end = positions[t] + 1 < p0 + KEY_TILE ? positions[t] + 1 : p0 + KEY_TILE;
+            const float *q = qkv + t * width + (kv * group + i % group) * d;
+            int64_t p = p0;
+            for (; p + 4 <= end; p += 4) dot8x4(q, keys + p * stride, stride, d, scale, scores + i * span + p);
+            for (; p < end; p++) scores[i * span + p] = dot8(q, keys + p * stride, d) * scale;
+        }
+    float totals[CHAIN_TOKENS * 64];
+    for (int64_t i = 0; i < queries; i++) {
+        float *row = scores + i * span;
+        const int64_t n = positions[t0 + i / group] + 1;
+        float top = -INFINITY;
+        for (int64_t p = 0; p < n; p++) top = row[p] > top ? row[p] : top;
+        const __m256 shift = _mm256_set1_ps(top);
+        int64_t p = 0;
+        for (; p + 8 <= n; p += 8) _mm256_storeu_ps(row + p, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p), shift)));
+        for (; p < n; p++) row[p] = exp1(row[p] - top);
+        float total = 0.0f;
+        for (p = 0; p < n; p++) total += row[p];
+        totals[i] = total;
+        for (int64_t j = 0; j < lanes; j++) _mm256_storeu_ps(acc + i * d + 8 * j, _mm256_setzero_ps());
+    }
+    __m256 a[64];
+    for (int64_t p0 = 0; p0 < last; p0 += KEY_TILE)
+        for (int64_t i = 0; i < queries; i++) {
+            const int64_t n = positions[t0 + i / group] + 1, end = n < p0 + KEY_TILE ? n : p0 + KEY_TILE;
+            if (end <= p0) continue;
+            for (int64_t j = 0; j < lanes; j++) a[j] = _mm256_loadu_ps(acc + i * d + 8 * j);
+            for (int64_t p = p0; p < end; p++) {
+                const __m256 w = _mm256_set1_ps(scores[i * span + p]);
+                const float *v = values + p * stride;
+                for (int64_t j = 0; j < lanes; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * j), a[j]);
+            }
+            for (int64_t j = 0; j < lanes; j++) _mm256_storeu_ps(acc + i * d + 8 * j, a[j]);
+        }
+    for (int64_t i = 0; i < queries; i++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / totals[i]);
+        float *out = attended + ((t0 + i / group) * hq + kv * group + i % group) * d;
+        for (int64_t j = 0; j < lanes; j++) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(acc + i * d + 8 * j), inv));
+    }
+}
+
 // Floats of workspace a batch of `tokens` attending at most `keys` keys needs.
 int64_t specd_layer_work(const Layer *l, int64_t tokens, int64_t keys) {
-    const int64_t qkv = (l->heads + 2 * l->kv_heads) * l->head_dim;
-    return tokens * (l->hidden + qkv + l->heads * l->head_dim + 3 * l->inter + l->hidden) + keys + 8;
+    const int64_t qkv = (l->heads + 2 * l->kv_heads) * l->head_dim, group = l->heads / l->kv_heads;
+    return tokens * (l->hidden + qkv + l->heads * l->head_dim + 3 * l->inter + l->hidden) + keys + 8 +
+           CHAIN_TOKENS * group * (keys + 8 + l->head_dim);
 }
 
 // 0, or -1 where a shape is not taken (head_dim not a multiple of 8 or over 512; nothing is then
@@ -171,7 +254,19 @@ int specd_layer(const Layer *l, const Batch *b) {
         }
     }
     // Every token's key is written before any attends: a verify's later positions see the earlier.
-    for (int64_t t = 0; t < T; t++) {
+    // Chains (no token trees) attend a slot's run of tokens together, each key and value read once.
+    const int64_t group = hq / hkv, span = b->keys + 8;
+    float *chain_work = scores + b->keys + 8;
+    for (int64_t t0 = 0; !b->prefixes && group <= 64 && t0 < T;) {
+        int64_t t1 = t0 + 1;
+        while (t1 < T && t1 - t0 < CHAIN_TOKENS && b->slots[t1] == b->slots[t0]) t1++;
+        for (int64_t kv = 0; kv < hkv; kv++)
+            attend_chain(qkv, width, t0, t1, hq, group, kv, b->cache_keys + b->slots[t0] * b->slot_stride + kv * b->head_stride,
+                         b->cache_values + b->slots[t0] * b->slot_stride + kv * b->head_stride, b->positions,
+                         b->position_stride, d, l->scale, span, chain_work, attended);
+        t0 = t1;
+    }
+    for (int64_t t = 0; (b->prefixes || group > 64) && t < T; t++) {
         const float *row = qkv + t * width;
         int64_t picked[64];
         Keys seen = {b->positions[t] + 1, 0, picked};

@@ -5,12 +5,13 @@ products (norms, rotation, the cache write, attention, SiLU, residuals); on one 
 cost is about as large as reading the weights. `layer.c` does a layer's whole work for the tokens
 of one forward in one call, with the products through the gemv kernel (from exact blocks where a
 layer has them). Each token is computed alone, so its hidden state is bitwise the same in a
-one-token step and in a verify of several positions, which keeps greedy speculation identical to
-target-only.
+one-token step and in a verify of several positions. Greedy speculation is identical to
+target-only where every step and verify forward runs here, which `FusedLlamaBody.choose_products`
+arranges by rule (every forward up to a bound of tokens, never a choice by timing per count).
 
-Used by `FusedLlamaBody` for forwards whose token count the kernel was calibrated to take, when
-every product is a float32 nn.Linear without bias on the CPU and the cache holds float32; anything
-else keeps the torch forward.
+Used by `FusedLlamaBody` for forwards of up to the kernel's bound of tokens, when every product is a
+float32 nn.Linear without bias on the CPU and the cache holds float32; anything else (a token tree
+of more than MAX_TREE_NODES nodes too) keeps the torch forward, whose bits differ.
 """
 
 from __future__ import annotations
