@@ -131,3 +131,15 @@ def test_a_row_of_another_server_gives_its_ratio_to_the_same_mode_on_the_base(
     row = next(line for line in render.render_tables(tmp_path).splitlines() if line.startswith("| [bench-ab.json]"))
     assert "auto@before 2.26x (2.20–2.30) = 0.95x auto (0.93–0.97)" in row
     assert row.rstrip(" |").endswith("outputs differing from target-only: auto@before 1")
+
+
+def test_every_json_the_documents_cite_exists() -> None:
+    """README and docs/ quote figures from docs/bench: a cited file that is gone leaves a claim without its data."""
+    import re
+
+    cited = {}
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for name in re.findall(r"bench/([\w.+-]+\.json)", doc.read_text()):
+            cited.setdefault(name, doc.name)
+    missing = {name: doc for name, doc in cited.items() if not (ROOT / "docs" / "bench" / name).exists()}
+    assert cited and missing == {}
