@@ -566,14 +566,14 @@ def _supervise(
     signal.signal(signal.SIGINT, lambda *_: supervisor.request_stop())
     code = 0
     try:
-        # Convert the embedded GGUF once here rather than in three racing children.
+        for name, child_args in children.items():
+            supervisor.add(name, [sys.executable, "-m", "specd.cli", *child_args], health[name])
+        supervisor.start()
+        # Convert the embedded GGUF here while the children import (they wait for it on its lock).
         if "embedded" in (args.target_model, draft_model) or args.target_model.endswith(".gguf"):
             from specd.engine.checkpoints import materialize
 
             materialize(args.target_model)
-        for name, child_args in children.items():
-            supervisor.add(name, [sys.executable, "-m", "specd.cli", *child_args], health[name])
-        supervisor.start()
         supervisor.wait_up(args.startup_timeout)
         scheme = "https" if args.tls_cert else "http"
         print(

@@ -1,5 +1,5 @@
-"""The embedded SmolLM2-135M through `specd up` (float32 verifier, its default drafter: the int4 copy,
-whose weights are the target's own, k = 4): speculative output equals the target alone, and issue #13's
+"""The embedded SmolLM2-135M through `specd up` (its Q4_1 GGUF computed in float32, and the default
+drafter there: the suffix drafter, k = 4): speculative output equals the target alone, and issue #13's
 parameters are exact on the real model, checked with the `openai` SDK against the target run in this
 process (HF forwards in float32)."""
 

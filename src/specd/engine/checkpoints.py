@@ -8,6 +8,7 @@ passes `local_files_only=True`, so a hub id that is not on disk fails at startup
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -17,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,17 +97,39 @@ def _set_special_tokens(tokenizer: Any, model: Any, ids: dict[str, int]) -> None
                 setattr(model.generation_config, f"{role}_token_id", token_id)
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within it, `gguf.GGUFReader` parses a file once and `gguf.get_tensor_name_map` builds each
+    map once. transformers parses the GGUF's metadata anew for the config, the weights and the
+    tokenizer (and the special tokens read it again), and builds gguf's tensor-name map once per
+    tensor: those were most of a conversion's time. Both are looked up on the module at each call."""
+    import gguf
+
+    names = ("GGUFReader", "get_tensor_name_map")
+    originals = {name: getattr(gguf, name, None) for name in names}
+    for name, original in originals.items():
+        if original is not None:
+            setattr(gguf, name, functools.lru_cache(maxsize=8)(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            if original is not None:
+                setattr(gguf, name, original)
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize a GGUF checkpoint once into a safetensors directory (fast reloads)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s into %s (once)", gguf, dest)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    _set_special_tokens(tokenizer, model, gguf_special_token_ids(gguf))
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        _set_special_tokens(tokenizer, model, gguf_special_token_ids(gguf))
     # The dequantized model still carries its GGUF quantizer, which refuses to save.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
