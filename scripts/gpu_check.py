@@ -1090,8 +1090,8 @@ def main(argv: list[str] | None = None) -> int:
         ("step_ms", 0.10, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
         ("verify_ms", 0.0, lambda d: verify_summary(REPORT.data.get("step_ms", {}) if REPORT else {})),
         ("cuda_tests", 0.40, lambda d: tests_section(args.device, dry, d, logs)),
-        ("synthetic_pair", 0.30, lambda d: pair_section(args.device, dry, d, logs)),
-        ("services", 0.10, lambda d: services_section(args.device, dry, d, logs)),
+        ("synthetic_pair", 0.35, lambda d: pair_section(args.device, dry, d, logs)),
+        ("services", 0.05, lambda d: services_section(args.device, dry, d, logs)),
         # Last: a compile cannot be cut short, and what it says is worth least if it overruns.
         ("compile", 0.05, lambda d: compile_section(args.device, dry, d)),
     ]

@@ -348,3 +348,27 @@ def test_the_pair_headline_holds_the_issues_keys_from_the_mps_stack_where_it_ran
     assert set(out) == {"0.8", "0.6"}
     assert out["0.8"] == {"auto@1": {**dict.fromkeys(pair.KEYS), **_pair_cell(3.0), "shared_gpu": "auto"}}
     assert out["0.6"]["target@8"]["shared_gpu"] == "off"
+
+
+def test_the_pair_gives_its_headline_stack_a_whole_stacks_time_and_records_what_did_not_fit(tmp_path: Path) -> None:
+    """The section's time on a fake clock: each stack uses all it is given."""
+    pair = script("gpu_pair")
+    check = script("gpu_check")
+    clock = [1000.0]
+    given: list[tuple[str, float]] = []
+
+    def stack(check, device, dry, dirs, which, deadline, logs):
+        given.append((f"{which[0]}/{which[1]}", deadline - clock[0]))
+        clock[0] = deadline
+        return {"shared_gpu": "auto", "auto@1": _pair_cell(1.0), "skipped": ["32 clients: no time left (3 s)"]}
+
+    pair.time = type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])})
+    pair.mps_stack = stack
+    check.REPORT = check.Report(tmp_path / "r.json", [], {})
+    out = pair.section(check, "cuda", False, clock[0] + 205.0, tmp_path)
+    # An even share would be 51 s each: too little for a start-up and three levels.
+    assert given == [("0.8/mps", pair.STACK_S)]
+    assert set(out) == {"0.8"}
+    skipped = check.REPORT.data["synthetic_pair_skipped"]
+    assert skipped[0] == "0.8/mps: 32 clients: no time left (3 s)"
+    assert skipped[1:] == [f"{s}: no time left (55 s)" for s in ("0.8/no_mps", "0.6/mps", "0.95/mps")]
