@@ -202,12 +202,29 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
             "integration_0": {"passed": 7, "failed": 0, "error": 0, "skipped": 0, "timed_out": False},
         },
     }
+    report["synthetic_pair"] = {
+        "0.8": {
+            "auto@1": {
+                "x_target": 1.7,
+                "tok_s": 210.0,
+                "outside_forwards_ms": 0.9,
+                "acceptance": 0.8,
+                "shared_gpu": "auto",
+            }
+        }
+    }
+    report["synthetic_pair_projection"] = {"label": "projection", "0.8": {"auto@1": {"x_target": 2.1}}}
+    report["cuda_tests"]["total"] = {"not_run": 3}
     text = table.render([report])
+    assert "| NVIDIA H100 80GB HBM3 | 0.8 | auto | 1 | auto | 210.00 | 1.70x | 0.90 | 0.80 | 2.10x |" in text
     assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.50 | 5.00 | 1.20x |" in text
     assert "| llama-3.2-1b | – | – | – | – | – | – | RuntimeError: out of memory |" in text
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 120.00 | 0.80x | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
-    assert "unit: 50 passed, 2 failed, 2 skipped, cut short; integration: 7 passed, 0 failed, 0 skipped." in text
+    assert (
+        "unit: 50 passed, 2 failed, 2 skipped, cut short; integration: 7 passed, 0 failed, 0 skipped; 3 selected"
+        in text
+    )
 
 
 def test_readme_shows_the_latest_gpu_report_and_benchmarks_every_one_as_rendered() -> None:
