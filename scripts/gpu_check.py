@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""specd's GPU check: one JSON of what a GPU makes of specd, in about seven minutes.
+"""specd's GPU check: one JSON of what a GPU makes of specd, in about ten minutes.
 
-    python3 scripts/gpu_check.py [--out DIR] [--device cuda|cpu] [--budget-s 420] [--sections ...]
+    python3 scripts/gpu_check.py [--out DIR] [--device cuda|cpu] [--budget-s 540] [--sections ...]
 
 Writes docs/bench/gpu-<gpu>-<date>.json (and a copy in --out, default $OUT) after every section,
 so a check cut short still leaves what it measured. Sections, most valuable first, each within
@@ -15,6 +15,9 @@ its own time budget and each failure recorded in the JSON rather than ending the
   an eager prefill of 16, 44 and 128 tokens.
 - `cuda_tests`: the unit tests with SPECD_TEST_DEVICE=cuda (the GPU-specific ones first), then
   the integration tests with both services on the GPU, in what time is left for them.
+- `synthetic_pair`: `specd up` with a synthetic Llama-3.1-8B-shaped target and Llama-3.2-1B-shaped
+  drafter at agreements 0.8, 0.6 and 0.95, benched at 1, 8 and 32 clients in target, sequential,
+  ahead and auto, with and without MPS; a two-GPU projection from step_ms (scripts/gpu_pair.py).
 - `services`: `specd up` with both services on the GPU (dummy 135M weights, the drafter the same
   weights), `specd bench` at 1 and 8 clients: `round_overhead_ms` (a round outside the models'
   forwards on its path, the drafter's beside the verify counted) and `shared_gpu` (draft-ahead's
@@ -644,6 +647,13 @@ def parse_pytest(text: str) -> dict[str, Any]:
         counts[outcome.lower()] += 1
     counts["failing"] = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
     counts["collection_errors"] = sorted(set(re.findall(r"^ERROR collecting (\S+)", text, re.M)))
+    # What pytest chose to run ("collected N items / M deselected"); None where it never said (killed first).
+    collected = re.search(r"^collected (\d+) items?(?: / (\d+) deselected)?", text, re.M)
+    workers = re.search(r"^\d+ workers? \[(\d+) items?\]", text, re.M)  # xdist: after deselection
+    if workers:
+        counts["selected"] = int(workers.group(1))
+    else:
+        counts["selected"] = int(collected.group(1)) - int(collected.group(2) or 0) if collected else None
     return counts
 
 
@@ -745,7 +755,7 @@ def tests_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[s
     first = [f for f in GPU_FIRST if (ROOT / f).is_file()]
     if dry:
         runs: dict[str, Run] = {"unit_first": (["tests/unit/test_cuda_graphs.py", "-k", "buckets"], {})}
-        return run_pytests(runs, env, deadline - time.monotonic(), logs)
+        return with_total(run_pytests(runs, env, deadline - time.monotonic(), logs))
     common = ["--timeout", "120", "-m", "not slow", *(a for f in NOT_ON_DEVICE for a in ("--ignore", f))]
     # The GPU-specific files first, in at most 40% of the budget; then every other unit file and
     # the integration tests (both services on the device) at once, in what is left.
@@ -760,18 +770,30 @@ def tests_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[s
     for i, group in enumerate(file_groups(list(NOT_ON_DEVICE), INTEGRATION_GROUPS, "integration")):
         runs[f"integration_{i}"] = ([*common, *group], both)
     out.update(run_pytests(runs, env, deadline - time.monotonic() - 3, logs))
-    totals = {k: 0 for k in ("passed", "failed", "skipped", "error")}
+    out = with_total(out)
+    out["not_run"] = NOT_ON_DEVICE
+    return out
+
+
+def with_total(runs: dict[str, Any]) -> dict[str, Any]:
+    """`runs` with their `total`: each outcome summed, the tests selected but never finished
+    (`not_run`: runs cut short or killed), and the runs whose selection pytest never reported."""
+    totals = {k: 0 for k in ("passed", "failed", "skipped", "error", "xfail", "xpass")}
     failing: list[str] = []
     cut: list[str] = []
-    for name, part in out.items():
+    not_run, unknown = 0, []
+    for name, part in runs.items():
         for k in totals:
             totals[k] += part.get(k, 0)
         failing += part.get("failing", [])
         if part.get("timed_out"):
             cut.append(name)
-    out["total"] = {**totals, "failing": failing, "cut_short": cut}
-    out["not_run"] = NOT_ON_DEVICE
-    return out
+        if part.get("selected") is None:
+            unknown.append(name)
+        else:
+            not_run += max(0, part["selected"] - sum(part.get(k, 0) for k in totals))
+    total = {**totals, "not_run": not_run, "failing": failing, "cut_short": cut, "selection_unknown": unknown}
+    return {**runs, "total": total}
 
 
 # -- services --------------------------------------------------------------
@@ -1003,10 +1025,18 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def pair_section(device: str, dry: bool, deadline: float, logs: Path) -> dict[str, Any]:
+    """The synthetic 8B + 1B pair (scripts/gpu_pair.py), benched under `specd up`."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpu_pair
+
+    return gpu_pair.section(sys.modules[__name__], device, dry, deadline, logs)
+
+
 # -- main ------------------------------------------------------------------
 
 REPORT: Report | None = None
-SECTIONS = ("device", "graph_probe", "step_ms", "verify_ms", "cuda_tests", "services", "compile")
+SECTIONS = ("device", "graph_probe", "step_ms", "verify_ms", "cuda_tests", "synthetic_pair", "services", "compile")
 
 
 def gpu_slug(name: str) -> str:
@@ -1020,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for the dry run on tiny shapes")
     p.add_argument("--out", default=os.environ.get("OUT", ""), help="also copy the JSON here (default $OUT)")
     p.add_argument("--bench-dir", default=str(ROOT / "docs" / "bench"), help="where the JSON goes")
-    p.add_argument("--budget-s", type=float, default=400.0, help="the whole check's time, wheels and start-up aside")
+    p.add_argument("--budget-s", type=float, default=540.0, help="the whole check's time, wheels and start-up aside")
     p.add_argument("--sections", default=",".join(SECTIONS), help="which sections, comma-separated")
     p.add_argument("--shapes", default=",".join(SHAPES), help="model shapes for step_ms")
     args = p.parse_args(argv)
@@ -1057,10 +1087,11 @@ def main(argv: list[str] | None = None) -> int:
     plan: list[tuple[str, float, Callable[[float], Any]]] = [
         ("device", 0.03, lambda d: device_info(args.device)),
         ("graph_probe", 0.05, lambda d: probe_section(args.device, d)),
-        ("step_ms", 0.30, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
+        ("step_ms", 0.10, lambda d: steps_section(args.device, dry, d, args.shapes.split(","))),
         ("verify_ms", 0.0, lambda d: verify_summary(REPORT.data.get("step_ms", {}) if REPORT else {})),
         ("cuda_tests", 0.40, lambda d: tests_section(args.device, dry, d, logs)),
-        ("services", 0.22, lambda d: services_section(args.device, dry, d, logs)),
+        ("synthetic_pair", 0.35, lambda d: pair_section(args.device, dry, d, logs)),
+        ("services", 0.05, lambda d: services_section(args.device, dry, d, logs)),
         # Last: a compile cannot be cut short, and what it says is worth least if it overruns.
         ("compile", 0.05, lambda d: compile_section(args.device, dry, d)),
     ]

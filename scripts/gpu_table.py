@@ -78,6 +78,29 @@ def service_rows(report: dict[str, Any]) -> list[str]:
     return rows
 
 
+def pair_rows(report: dict[str, Any]) -> list[str]:
+    """The synthetic 8B + 1B pair per α, mode and clients, beside its two-GPU projection."""
+    gpu = report.get("device", {}).get("name", "?")
+    projected = report.get("synthetic_pair_projection", {})
+    rows = []
+    for alpha, cells in report.get("synthetic_pair", {}).items():
+        if not isinstance(cells, dict):
+            continue
+        for key, c in cells.items():
+            mode, clients = key.split("@")
+            two = projected.get(alpha, {}).get(key, {}).get("x_target")
+            rows.append(
+                f"| {gpu} | {alpha} | {mode} | {clients} | {c.get('shared_gpu', '?')} | {_ms(c.get('tok_s'))} "
+                f"| {_x(c.get('x_target'))} | {_ms(c.get('outside_forwards_ms'))} | {_ms(c.get('acceptance'))} "
+                f"| {_x(two)} |"
+            )
+    return rows
+
+
+def _x(value: Any) -> str:
+    return f"{value:.2f}x" if isinstance(value, (int, float)) else "–"
+
+
 def tests_line(report: dict[str, Any]) -> str:
     """The CUDA tests' counts, the parallel groups of one kind (unit_0, unit_1, ...) added up."""
     kinds: dict[str, dict[str, Any]] = {}
@@ -88,10 +111,12 @@ def tests_line(report: dict[str, Any]) -> str:
             kind["failed"] += r["failed"] + r.get("error", 0)
             kind["skipped"] += r["skipped"]
             kind["cut"] = kind["cut"] or bool(r.get("timed_out"))
-    return "; ".join(
+    line = "; ".join(
         f"{kind}: {k['passed']} passed, {k['failed']} failed, {k['skipped']} skipped{', cut short' if k['cut'] else ''}"
         for kind, k in kinds.items()
     )
+    not_run = report.get("cuda_tests", {}).get("total", {}).get("not_run")
+    return f"{line}; {not_run} selected and not run" if line and isinstance(not_run, int) else line
 
 
 def render(reports: list[dict[str, Any]]) -> str:
@@ -119,6 +144,15 @@ def render(reports: list[dict[str, Any]]) -> str:
             "| verify exchange ms | verifier forward ms | exchange / forward |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
             *services,
+        ]
+    pair = [row for r in reports for row in pair_rows(r)]
+    if pair:
+        out += [
+            "",
+            "| GPU | α | mode | clients | shared GPU | tok/s | vs target-only | outside the forwards ms | acceptance "
+            "| two GPUs vs target-only (projected) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *pair,
         ]
     for r in reports:
         line = tests_line(r)

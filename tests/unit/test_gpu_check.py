@@ -48,6 +48,31 @@ def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None
     assert all(gap < 1e-3 for name, gap in probe.items() if name != "bfloat16"), probe
 
 
+def test_the_dry_run_benches_a_synthetic_pair_under_the_issues_keys(tmp_path: Path) -> None:
+    """The synthetic_pair section on a tiny synthetic pair: one stack, one α, one clients level."""
+    bench = tmp_path / "bench"
+    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "400"]
+    cmd += ["--bench-dir", str(bench), "--sections", "step_ms,synthetic_pair"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [path] = bench.glob("gpu-cpu-*.json")
+    report = json.loads(path.read_text())
+    assert set(report["synthetic_pair"]) == {"0.8"}, report.get("synthetic_pair_runs")
+    cells = report["synthetic_pair"]["0.8"]
+    assert set(cells) == {f"{mode}@1" for mode in ("target", "sequential", "ahead", "auto")}
+    for key, cell in cells.items():
+        assert set(cell) == {"x_target", "tok_s", "outside_forwards_ms", "acceptance", "shared_gpu"}, key
+        assert cell["tok_s"] > 0 and cell["shared_gpu"] == "off"
+    assert cells["target@1"]["x_target"] == 1.0
+    assert 0 < cells["sequential@1"]["acceptance"] <= 1 and cells["sequential@1"]["outside_forwards_ms"] > 0
+    projection = report["synthetic_pair_projection"]
+    # Auto's rounds may all go target-only here (it drafts nothing then): no projection for it.
+    assert "not measured" in projection["label"] and {"sequential@1", "ahead@1"} <= set(projection["0.8"])
+    assert report["synthetic_pair_runs"]["0.8/no_mps"]["startup_s"] > 0
+    assert report["synthetic_pair_skipped"] == []
+
+
 def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path: Path) -> None:
     check = script("gpu_check")
     report = check.Report(tmp_path / "r.json", [tmp_path / "copy"], {})
@@ -177,12 +202,29 @@ def test_the_table_shows_each_shape_beside_its_floor() -> None:
             "integration_0": {"passed": 7, "failed": 0, "error": 0, "skipped": 0, "timed_out": False},
         },
     }
+    report["synthetic_pair"] = {
+        "0.8": {
+            "auto@1": {
+                "x_target": 1.7,
+                "tok_s": 210.0,
+                "outside_forwards_ms": 0.9,
+                "acceptance": 0.8,
+                "shared_gpu": "auto",
+            }
+        }
+    }
+    report["synthetic_pair_projection"] = {"label": "projection", "0.8": {"auto@1": {"x_target": 2.1}}}
+    report["cuda_tests"]["total"] = {"not_run": 3}
     text = table.render([report])
+    assert "| NVIDIA H100 80GB HBM3 | 0.8 | auto | 1 | auto | 210.00 | 1.70x | 0.90 | 0.80 | 2.10x |" in text
     assert "| NVIDIA H100 80GB HBM3 | llama-3.1-8b | 15.00 | 1 | 30.00 | 6.00 | 5.50 | 5.00 | 1.20x |" in text
     assert "| llama-3.2-1b | – | – | – | – | – | – | RuntimeError: out of memory |" in text
     assert "| smollm2-135m | graphed | 1.50 | – | – | – | 1.20x | – | – | – | – |" in text
     assert "| mps | ahead | 1 | 120.00 | 0.80x | 9.00 | – | 3.00 | 2.50 | 1.20x |" in text
-    assert "unit: 50 passed, 2 failed, 2 skipped, cut short; integration: 7 passed, 0 failed, 0 skipped." in text
+    assert (
+        "unit: 50 passed, 2 failed, 2 skipped, cut short; integration: 7 passed, 0 failed, 0 skipped; 3 selected"
+        in text
+    )
 
 
 def test_readme_shows_the_latest_gpu_report_and_benchmarks_every_one_as_rendered() -> None:
@@ -261,3 +303,89 @@ def test_the_compile_section_times_a_compiled_body_beside_the_plain_one(monkeypa
     assert compiled == [{"dynamic": False}]
     assert out["max_abs_hidden_diff"] == 0.0
     assert out["plain_ms"] > 0 and out["compiled_ms"] > 0
+
+
+def test_the_cuda_suite_total_counts_what_was_selected_and_never_finished() -> None:
+    check = script("gpu_check")
+    head = "============================= test session starts ==============================\n"
+    cut = head + "collected 5 items / 1 deselected\ntests/unit/test_a.py::test_one PASSED [ 25%]\n"
+    cut += "tests/unit/test_a.py::test_two ERROR [ 50%]\n"
+    xdist = head + "created: 2/2 workers\n2 workers [3 items]\n\n[gw0] [ 33%] FAILED tests/unit/test_b.py::test_b\n"
+    runs = {"unit_0": check.parse_pytest(cut), "integration_0": check.parse_pytest(xdist)}
+    runs["unit_1"] = check.parse_pytest("killed before pytest said anything\n")
+    total = check.with_total(runs)["total"]
+    assert (total["passed"], total["failed"], total["error"]) == (1, 1, 1)
+    # 4 selected, 2 finished; 3 selected, 1 finished; a run that never reported its selection.
+    assert total["not_run"] == 4
+    assert total["selection_unknown"] == ["unit_1"]
+
+
+def _pair_cell(tok_s: float, **extra: float) -> dict[str, float]:
+    return {"tok_s": tok_s, "x_target": 1.0, "outside_forwards_ms": 2.0, "acceptance": 0.8, **extra}
+
+
+def test_the_two_gpu_projection_costs_a_round_from_the_single_model_steps() -> None:
+    pair = script("gpu_pair")
+    steps = {
+        "big": {"step_ms": {"1": {"graphed": 6.0}, "8": {"graphed": 8.0}}},
+        "small": {"step_ms": {"1": {"eager": 5.0, "graphed": 1.0}, "8": {"graphed": 2.0}}},
+    }
+    rounds = {"round_ms": 20.0, "round_join_ms": 0.5, "mean_k": 4.0}
+    cells = {
+        "target@1": _pair_cell(100.0),
+        "sequential@1": _pair_cell(150.0, **rounds),
+        "ahead@8": _pair_cell(400.0, **rounds),
+        "auto@8": _pair_cell(300.0, **rounds, rounds_ahead=3.0, rounds_sequential=1.0),
+        "target@8": _pair_cell(500.0),
+        "auto@1": _pair_cell(120.0, round_ms=20.0, mean_k=4.0),  # no outside time measured: no projection
+    }
+    cells["auto@1"].pop("outside_forwards_ms")
+    out = pair.projection({"0.8": cells}, steps, {"target": "big", "drafter": "small"})
+    assert "projection" in out["label"] and "not measured" in out["label"]
+    # Sequential: 4 drafter steps of 1 ms, then a 6 ms verify, beside 2 ms outside and 0.5 joining.
+    assert out["0.8"]["sequential@1"] == {"round_ms": 12.5, "tok_s": 240.0, "x_target": 2.4, "pipeline": "sequential"}
+    # Ahead at 8 clients: the larger of 4 x 2 ms drafting and an 8 ms verify.
+    assert out["0.8"]["ahead@8"]["round_ms"] == 10.5 and out["0.8"]["ahead@8"]["x_target"] == round(
+        400 * 20 / 10.5 / 500, 3
+    )
+    assert out["0.8"]["auto@8"]["pipeline"] == "ahead"
+    assert set(out["0.8"]) == {"sequential@1", "ahead@8", "auto@8"}
+
+
+def test_the_pair_headline_holds_the_issues_keys_from_the_mps_stack_where_it_ran() -> None:
+    pair = script("gpu_pair")
+    runs = {
+        "shapes": {},
+        "0.8/mps": {"shared_gpu": "auto", "auto@1": _pair_cell(3.0, round_ms=9.0), "skipped": []},
+        "0.8/no_mps": {"shared_gpu": "off", "auto@1": _pair_cell(2.0)},
+        "0.6/mps": {"skipped": "no time left (10 s)"},
+        "0.6/no_mps": {"shared_gpu": "off", "target@8": _pair_cell(1.0)},
+    }
+    out = pair.headline(runs)
+    assert set(out) == {"0.8", "0.6"}
+    assert out["0.8"] == {"auto@1": {**dict.fromkeys(pair.KEYS), **_pair_cell(3.0), "shared_gpu": "auto"}}
+    assert out["0.6"]["target@8"]["shared_gpu"] == "off"
+
+
+def test_the_pair_gives_its_headline_stack_a_whole_stacks_time_and_records_what_did_not_fit(tmp_path: Path) -> None:
+    """The section's time on a fake clock: each stack uses all it is given."""
+    pair = script("gpu_pair")
+    check = script("gpu_check")
+    clock = [1000.0]
+    given: list[tuple[str, float]] = []
+
+    def stack(check, device, dry, dirs, which, deadline, logs):
+        given.append((f"{which[0]}/{which[1]}", deadline - clock[0]))
+        clock[0] = deadline
+        return {"shared_gpu": "auto", "auto@1": _pair_cell(1.0), "skipped": ["32 clients: no time left (3 s)"]}
+
+    pair.time = type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])})
+    pair.mps_stack = stack
+    check.REPORT = check.Report(tmp_path / "r.json", [], {})
+    out = pair.section(check, "cuda", False, clock[0] + 205.0, tmp_path)
+    # An even share would be 51 s each: too little for a start-up and three levels.
+    assert given == [("0.8/mps", pair.STACK_S)]
+    assert set(out) == {"0.8"}
+    skipped = check.REPORT.data["synthetic_pair_skipped"]
+    assert skipped[0] == "0.8/mps: 32 clients: no time left (3 s)"
+    assert skipped[1:] == [f"{s}: no time left (55 s)" for s in ("0.8/no_mps", "0.6/mps", "0.95/mps")]
