@@ -201,6 +201,14 @@ def test_the_drafter_prefills_only_sequences_the_policy_wants_drafts_from(drafts
         assert prefilled == [filling.id] and set(joined) == {joining.id, seqs[2].id}
     else:
         assert prefilled == [] and joined == []
+    # While a prefill an earlier round started is in flight, the round starts none.
+    sched.policy.choose = lambda cands, *a: [c.cap for c in cands]  # type: ignore[method-assign]
+    loop = asyncio.new_event_loop()
+    sched.exchange.fill_task = loop.create_future()  # type: ignore[assignment]  # never done
+    loop.close()
+    busy = sched._decide(list(seqs), 2)
+    sched.policy.choose = choose  # type: ignore[method-assign]
+    assert busy.fill == [] and busy.join == [] and busy.joined_for_auto == []
 
 
 def test_drafts_beside_the_verify_leave_the_drafter_s_prefill_what_is_left_of_the_verify() -> None:
