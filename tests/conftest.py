@@ -13,6 +13,20 @@ for name in ("SPECD_BACKEND_TOKEN", *(f"SPECD_{s}_BACKEND_TOKEN_FILE" for s in (
     os.environ.pop(name, None)
 
 
+# make test's workers (pytest-xdist, --dist loadgroup) take each file's tests together, so its module
+# fixtures start their services once; these files' tests start their own services or models, and are
+# spread over the workers instead, so no worker is left with the longest files one after another.
+SPREAD = frozenset(
+    {"test_faults.py", "test_supervised.py", "test_sampled_end_to_end.py", "test_engines.py", "test_kvcache.py"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
 @pytest.fixture(scope="session")
 def tok():
     return tinymodels.tokenizer()
