@@ -30,7 +30,7 @@ test: install
 	$(BIN)/python scripts/gen_protos.py --check && \
 	$(BIN)/ruff check src tests scripts && \
 	$(BIN)/ruff format --check src tests scripts && \
-	$(BIN)/pytest; status=$$?; \
+	$(BIN)/pytest -m "not serial" && $(BIN)/pytest -m serial -n 0; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s of wall time, exit status $$status"; exit $$status
 
 bench: install

@@ -21,10 +21,17 @@ SPREAD = frozenset(
 )
 
 
+# Tests that compare latencies measured a moment apart: another worker's load between the two would
+# decide them. `make test` runs them after the others, with no other test beside them.
+SERIAL = frozenset({"test_real_model.py", "test_fair_shares.py", "test_hostile_load.py"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name not in SPREAD:
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+        if item.path.name in SERIAL:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.fixture(scope="session")
