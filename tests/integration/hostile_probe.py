@@ -41,6 +41,11 @@ class Stream:
     longest_gap: float  # the longest wait between two chunks
 
 
+# Streams measured each time, idle and loaded: their medians are compared, so one scheduling hiccup
+# of a shared 2-core machine does not decide, while a gateway stalled by the attack still fails.
+STREAMS = 3
+
+
 @dataclass(frozen=True)
 class Probe:
     idle: float  # a small request's median latency, idle
@@ -63,15 +68,21 @@ async def stream(client: httpx.AsyncClient, model: str) -> Stream:
     return Stream(arrivals[-1] - start, max(b - a for a, b in itertools.pairwise(arrivals)))
 
 
+async def median_stream(client: httpx.AsyncClient, model: str) -> Stream:
+    """The median time and the median longest gap of STREAMS streams, one after another."""
+    runs = [await stream(client, model) for _ in range(STREAMS)]
+    return Stream(statistics.median(r.seconds for r in runs), statistics.median(r.longest_gap for r in runs))
+
+
 async def measure(url: str, attacks: list[tuple[str, dict]], model: str = st.MODEL) -> Probe:
-    """A small request's latency and a stream's, idle and while each attack is sent over and over
-    by two clients; the attacks' statuses."""
+    """A small request's median latency and a stream's (median of STREAMS), idle and while each
+    attack is sent over and over by two clients; the attacks' statuses."""
     bodies = [(path, json.dumps(body).encode()) for path, body in attacks]
     headers = {"content-type": "application/json"}
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         await latency(client, model)  # warm
         idle = statistics.median([await latency(client, model) for _ in range(5)])
-        idle_stream = await stream(client, model)
+        idle_stream = await median_stream(client, model)
         statuses: list[int] = []
         stop = asyncio.Event()
 
@@ -83,7 +94,7 @@ async def measure(url: str, attacks: list[tuple[str, dict]], model: str = st.MOD
         attackers = [asyncio.create_task(attacker(p, b)) for p, b in bodies * 2]
         await asyncio.sleep(1.0)  # the attack under way
         loaded = statistics.median([await latency(client, model) for _ in range(5)])
-        loaded_stream = await stream(client, model)
+        loaded_stream = await median_stream(client, model)
         stop.set()
         await asyncio.gather(*attackers)
     return Probe(idle, loaded, idle_stream, loaded_stream, statuses)
