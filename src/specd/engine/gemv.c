@@ -236,14 +236,22 @@ typedef struct {
     int64_t R, N, K;
 } Product;
 
+// Weight floats in a tile: the weight rows every pass of activation rows goes through before the
+// next ones, so a product of many rows streams its weight from memory once, not once a pass.
+#define FLOAT_TILE 4096
+
 static void float_rows(const void *job_args, int64_t n0, int64_t n1) {
     const Product *p = job_args;
     const __m256i tail = tail_mask(p->K);
     const float *w = p->w;
-    for (int64_t r0 = 0; r0 < p->R; r0 += MAX_ROWS) {
-        const int64_t rows = p->R - r0 < MAX_ROWS ? p->R - r0 : MAX_ROWS;
-        for (int64_t n = n0; n < n1; n++)
-            dot_rows(p->x + r0 * p->K, w + n * p->K, p->y + r0 * p->N + n, rows, p->N, p->K, tail, rows > 1);
+    const int64_t tile = p->K < FLOAT_TILE ? FLOAT_TILE / p->K : 1;
+    for (int64_t t = n0; t < n1; t += tile) {
+        const int64_t t1 = t + tile < n1 ? t + tile : n1;
+        for (int64_t r0 = 0; r0 < p->R; r0 += MAX_ROWS) {
+            const int64_t rows = p->R - r0 < MAX_ROWS ? p->R - r0 : MAX_ROWS;
+            for (int64_t n = t; n < t1; n++)
+                dot_rows(p->x + r0 * p->K, w + n * p->K, p->y + r0 * p->N + n, rows, p->N, p->K, tail, rows > 1);
+        }
     }
 }
 
