@@ -255,12 +255,59 @@ static void float_rows(const void *job_args, int64_t n0, int64_t n1) {
     }
 }
 
+// Inputs of at most SMALL_K (a multiple of 32): a dot is a few multiply-adds, so folding and
+// summing each output alone cost more than the dot. Eight weight rows' chains are folded as `fold`
+// folds them, then summed side by side: each lane adds the same two values in the same order as
+// `hsum` (a + b and b + a are the same float), so every output is bitwise `fold`'s.
+#define SMALL_K 128
+
+static inline __m256 folded(const float *x, const float *wn, int64_t K) {
+    __m256 acc[CHAINS];
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32)
+        for (int c = 0; c < CHAINS; c++)
+            acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * c), _mm256_loadu_ps(wn + k + 8 * c), acc[c]);
+    return _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+}
+
+// hsum of each of f[0..7], as one register: the halves of each added, then pairs, then pairs again.
+static inline __m256 hsum8(const __m256 f[8]) {
+    __m256 s[4];
+    for (int i = 0; i < 4; i++)
+        s[i] = _mm256_add_ps(_mm256_permute2f128_ps(f[2 * i], f[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(f[2 * i], f[2 * i + 1], 0x31));
+    // Lanes now hold f0, f2, f4, f6, f1, f3, f5, f7.
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+    return _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static void float_rows_small(const void *job_args, int64_t n0, int64_t n1) {
+    const Product *p = job_args;
+    const __m256i tail = tail_mask(p->K);
+    const float *w = p->w;
+    const int64_t tile = FLOAT_TILE / p->K;
+    for (int64_t t = n0; t < n1; t += tile) {
+        const int64_t t1 = t + tile < n1 ? t + tile : n1;
+        for (int64_t r = 0; r < p->R; r++) {
+            const float *x = p->x + r * p->K;
+            float *y = p->y + r * p->N;
+            int64_t n = t;
+            for (; n + 8 <= t1; n += 8) {
+                __m256 f[8];
+                for (int j = 0; j < 8; j++) f[j] = folded(x, w + (n + j) * p->K, p->K);
+                _mm256_storeu_ps(y + n, hsum8(f));
+            }
+            for (; n < t1; n++) dot_1(x, w + n * p->K, y + n, p->N, p->K, tail, 0);
+        }
+    }
+}
+
 // x [R, K], w [N, K], y [R, N], all contiguous float32. Rows are taken MAX_ROWS at a time, each
 // weight row streamed once for them. Returns 0, or -1 for a shape it does not take (nothing written).
 int specd_gemv(const float *x, const float *w, float *y, int64_t R, int64_t N, int64_t K) {
     if (R < 1 || N < 1 || K < 1) return -1;
     const Product p = {x, w, NULL, y, R, N, K};
-    run_rows(float_rows, &p, N, N * K);
+    run_rows(K % 32 == 0 && K <= SMALL_K ? float_rows_small : float_rows, &p, N, N * K);
     return 0;
 }
 
