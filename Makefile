@@ -53,7 +53,8 @@ protos: install
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# docs/configuration.md from the commands' parsers, docs/benchmarks.md's tables from docs/bench.
+# docs/configuration.md from the commands' parsers, docs/benchmarks.md's and README's tables from docs/bench.
 docs: install
 	$(BIN)/python scripts/gen_config_docs.py
 	$(BIN)/python scripts/render_benchmarks.py
+	$(BIN)/python scripts/render_sitting.py

@@ -143,3 +143,46 @@ def test_every_json_the_documents_cite_exists() -> None:
             cited.setdefault(name, doc.name)
     missing = {name: doc for name, doc in cited.items() if not (ROOT / "docs" / "bench" / name).exists()}
     assert cited and missing == {}
+
+
+@pytest.fixture(scope="module")
+def sitting() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("render_sitting", ROOT / "scripts" / "render_sitting.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_sitting_table_is_the_rendering(sitting: ModuleType) -> None:
+    committed = (ROOT / "README.md").read_text()
+    assert committed == sitting.render(committed), (
+        "README's sitting table is stale: run python scripts/render_sitting.py"
+    )
+
+
+def test_the_sitting_table_sets_specd_against_llama_cpp_on_the_same_gguf(sitting: ModuleType, tmp_path: Path) -> None:
+    report = {
+        "machine": {"cpu": "Test CPU", "cpus": 2, "torch": "2.13.0+cpu"},
+        "date": "2026-11-28T10:00:00+00:00",
+        "commit": "abc1234",
+        "args": {"temperature": 0.0},
+        "results": [
+            {**_result("target", 80.0, 1.0, [1.0, 1.0]), "requests": 8},
+            {**_result("auto", 96.0, 1.2, [1.1, 1.3]), "requests": 8, "acceptance_rate": 0.5},
+        ],
+        "output_mismatches_vs_target": {"target@1": 0, "auto@1": 1},
+    }
+    (tmp_path / "bench-chat.json").write_text(json.dumps(report))
+    runs = [{"weights": "m.Q4_1.gguf", "threads": 2, "output_tokens_per_s": v} for v in (60.0, 100.0)]
+    runs.append({"weights": "m.F32.gguf", "threads": 2, "output_tokens_per_s": 40.0})
+    peer = {"engine": "llama.cpp X", "workload": "chat", "runs": runs}
+    (tmp_path / "peer.json").write_text(json.dumps(peer))
+    spec = {"drafter": "suffix drafter", "rows": [["chat", "bench-chat.json"]], "peer": "peer.json"}
+    (tmp_path / "sitting.json").write_text(json.dumps(spec))
+    table = sitting.render_table(tmp_path)
+    assert "| chat | 1 | 80.0 | 1.20x (1.10–1.30) | – | 0.50 |" in table
+    assert "at abc1234 on Test CPU" in table and "1 of 8 greedy outputs differed" in table
+    assert "60.0 and 100.0 tok/s" in table and "target-only 1.00x, auto 1.20x" in table  # against their mean, 80
+    assert "F32 copy of the same weights, 40.0 tok/s" in table
