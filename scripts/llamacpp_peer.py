@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,11 @@ from pathlib import Path
 import llama_cpp
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))  # run from llama.cpp's own venv: specd's light modules from the tree
+
+from specd.engine.cpus import cpu_model  # noqa: E402
+from specd.tools.provenance import measured_at, source_commit  # noqa: E402
+
 PROMPTS = ROOT / "src" / "specd" / "tools" / "data" / "prompts.jsonl"
 
 
@@ -90,12 +96,33 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None, help="also write the runs as one JSON report (docs/bench)")
     args = parser.parse_args()
     source = args.gguf or embedded_gguf()
     prompts = chat_prompts(args.prompts)
+    runs = []
     for model in (f32_copy(source, args.f32), source):
         for threads in args.threads:
-            print(json.dumps(run(model, threads, prompts, args.max_tokens)), flush=True)
+            runs.append(run(model, threads, prompts, args.max_tokens))
+            print(json.dumps(runs[-1]), flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(report(args, runs), indent=2) + "\n")
+
+
+def report(args: argparse.Namespace, runs: list[dict[str, float | int | str]]) -> dict[str, object]:
+    """The runs with what made them: engine, machine, date, the specd commit beside them."""
+    return {
+        "name": args.out.stem,
+        "tool": "scripts/llamacpp_peer.py",
+        "engine": f"llama-cpp-python {llama_cpp.__version__}",
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count()},
+        "date": measured_at(),
+        "commit": source_commit(ROOT),
+        "command": " ".join(["python", "scripts/llamacpp_peer.py", *sys.argv[1:]]),
+        "workload": f"the first {args.prompts} chat prompts of specd bench --workload chat, one at a time, "
+        f"greedy, at most {args.max_tokens} tokens",
+        "runs": runs,
+    }
 
 
 if __name__ == "__main__":
