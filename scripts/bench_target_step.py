@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from specd.engine import checkpoints, fused_llama, gemv, models
+from specd.engine.cpus import cpu_model
 from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.native_layer import NativeLayers
 from specd.engine.timing import CALIBRATION_ROWS
-from specd.placement import cpu_model
 from verifier_service.server import verify_rows
 
 CHATS = [

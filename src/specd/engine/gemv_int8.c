@@ -35,9 +35,10 @@ typedef void (*range_fn)(const void *job, int64_t n0, int64_t n1);
 void specd_run_rows(range_fn fn, const void *args, int64_t N, int64_t weights);
 
 #define I8 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-// Activation rows summed at once against one group's blocks: their accumulators and the block's
-// eight weight registers fit the 32 vector registers.
-#define I8_ROWS 8
+// Activation rows summed at once against one group's blocks (a verify of up to 16 positions in one
+// pass): their accumulators, the block's eight weight registers and its scales fit the 32 vector
+// registers.
+#define I8_ROWS 16
 // Outputs side by side in the repacked layout (one 32-bit lane each).
 #define GROUP 16
 
@@ -171,9 +172,12 @@ typedef void (*i8_fn)(const Acts *, int64_t, const uint8_t *, const float *, flo
 
 // A kind's products by the bytes and floats of one block of 16 outputs in the repacked layout.
 #define I8_KIND(KIND, DOT, QBYTES, SCALES)                                                           \
-    DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7) DOT(8)                                          \
-    static const i8_fn KIND##_dots[I8_ROWS + 1] = {0, KIND##_dot_1, KIND##_dot_2, KIND##_dot_3, KIND##_dot_4, \
-                                                   KIND##_dot_5, KIND##_dot_6, KIND##_dot_7, KIND##_dot_8}; \
+    DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7) DOT(8) DOT(9) DOT(10) DOT(11) DOT(12) DOT(13) DOT(14) \
+    DOT(15) DOT(16)                                                                                  \
+    static const i8_fn KIND##_dots[I8_ROWS + 1] = {                                                  \
+        0, KIND##_dot_1, KIND##_dot_2, KIND##_dot_3, KIND##_dot_4, KIND##_dot_5, KIND##_dot_6,       \
+        KIND##_dot_7, KIND##_dot_8, KIND##_dot_9, KIND##_dot_10, KIND##_dot_11, KIND##_dot_12,       \
+        KIND##_dot_13, KIND##_dot_14, KIND##_dot_15, KIND##_dot_16};                                 \
     static void KIND##_groups(const void *job_args, int64_t g0, int64_t g1) {                        \
         const Job *j = job_args;                                                                     \
         const int64_t blocks = j->a->blocks;                                                         \
