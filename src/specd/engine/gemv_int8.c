@@ -121,6 +121,15 @@ I8 static inline __m512i block_sums(const __m512i w[8], const int8_t *x, __m512i
     return _mm512_add_epi32(s0, s1);
 }
 
+// Block b of the next group (its bytes follow this group's), fetched while this one is summed where
+// there are several rows (as gemv.c's float products do: with one row the hardware prefetcher kept
+// up alone). A prefetch never faults, past the last group too.
+static inline void prefetch_next(const uint8_t *qg, const float *sg, int64_t blocks, int64_t b, int64_t qbytes,
+                                 int64_t scales) {
+    for (int64_t i = 0; i < qbytes; i += 64) _mm_prefetch((const char *)(qg + (blocks + b) * qbytes + i), _MM_HINT_T0);
+    for (int64_t i = 0; i < scales; i += 16) _mm_prefetch((const char *)(sg + (blocks + b) * scales + i), _MM_HINT_T0);
+}
+
 // R activation rows (from row r0) against one group of 16 outputs (its blocks at qg, its scales
 // at sg); outputs N apart from y, the lanes in `keep` stored.
 #define Q4_DOT(R)                                                                                    \
@@ -131,6 +140,7 @@ I8 static inline __m512i block_sums(const __m512i w[8], const int8_t *x, __m512i
         const __m512i nibble = _mm512_set1_epi8(0x0F);                                               \
         for (int64_t b = 0; b < a->blocks; b++) {                                                    \
             __m512i w[8];                                                                            \
+            if (R > 1) prefetch_next(qg, sg, a->blocks, b, 256, 32);                                 \
             /* Chunk i: inputs 4i.. in the low nibbles, 16 + 4i.. in the high ones. */               \
             for (int i = 0; i < 4; i++) {                                                            \
                 const __m512i c = _mm512_loadu_si512(qg + b * 256 + 64 * i);                         \
@@ -156,6 +166,7 @@ I8 static inline __m512i block_sums(const __m512i w[8], const int8_t *x, __m512i
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                    \
         for (int64_t b = 0; b < a->blocks; b++) {                                                    \
             __m512i w[8];                                                                            \
+            if (R > 1) prefetch_next(qg, sg, a->blocks, b, 512, 16);                                 \
             for (int i = 0; i < 8; i++) w[i] = _mm512_loadu_si512(qg + b * 512 + 64 * i);            \
             const __m512 dw = _mm512_loadu_ps(sg + b * 16);                                          \
             for (int r = 0; r < R; r++) {                                                            \
