@@ -155,7 +155,10 @@ def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:
     loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
     if quantization == "auto-cpu" and reads_blocks(config.dtype, loaded.model):
         quantization = "none"
-        log.info("the drafter computes in float32 from its weights' exact 4-bit blocks, through the CPU kernel")
+        log.info(
+            "the drafter reads its weights' exact 4-bit blocks through the CPU kernel, against %s activations",
+            config.activations,
+        )
     if quantization == "none" and config.int8_wide_rows != -1:
         raise ValueError("int8_wide_rows applies to a quantized drafter; this drafter is not quantized")
     if quantization == "none":
