@@ -1,7 +1,9 @@
 """Time the embedded float32 target's one-token step, verifies of 5 and 9 positions (k = 4 and 8)
 and a batched step of 8 sequences as the verifier builds them ("native": each decoder layer in one C call, its products
 through the gemv kernel reading the weights' exact Q4_1 / Q8_0 blocks, in 16-lane AVX-512 form
-where the CPU has it), the same with the 8-lane AVX2 products ("native-avx2"), with the same
+where the CPU has it), the same blocks against int8-quantized activations ("native-int8": gemv_int8.c,
+AVX-512 VNNI; not the float32 product, so its greedy tokens may differ, and how many agree is
+printed), the same with the 8-lane AVX2 products ("native-avx2"), with the same
 products but torch's calls between them ("blocks"), with the kernel on the float32 weights
 ("kernel"), and with torch's products only ("torch", as before the kernel: the head's plain or
 transposed product by the same calibration), and compare the greedy tokens of them all on a few
@@ -28,10 +30,11 @@ from typing import Any
 import torch
 
 from specd.engine import checkpoints, fused_llama, gemv, models
+from specd.engine.cpus import cpu_model
 from specd.engine.head_product import HeadProduct
 from specd.engine.kvcache import BatchedCausalLM, Row
+from specd.engine.native_layer import NativeLayers
 from specd.engine.timing import CALIBRATION_ROWS
-from specd.placement import cpu_model
 from verifier_service.server import verify_rows
 
 CHATS = [
@@ -41,7 +44,7 @@ CHATS = [
     "Give me a haiku about the sea.",
 ]
 CONTEXT = 100
-CONFIGS = ("native", "native-avx2", "blocks", "kernel", "torch")
+CONFIGS = ("native", "native-int8", "native-avx2", "blocks", "kernel", "torch")
 # Sequences in the batched step (one token each), as at 8 clients.
 BATCH = 8
 
@@ -102,6 +105,7 @@ def main() -> None:
         gemv.load = real_load
     every = {
         "native": (lm.head_product, linears.max_rows),
+        "native-int8": (lm.head_product, linears.max_rows),
         "native-avx2": (lm.head_product, linears.max_rows),
         "blocks": (lm.head_product, linears.max_rows),
         "kernel": (lm.head_product, linears.max_rows),
@@ -118,13 +122,21 @@ def main() -> None:
 
     kernel = gemv.load()
     assert kernel is not None, "no gemv kernel on this machine"
+    if "native-int8" in configs and not kernel.int8_supported():
+        parser.error("--configs native-int8: this CPU has no AVX-512 VNNI")
+    gemv.attach_packed(products)
+    native_int8 = NativeLayers.build(model.base_model, kernel, int8=True)
+    head_packed = gemv.pack_int8(head_blocks) if head_blocks is not None else None
+    from_blocks = ("native", "native-int8", "native-avx2", "blocks")
 
     def use(name: str) -> None:
         lm.head_product, linears.max_rows = configs[name]
         for m in products:
-            m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name in ("native", "native-avx2", "blocks") else None
-        lm.head_product.blocks = head_blocks if name in ("native", "native-avx2", "blocks") else None
-        model.base_model.native = native if name.startswith("native") else None
+            m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name in from_blocks else None
+        lm.head_product.blocks = head_blocks if name in from_blocks else None
+        int8 = name == "native-int8"
+        linears.int8, lm.head_product.packed = int8, head_packed if int8 else None
+        model.base_model.native = native_int8 if int8 else native if name.startswith("native") else None
         kernel.set_wide(name != "native-avx2")
 
     lm.warm_up(9)
@@ -177,15 +189,27 @@ def main() -> None:
             ratios = [v / s for v, s in zip(samples[name][verify], samples[name]["step"], strict=True)]
             result[f"{name}_{verify}_per_step"] = statistics.median(ratios)
         result[f"{name}_greedy"] = [greedy(lm, ids, args.new) for ids in prompts]
+    float32 = [name for name in configs if name != "native-int8"]
     result["greedy_same"] = [
-        len({tuple(result[f"{name}_greedy"][i]) for name in configs}) == 1 for i in range(len(CHATS))
+        len({tuple(result[f"{name}_greedy"][i]) for name in float32}) == 1 for i in range(len(CHATS))
     ]
+    if "native-int8" in configs and "native" in configs:
+        # Per prompt: the leading tokens int8 shares with float32, and the positions where they agree.
+        pairs = zip(result["native-int8_greedy"], result["native_greedy"], strict=True)
+        result["int8_greedy_vs_float32"] = [
+            {
+                "prefix": next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x)),
+                "same": sum(map(int.__eq__, x, y)),
+            }
+            for x, y in pairs
+        ]
     result["blocks_MB"] = sum(b.nbytes for b in held.values() if b is not None) / 1e6 + (
         head_blocks.nbytes / 1e6 if head_blocks is not None else 0
     )
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
-    print(json.dumps({k: v for k, v in result.items() if "greedy" not in k or k == "greedy_same"}, indent=1))
+    shown = ("greedy_same", "int8_greedy_vs_float32")
+    print(json.dumps({k: v for k, v in result.items() if "greedy" not in k or k in shown}, indent=1))
     for name in configs:
         print(
             f"{name}: verify(5)/step {result[f'{name}_verify5_per_step']:.2f}, "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specd import configuration
 from specd.configuration import ModelServiceConfig, field
-from specd.engine import DECODER_CHOICES, DTYPE_CHOICES
+from specd.engine import ACTIVATION_CHOICES, DECODER_CHOICES, DTYPE_CHOICES
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,13 @@ class DrafterConfig(ModelServiceConfig):
         "work: a cheaper draft step; Llama-architecture models), transformers, or auto: fused where the model "
         "takes it",
         DECODER_CHOICES,
+    )
+    activations: str = field(
+        "float32",
+        "model drafter reading exact 4- or 8-bit weight blocks through the CPU kernel: float32 activations, or "
+        "int8: each activation row quantized to 8 bits per block of 32 and summed in integers (AVX-512 VNNI; "
+        "refused without it), cheaper draft steps whose outputs differ from float32's by that rounding",
+        ACTIVATION_CHOICES,
     )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")
     branch_slots: int = field(
@@ -97,6 +104,8 @@ class DrafterConfig(ModelServiceConfig):
             raise ValueError("branch_slots must be -1 (as many as max_sequences), 0 (none) or a number of slots")
         if self.int8_wide_rows < -1:
             raise ValueError("int8_wide_rows must be -1 (measure), 0 (never) or a number of rows")
+        if self.activations != "float32" and (self.drafter != "model" or self.quantize not in ("auto", "none")):
+            raise ValueError("--activations int8 applies to a model drafter whose weights are not re-quantized")
         if self.decoder != "auto" and self.drafter != "model":
             raise ValueError("--decoder applies to a model drafter only")
         if self.int8_wide_rows != -1 and (self.drafter != "model" or self.quantization == "none"):

@@ -87,6 +87,11 @@ def _measure(
     cost by batch size, returned."""
     on_cpu = lm.device.type == "cpu"
     key = calibration.model_key(lm, config.model, config.load_format) if on_cpu else {}
+    if config.activations != "float32" and quantization != "none":
+        raise ValueError(
+            f"--activations {config.activations} applies to a drafter whose exact weight blocks the CPU kernel "
+            f"reads (--quantize none, or auto on a 4-bit model), not to an {quantization} copy"
+        )
     if quantization != "none" and config.int8_wide_rows == -1:
         _calibrate_wide_rows(lm, {**key, "quantization": quantization}, config.recalibrate)
     elif quantization != "none":
@@ -95,7 +100,7 @@ def _measure(
         # Where the float32 products of a CPU forward are faster through the kernel (from the exact
         # 4-bit blocks of a Q4_1 model, say), they run there, as the verifier's do.
         calibration.calibrate_products(
-            lm, config.model, config.load_format, timing.CALIBRATION_ROWS, config.recalibrate
+            lm, config.model, config.load_format, timing.CALIBRATION_ROWS, config.recalibrate, config.activations
         )
     lm.warm_up(2)
     # Before the steps are timed: the gateway prices drafting by the graphed step where it runs.
@@ -108,6 +113,8 @@ def _measure(
     if on_cpu:
         # The steps follow from the products chosen: the same choices on the same key, the same costs.
         key = {**key, "quantization": quantization, "products": _products(lm), "sizes": sizes}
+        if config.activations != "float32":
+            key["activations"] = config.activations
         timed, _ = calibration.cached("steps", key, lambda: lm.time_steps(sizes), config.recalibrate)
         step_timings = [(int(n), int(ns)) for n, ns in timed]
     else:
@@ -148,7 +155,10 @@ def _load_weights(config: DrafterConfig) -> tuple[models.LoadedModel, str]:
     loaded = dataclasses.replace(loaded, model=fused_llama.choose(loaded.model, config.decoder, "drafter"))
     if quantization == "auto-cpu" and reads_blocks(config.dtype, loaded.model):
         quantization = "none"
-        log.info("the drafter computes in float32 from its weights' exact 4-bit blocks, through the CPU kernel")
+        log.info(
+            "the drafter reads its weights' exact 4-bit blocks through the CPU kernel, against %s activations",
+            config.activations,
+        )
     if quantization == "none" and config.int8_wide_rows != -1:
         raise ValueError("int8_wide_rows applies to a quantized drafter; this drafter is not quantized")
     if quantization == "none":

@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from specd.drafter_choice import MODEL_FREE, auto_drafter, resolve_drafter
-from specd.engine import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from specd.engine import ACTIVATION_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 
 if TYPE_CHECKING:
     from specd.mps import SharedGpu
@@ -109,12 +109,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--drafter",
         choices=["auto", "distilled", "int4", "int8", "model", "ngram", "suffix", "none"],
         default="auto",
-        help="distilled: a drafter trained by `specd distill` (default: the one shipped for the embedded "
-        "target); int4 / int8: a weight-only copy of the target; model: --draft-model as is (with --quantize); "
-        "ngram: prompt lookup; suffix: the suffix drafter (its tries over each request's text and the latest "
-        "responses, per API key); auto: suffix on the CPU where the model drafter would be the target itself "
-        "(a draft would cost a target step), else model (the shipped distilled drafter does not yet beat the "
-        "quantized copy)",
+        help="distilled: a drafter trained by `specd distill` (default: the one shipped for the embedded target); "
+        "int4 / int8: a weight-only copy of the target; model: --draft-model as is (with --quantize); ngram: prompt "
+        "lookup; suffix: the suffix drafter (its tries over each request's text and the latest responses, per API "
+        "key); auto: suffix on the CPU where the model drafter would be the target itself (a draft would cost a "
+        "target step), else model (the shipped distilled drafter does not yet beat the quantized copy)",
     )
     p.add_argument("--drafter-device", default="cpu")
     p.add_argument("--verifier-device", default="cpu")
@@ -150,6 +149,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "through the CPU kernel), else bfloat16 (see specd drafter --help)",
     )
     p.add_argument("--verifier-dtype", default="float32")
+    for flag in ("--verifier-activations", "--drafter-activations"):
+        p.add_argument(flag, choices=ACTIVATION_CHOICES, default="float32", help="the service's --activations")
     p.add_argument(
         "--quantize",
         choices=["auto", "int8", "int4", "none"],
@@ -440,8 +441,7 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
     if args.recalibrate:
         from specd.engine import calibration
 
-        # Dropped here rather than passed on: a child the supervisor restarts then reads what its
-        # first start timed.
+        # Dropped here rather than passed on: a child the supervisor restarts then reads what its first start timed.
         print(f"specd up: dropped {calibration.forget()} kept start-up timings", file=sys.stderr, flush=True)
     explicit = bool(args.drafter_cpus or args.verifier_cpus)
     try:
@@ -483,7 +483,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "--port", str(args.verifier_port),
             "--model", args.target_model,
             "--device", args.verifier_device,
-            "--dtype", args.verifier_dtype,
+            "--dtype", args.verifier_dtype, "--activations", args.verifier_activations,
             "--metrics-port", str(args.verifier_metrics_port),
             "--threads", str(args.verifier_threads),
             "--cpus", args.verifier_cpus,
@@ -498,7 +498,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "--drafter", drafter if drafter in MODEL_FREE else "model",
             "--model", draft_model,
             "--device", args.drafter_device,
-            "--dtype", args.drafter_dtype,
+            "--dtype", args.drafter_dtype, "--activations", args.drafter_activations,
             "--quantize", quantize,
             "--synthetic-agreement", str(args.synthetic_agreement),
             "--metrics-port", str(args.drafter_metrics_port),

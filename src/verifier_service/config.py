@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specd import configuration
 from specd.configuration import ModelServiceConfig, field
-from specd.engine import DECODER_CHOICES
+from specd.engine import ACTIVATION_CHOICES, DECODER_CHOICES
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,19 @@ class VerifierConfig(ModelServiceConfig):
         "transformers, or auto: fused where the model takes it",
         DECODER_CHOICES,
     )
+    activations: str = field(
+        "float32",
+        "what the CPU kernel multiplies the target's exact 4- and 8-bit weight blocks (a Q4_1/Q8_0 GGUF, the "
+        "embedded target) by: float32 activations, or int8: each activation row quantized to 8 bits per block "
+        "of 32 and summed in integers (AVX-512 VNNI; refused without it), a cheaper verify whose outputs differ "
+        "from float32's by that rounding; both keep a verify's logits bitwise its steps' (CPU, --dtype float32)",
+        ACTIVATION_CHOICES,
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.activations == "int8" and (self.dtype != "float32" or self.device != "cpu"):
+            raise ValueError("--activations int8 takes the CPU kernel: --device cpu and --dtype float32")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> VerifierConfig:

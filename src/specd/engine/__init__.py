@@ -8,6 +8,9 @@ from __future__ import annotations
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 # A Llama model's forward in the drafter and the verifier (specd.engine.fused_llama.choose).
 DECODER_CHOICES = ("auto", "fused", "transformers")
+# What the CPU kernel multiplies a model's exact 4- and 8-bit weight blocks by (--activations;
+# specd.engine.gemv): float32 activations, or activations quantized to 8 bits per block of 32.
+ACTIVATION_CHOICES = ("float32", "int8")
 # Where a service's weights come from (--load-format): the model's files, random ones of its shape, or
 # ones made to agree with the other model's at a set rate (specd.engine.synthetic).
 LOAD_FORMAT_CHOICES = ("auto", "dummy", "synthetic")

@@ -171,16 +171,17 @@ class FusedLlamaBody(nn.Module):
         # The layers in one C call each (specd.engine.native_layer), made by `choose_products` where they apply.
         self.native: NativeLayers | None = None
 
-    def choose_products(self, max_rows: int) -> int:
+    def choose_products(self, max_rows: int, activations: str = "float32") -> int:
         """Run the float32 linears' products through the gemv kernel, and each decoder layer in one
         native call where the layers take it, for every forward of 1..max_rows tokens
         (`specd.engine.gemv.RowKernel.choose`: a rule, so every such forward takes the same
-        products and a token's bits do not depend on the forward it is in); the bound taken."""
+        products and a token's bits do not depend on the forward it is in); the bound taken.
+        `activations`: what the layers with exact blocks multiply them by (`RowKernel.choose`)."""
         products = [
             m for layer in self.layers for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         ]
-        taken = self.linears.choose(products, max_rows)
-        self.native = NativeLayers.build(self, self.linears.kernel) if taken else None
+        taken = self.linears.choose(products, max_rows, activations)
+        self.native = NativeLayers.build(self, self.linears.kernel, self.linears.int8) if taken else None
         if self.native is not None:
             log.info("the decoder layers run in one native call each for forwards of 1 to %d tokens", taken)
         return taken

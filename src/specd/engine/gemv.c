@@ -22,6 +22,11 @@
 // Each weight is rebuilt with the float32 operations that made the float32 copy (a multiply, then
 // an add: never fused, hence -ffp-contract=off), so their outputs are bitwise specd_gemv's on the
 // float32 copy, from an eighth (Q4_1) or about a quarter (Q8_0) of the bytes.
+//
+// gemv_int8.c, built into the same library, is another mode over the same blocks: the activations
+// quantized to 8 bits, integer dot products. Its outputs are not these (the activations' rounding
+// changes them), but they keep this file's row exactness by the same rule: a fixed order per output,
+// so a row's bits do not depend on the rows beside it or on the threads (gemv_int8.c says how).
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -226,6 +231,9 @@ static void run_rows(range_fn fn, const void *args, int64_t N, int64_t weights) 
     wait_until(&r->done, N, 1);
     atomic_flag_clear(&busy);
 }
+
+// run_rows for the products of gemv_int8.c, built into the same library.
+void specd_run_rows(range_fn fn, const void *args, int64_t N, int64_t weights) { run_rows(fn, args, N, weights); }
 
 // -- the products -------------------------------------------------------------------------------
 typedef struct {

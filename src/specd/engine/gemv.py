@@ -16,6 +16,11 @@ weight bit for bit, and the kernel then reads the blocks instead: the same produ
 an eighth or about a quarter of the bytes a step streams. Where the kernel is used is a rule
 (`RowKernel.choose`): every forward up to a bound, wherever it can be built; where it cannot (no
 compiler, no AVX2/FMA, not Linux on x86-64), torch's product runs as before.
+
+With `activations="int8"` (`--activations int8`) the products read from blocks quantize each activation
+row to 8 bits per block of 32 and sum in integers (`gemv_int8.c`, AVX-512 VNNI): no longer the float32
+product (the activations are rounded), but still bitwise the same for a row alone or in a batch. It
+is asked for, never chosen: where it cannot run, `require_int8` refuses.
 """
 
 from __future__ import annotations
@@ -35,14 +40,17 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from specd.engine import block_cache
+from specd.engine import ACTIVATION_CHOICES, block_cache
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.c")
 # Built into the same library: one decoder layer in one call (specd.engine.native_layer).
 LAYER_SOURCE = Path(__file__).with_name("layer.c")
+# Built into the same library: the int8-activation products.
+INT8_SOURCE = Path(__file__).with_name("gemv_int8.c")
 # Tried in order; `CC` from the environment first where set.
 COMPILERS = ("cc", "gcc")
 # No contraction of a multiply and an add into one fused step: the blocks' weights must be rebuilt
@@ -128,6 +136,43 @@ def _find_blocks(weight: torch.Tensor) -> Blocks | None:
     return None
 
 
+# Outputs side by side in `Packed`'s layout (gemv_int8.c's GROUP).
+GROUP = 16
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight's `Blocks` repacked for `gemv_int8.c`: the outputs in groups of 16 (the last padded
+    with zeros), and per group and block, input group i (inputs 4i..4i+3) of the 16 rows in 64 bytes,
+    4 per row. q4: 4 chunks of 64 bytes, inputs 4i.. in the low nibbles and 16 + 4i.. in the high,
+    then d and m for the 16 rows (scales [groups, blocks, 2, 16]); q8: 8 chunks of q + 128 as
+    unsigned bytes, then d (scales [groups, blocks, 16])."""
+
+    kind: str
+    q: torch.Tensor
+    scales: torch.Tensor
+
+
+def pack_int8(blocks: Blocks) -> Packed:
+    """`blocks` in gemv_int8.c's layout (`Packed`)."""
+    n = blocks.q.shape[0]
+    pad = -n % GROUP
+    with torch.no_grad():
+        if blocks.kind == "q4":
+            packed = blocks.q.reshape(n, -1, 16)
+            q = torch.cat([packed & 15, packed >> 4], dim=-1)
+            q = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(-1, GROUP, q.shape[1], 2, 4, 4)
+            # [groups, blocks, i, row, j, half]: a byte holds input 4i + j (low) and 16 + 4i + j (high).
+            q = q.permute(0, 2, 4, 1, 5, 3)
+            q = q[..., 0] | (q[..., 1] << 4)
+            scales = F.pad(blocks.scales, (0, 0, 0, 0, 0, pad)).reshape(-1, GROUP, q.shape[1], 2).permute(0, 2, 3, 1)
+        else:
+            q = (blocks.q.view(torch.int8).reshape(n, -1, 32).to(torch.int16) + 128).to(torch.uint8)
+            q = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(-1, GROUP, q.shape[1], 8, 4).permute(0, 2, 3, 1, 4)
+            scales = F.pad(blocks.scales.reshape(n, -1), (0, 0, 0, pad)).reshape(-1, GROUP, q.shape[1]).permute(0, 2, 1)
+    return Packed(blocks.kind, q.contiguous().reshape(q.shape[0], -1), scales.contiguous())
+
+
 class Gemv:
     """The loaded kernel: `linear` is F.linear for the tensors `accepts`."""
 
@@ -135,11 +180,14 @@ class Gemv:
         self.library = library
         self._fn = library.specd_gemv
         self._blocks = {"q4": library.specd_gemv_q4, "q8": library.specd_gemv_q8}
-        for fn in (self._fn, *self._blocks.values()):
+        self._int8 = {"q4": library.specd_gemv_q4i8, "q8": library.specd_gemv_q8i8}
+        for fn in (self._fn, *self._blocks.values(), *self._int8.values()):
             fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-        for fn in self._blocks.values():
+        for fn in (*self._blocks.values(), *self._int8.values()):
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        self._int8_supported = library.specd_int8_supported
+        self._int8_supported.restype = ctypes.c_int
         self._threads = library.specd_set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = ctypes.c_int
@@ -157,6 +205,10 @@ class Gemv:
         """Use the 16-lane (AVX-512F) block products from now on where `on` and the CPU has them
         (the default); returns whether they are used. The outputs are bitwise the same either way."""
         return bool(self._wide(int(on)))
+
+    def int8_supported(self) -> bool:
+        """Whether this CPU runs the int8-activation products (AVX-512F, BW, VL and VNNI)."""
+        return bool(self._int8_supported())
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gemv:
         # A loaded library is process-wide state: a copied model shares it (ctypes pointers do not copy).
@@ -178,14 +230,25 @@ class Gemv:
         )
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, blocks: Blocks | None = None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        blocks: Blocks | None = None,
+        packed: Packed | None = None,
     ) -> torch.Tensor:
         """x [..., K] · weight [N, K]ᵀ (+ bias): [..., N], read from `blocks` (`as_blocks(weight)`)
-        where given: the same outputs, bitwise. The caller checked `accepts`."""
+        where given: the same outputs, bitwise; from `packed` (`pack_int8(blocks)`) where given, against
+        x quantized to 8 bits (`gemv_int8.c`; the caller checked `int8_supported`). The caller checked
+        `accepts`."""
         n, k = weight.shape
         flat = x.reshape(-1, k).contiguous()
         out = torch.empty(flat.shape[0], n, dtype=torch.float32)
-        if blocks is not None:
+        if packed is not None:
+            status = self._int8[packed.kind](
+                flat.data_ptr(), packed.q.data_ptr(), packed.scales.data_ptr(), out.data_ptr(), flat.shape[0], n, k
+            )
+        elif blocks is not None:
             status = self._blocks[blocks.kind](
                 flat.data_ptr(), blocks.q.data_ptr(), blocks.scales.data_ptr(), out.data_ptr(), flat.shape[0], n, k
             )
@@ -235,7 +298,7 @@ def cache_dir() -> Path:
 
 def _build(compiler: str) -> Path:
     """The library for this source and these flags, compiled once per user (raises on failure)."""
-    sources = [SOURCE, LAYER_SOURCE]
+    sources = [SOURCE, LAYER_SOURCE, INT8_SOURCE]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv-{key}.so"
     if target.exists():
@@ -280,6 +343,8 @@ def load() -> Gemv | None:
 # The attribute of an nn.Linear holding its weight's `Blocks` (set by `RowKernel.choose`; a plain
 # attribute, so a copy of the model keeps it and its state dict does not).
 BLOCKS_ATTRIBUTE = "gemv_blocks"
+# The same layer's `Packed` blocks, made where int8 activations are chosen.
+PACKED_ATTRIBUTE = "gemv_packed"
 
 
 class RowKernel:
@@ -294,6 +359,8 @@ class RowKernel:
     def __init__(self) -> None:
         self.kernel: Gemv | None = None
         self.max_rows = 0
+        # The layers with blocks multiply int8-quantized activations (`choose`'s activations="int8").
+        self.int8 = False
 
     def takes(self, rows: int) -> bool:
         """Whether a forward of `rows` tokens runs its products on the kernel."""
@@ -307,30 +374,74 @@ class RowKernel:
             and type(linear) is nn.Linear
             and kernel.accepts(x, linear.weight)
         ):
-            return kernel.linear(x, linear.weight, linear.bias, linear.__dict__.get(BLOCKS_ATTRIBUTE))
+            packed = linear.__dict__.get(PACKED_ATTRIBUTE) if self.int8 else None
+            return kernel.linear(x, linear.weight, linear.bias, linear.__dict__.get(BLOCKS_ATTRIBUTE), packed)
         return linear.forward(x)
 
-    def choose(self, linears: Sequence[nn.Module], max_rows: int) -> int:
+    def choose(self, linears: Sequence[nn.Module], max_rows: int, activations: str = "float32") -> int:
         """Take the kernel for forwards of 1..`max_rows` tokens where it loads (Linux on x86-64 with
         AVX2 and FMA, and a C compiler) and every one of `linears` is a float32 nn.Linear on the
-        CPU; returns the bound taken (0: torch's products throughout)."""
+        CPU; returns the bound taken (0: torch's products throughout). With `activations` "int8" the
+        layers with exact blocks multiply int8-quantized activations; raises ValueError where that
+        cannot be had (`require_int8`, or no layer with blocks)."""
+        check_activations(activations)
         plain = [m for m in linears if type(m) is nn.Linear and m.weight.dtype == torch.float32]
         usable = bool(plain) and len(plain) == len(linears) and all(m.weight.device.type == "cpu" for m in plain)
         kernel = load() if usable and max_rows > 0 else None
-        self.kernel, self.max_rows = kernel, max_rows if kernel is not None else 0
+        if activations == "int8":
+            require_int8(kernel, "the model's linears")
+        self.kernel, self.max_rows, self.int8 = kernel, max_rows if kernel is not None else 0, False
         if kernel is None:
             return 0
         kernel.set_threads(torch.get_num_threads())
         held = attach_blocks(plain)
+        if activations == "int8":
+            attach_packed(plain)
+        if activations == "int8" and held == 0:
+            raise ValueError(
+                "--activations int8 multiplies exact 4- or 8-bit weight blocks (a Q4_1 or Q8_0 GGUF's): "
+                "none of this model's linears has them; use --activations float32"
+            )
+        self.int8 = activations == "int8"
         log.info(
             "float32 linears: the gemv kernel (%d threads) for forwards of 1 to %d tokens, %d of %d layers read "
-            "from exact 4- or 8-bit blocks",
+            "from exact 4- or 8-bit blocks against %s activations",
             torch.get_num_threads(),
             max_rows,
             held,
             len(plain),
+            activations,
         )
         return max_rows
+
+
+def check_activations(activations: str) -> None:
+    if activations not in ACTIVATION_CHOICES:
+        raise ValueError(f"--activations takes {', '.join(ACTIVATION_CHOICES)}, not {activations!r}")
+
+
+def require_int8(kernel: Gemv | None, what: str) -> Gemv:
+    """`kernel` where it runs the int8-activation products; else a ValueError saying why (asked for,
+    the mode is never dropped for the float32 one without a word)."""
+    if kernel is None:
+        raise ValueError(
+            f"--activations int8 runs on the CPU kernel, which {what} cannot take here (a float32 model on "
+            "the CPU, Linux on x86-64 with a C compiler; the log says what was missing); use --activations float32"
+        )
+    if not kernel.int8_supported():
+        raise ValueError(
+            "--activations int8 needs AVX-512 VNNI (avx512f, avx512bw, avx512vl and avx512_vnni), which this "
+            "CPU lacks; use --activations float32"
+        )
+    return kernel
+
+
+def attach_packed(linears: Sequence[nn.Linear]) -> None:
+    """Give each layer with `Blocks` their `pack_int8` form, once."""
+    for m in linears:
+        blocks = m.__dict__.get(BLOCKS_ATTRIBUTE)
+        if blocks is not None and PACKED_ATTRIBUTE not in m.__dict__:
+            m.__dict__[PACKED_ATTRIBUTE] = pack_int8(blocks)
 
 
 def attach_blocks(linears: Sequence[nn.Linear]) -> int:

@@ -43,6 +43,8 @@ class HeadProduct:
         self.kernel: gemv.Gemv | None = None
         self.kernel_max_rows = 0
         self.blocks: gemv.Blocks | None = None
+        # `blocks` repacked for int8-quantized hidden states (calibrate's activations="int8").
+        self.packed: gemv.Packed | None = None
         # Only a plain linear layer has a weight to multiply from the other side.
         self.applies = type(head) is nn.Linear
 
@@ -54,7 +56,7 @@ class HeadProduct:
                 and 1 <= rows <= self.kernel_max_rows
                 and self.kernel.accepts(hidden, self.head.weight)
             ):
-                return self.kernel.linear(hidden, self.head.weight, self.head.bias, self.blocks)
+                return self.kernel.linear(hidden, self.head.weight, self.head.bias, self.blocks, self.packed)
             if rows in self.transposed_rows:
                 return self._transposed(hidden)
         return self.head(hidden)
@@ -66,25 +68,38 @@ class HeadProduct:
             out = out + self.head.bias
         return out
 
-    def calibrate(self, max_rows: int, repeats: int = 2, kept: Keep | None = None) -> frozenset[int]:
+    def calibrate(
+        self, max_rows: int, repeats: int = 2, kept: Keep | None = None, activations: str = "float32"
+    ) -> frozenset[int]:
         """Take the kernel for 1..`max_rows` rows where it loads and the head is a float32 nn.Linear
         on the CPU; else time torch's two products for the row counts `calibration_rows` gives up to
         `max_rows` (at most CALIBRATION_ROWS; best of `repeats`, after one untimed run) and use the
         transposed one where `choose_rows` says. `kept(measure)`: `measure()`'s row counts, or what
-        an earlier start kept for them (`specd.engine.calibration`). Returns the transposed row counts."""
+        an earlier start kept for them (`specd.engine.calibration`). Returns the transposed row counts.
+        `activations` "int8": W's exact blocks against int8-quantized hidden states where W has them
+        (a head without blocks stays float32, and says so); ValueError where the kernel cannot do it."""
+        gemv.check_activations(activations)
         self.kernel, self.kernel_max_rows, self.blocks, self.transposed_rows = None, 0, None, frozenset()
+        self.packed = None
         if not self.applies or max_rows < 1:
+            if activations == "int8":
+                gemv.require_int8(None, "the LM head")
             return frozenset()
         assert isinstance(self.head, nn.Linear)
         weight = self.head.weight
         kernel = gemv.load() if weight.device.type == "cpu" and weight.dtype == torch.float32 else None
+        if activations == "int8":
+            gemv.require_int8(kernel, "the LM head")
         if kernel is not None:
             kernel.set_threads(torch.get_num_threads())
             self.kernel, self.kernel_max_rows, self.blocks = kernel, max_rows, gemv.as_blocks(weight)
+            if activations == "int8" and self.blocks is not None:
+                self.packed = gemv.pack_int8(self.blocks)
             log.info(
-                "LM head: the gemv kernel for 1 to %d rows%s",
+                "LM head: the gemv kernel for 1 to %d rows%s, %s activations",
                 max_rows,
                 f" from W's exact {self.blocks.kind} blocks" if self.blocks is not None else "",
+                "int8" if self.packed is not None else "float32",
             )
             return frozenset()
         self.transposed_rows = frozenset((kept or _measured)(lambda: sorted(self._time(max_rows, repeats))))

@@ -112,18 +112,26 @@ class BatchedCausalLM:
                 self.cache.release(slot)
         return timed
 
-    def calibrate_products(self, max_rows: int, kept: Keep | None = None) -> None:
+    def calibrate_products(self, max_rows: int, kept: Keep | None = None, activations: str = "float32") -> None:
         """On the CPU, choose the products of forwards of up to max_rows tokens: the gemv kernel for
         the LM head and the decoder's linears (where the model's forward can take it: the fused one,
         `specd.engine.fused_llama`) wherever it applies, by rule, so that every such forward takes
         the same products; where it does not, the head's torch product is timed per row count.
-        Other devices keep torch's. `kept`: see `HeadProduct.calibrate`."""
+        Other devices keep torch's. `kept`: see `HeadProduct.calibrate`. `activations` "int8": the
+        kernel's products from exact weight blocks take int8-quantized activations (specd.engine.gemv);
+        ValueError where they cannot (another device, a forward without the kernel, a CPU without
+        AVX-512 VNNI)."""
+        choose = getattr(self._base, "choose_products", None)
+        if activations != "float32" and (self.device.type != "cpu" or choose is None):
+            raise ValueError(
+                f"--activations {activations} takes the CPU kernel of the fused forward (--decoder auto or fused, "
+                f"a Llama model on the CPU), not this {self.device.type} model's {type(self._base).__name__}"
+            )
         if self.device.type != "cpu":
             return
-        self.head_product.calibrate(max_rows, kept=kept)
-        choose = getattr(self._base, "choose_products", None)
+        self.head_product.calibrate(max_rows, kept=kept, activations=activations)
         if choose is not None:
-            choose(max_rows)
+            choose(max_rows, activations)
 
     def forward(
         self, rows: Sequence[Row], ids: torch.Tensor | None = None, inputs: list[torch.Tensor] | None = None

@@ -19,8 +19,11 @@
 int specd_gemv(const float *x, const float *w, float *y, int64_t R, int64_t N, int64_t K);
 int specd_gemv_q4(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, int64_t K);
 int specd_gemv_q8(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, int64_t K);
+int specd_gemv_q4i8(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, int64_t K);
+int specd_gemv_q8i8(const float *x, const uint8_t *q, const float *s, float *y, int64_t R, int64_t N, int64_t K);
 
-// A product's weight [N, K]: float32 (kind 0), or its Q4_1 (1) or Q8_0 (2) blocks (gemv.c).
+// A product's weight [N, K]: float32 (kind 0), or its Q4_1 (1) or Q8_0 (2) blocks (gemv.c), or those
+// blocks against int8-quantized activations (3: Q4_1, 4: Q8_0; gemv_int8.c).
 typedef struct {
     int64_t kind;
     const void *weight;
@@ -58,6 +61,8 @@ static int product(const Product *p, const float *x, float *y, int64_t rows, int
     case 0: return specd_gemv(x, (const float *)p->weight, y, rows, n, k);
     case 1: return specd_gemv_q4(x, (const uint8_t *)p->weight, p->scales, y, rows, n, k);
     case 2: return specd_gemv_q8(x, (const uint8_t *)p->weight, p->scales, y, rows, n, k);
+    case 3: return specd_gemv_q4i8(x, (const uint8_t *)p->weight, p->scales, y, rows, n, k);
+    case 4: return specd_gemv_q8i8(x, (const uint8_t *)p->weight, p->scales, y, rows, n, k);
     default: return -1;
     }
 }

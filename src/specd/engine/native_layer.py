@@ -71,6 +71,8 @@ class _Batch(ctypes.Structure):
 
 
 KINDS = {None: 0, "q4": 1, "q8": 2}
+# layer.c's kinds for blocks against int8-quantized activations.
+INT8_KINDS = {"q4": 3, "q8": 4}
 # layer.c's bound on a head's width (its rotation buffer).
 MAX_HEAD_DIM = 512
 # layer.c's bound on a token tree's nodes in one row: a node's visible nodes are one uint64's bits.
@@ -117,15 +119,18 @@ def placement(starts: Sequence[int], counts: Sequence[int], trees: Sequence[Sequ
     return Placement(positions, rotations, prefixes, visible)
 
 
-def _product(linear: nn.Module) -> _Product | None:
+def _product(linear: nn.Module, int8: bool) -> _Product | None:
     if type(linear) is not nn.Linear or linear.bias is not None:
         return None
     weight = linear.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or not weight.is_contiguous():
         return None
     blocks: gemv.Blocks | None = linear.__dict__.get(gemv.BLOCKS_ATTRIBUTE)
+    packed: gemv.Packed | None = linear.__dict__.get(gemv.PACKED_ATTRIBUTE)
     if blocks is None:
         return _Product(0, weight.data_ptr(), None)
+    if int8 and packed is not None:
+        return _Product(INT8_KINDS[packed.kind], packed.q.data_ptr(), packed.scales.data_ptr())
     return _Product(KINDS[blocks.kind], blocks.q.data_ptr(), blocks.scales.data_ptr())
 
 
@@ -144,14 +149,16 @@ class NativeLayers:
         self._keep = keep
 
     @classmethod
-    def build(cls, body: Any, kernel: gemv.Gemv | None) -> NativeLayers | None:
+    def build(cls, body: Any, kernel: gemv.Gemv | None, int8: bool = False) -> NativeLayers | None:
         """For `body`'s FusedLlamaLayers with the kernel loaded; None where a layer is not of the
-        form layer.c computes (a product with a bias or not float32, a head too wide or odd)."""
+        form layer.c computes (a product with a bias or not float32, a head too wide or odd).
+        `int8`: the products with exact blocks take int8-quantized activations (`gemv_int8.c`)."""
         if kernel is None or not hasattr(kernel.library, "specd_layer"):
             return None
         layers, keep = [], []
         for layer in body.layers:
-            products = [_product(m) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            products = [_product(m, int8) for m in linears]
             norms = [layer.input_norm.detach().float().contiguous(), layer.post_norm.detach().float().contiguous()]
             d = layer.head_dim
             if any(p is None for p in products) or d % 8 or d > MAX_HEAD_DIM or layer.heads % layer.kv_heads:

@@ -1,0 +1,174 @@
+"""The int8-activation products (specd.engine.gemv, `gemv_int8.c`): the same bits as a torch
+reference of the same quantized arithmetic in the same order, a row's outputs bitwise the same
+alone or in a batch of any size, close to the float32 product, plumbed through the fused forward
+(a verify's logits its steps'), and refused, never dropped, where they cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import tinymodels
+import torch
+from test_gemv import ROW_COUNTS, _greedy, _q4_weight, _q8_weight
+from torch import nn
+
+from drafter_service.config import DrafterConfig
+from specd.engine import fused_llama, gemv
+from specd.engine.head_product import HeadProduct
+from specd.engine.kvcache import BatchedCausalLM
+from verifier_service.config import VerifierConfig
+
+MAKERS = {"q4": _q4_weight, "q8": _q8_weight}
+# (outputs, inputs): outputs in whole groups of 16 and with a partial last group, one block, the
+# embedded target's widest input.
+SHAPES = [(37, 576), (32, 96), (5, 32), (19, 1536)]
+
+
+@pytest.fixture
+def int8_kernel(kernel: gemv.Gemv) -> gemv.Gemv:
+    if not kernel.int8_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    return kernel
+
+
+def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [R, blocks, 32], d_x and s_x [R, blocks], by gemv_int8.c's float32 operations."""
+    g = x.reshape(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1)
+    d = amax / 127
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    q = torch.round(g * inverse[..., None]).long()
+    return q, d, d * q.sum(-1).float()
+
+
+def reference(x: torch.Tensor, blocks: gemv.Blocks) -> torch.Tensor:
+    """gemv_int8.c's outputs, operation for operation (its header states the order)."""
+    qx, dx, sx = _quantized(x)
+    n, nblocks = blocks.q.shape[0], qx.shape[1]
+    if blocks.kind == "q4":
+        packed = blocks.q.reshape(n, nblocks, 16)
+        qw = torch.cat([packed & 15, packed >> 4], dim=-1).long()
+        dw, mw = blocks.scales[..., 0], blocks.scales[..., 1]
+    else:
+        qw = blocks.q.view(torch.int8).reshape(n, nblocks, 32).long()
+        dw = blocks.scales.reshape(n, nblocks)
+    isum = (qx[:, None] * qw[None]).sum(-1)
+    acc = torch.zeros(x.shape[0], n)
+    for b in range(nblocks):
+        acc = acc + isum[:, :, b].float() * (dw[None, :, b] * dx[:, None, b])
+        if blocks.kind == "q4":
+            acc = acc + mw[None, :, b] * sx[:, None, b]
+    return acc
+
+
+def _blocks(kind: str, n: int, k: int) -> tuple[torch.Tensor, gemv.Blocks, gemv.Packed]:
+    weight = MAKERS[kind](n, k, n * k)
+    blocks = gemv.as_blocks(weight)
+    assert blocks is not None and blocks.kind == kind
+    return weight, blocks, gemv.pack_int8(blocks)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_int8_products_are_the_reference_s_bit_for_bit(int8_kernel: gemv.Gemv, kind: str, n: int, k: int) -> None:
+    weight, blocks, packed = _blocks(kind, n, k)
+    torch.manual_seed(k + n)
+    # Rows of very different magnitudes, a zero block and exact ties of the rounding.
+    x = torch.randn(17, k) * torch.logspace(-3, 2, 17)[:, None]
+    x[3, :32] = 0
+    x[4, :32] = torch.arange(-15, 17) + 0.5
+    x[4, 0] = 127.0
+    for rows in (1, 2, 5, 9, 17):
+        got = int8_kernel.linear(x[:rows], weight, None, blocks, packed)
+        assert torch.equal(got, reference(x[:rows], blocks)), rows
+    # Within the activations' rounding of the float32 product: at most half of d_x per input, times
+    # the weight's magnitude (and float32's own rounding).
+    exact = int8_kernel.linear(x, weight, None, blocks)
+    error = (int8_kernel.linear(x, weight, None, blocks, packed) - exact).abs()
+    _, dx, _ = _quantized(x)
+    bound = (dx / 2) @ weight.abs().reshape(n, -1, 32).sum(-1).t() + 1e-5 * (x.abs() @ weight.abs().t())
+    assert (error <= bound).all()
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+# 165 x 576: past the weights a product needs to be split among threads, 11 groups of 16 outputs.
+@pytest.mark.parametrize(("n", "k"), [(37, 576), (11, 96), (19, 1536), (165, 576)])
+def test_an_int8_row_is_bitwise_the_same_alone_or_in_a_batch_of_any_size(
+    int8_kernel: gemv.Gemv, kind: str, n: int, k: int
+) -> None:
+    # The verifier's exactness in this mode: up to max_sequences x (k + 1) rows, at the start and the
+    # end of a batch (past the 8 rows a pass takes), with one thread and with two.
+    weight, blocks, packed = _blocks(kind, n, k)
+    torch.manual_seed(n)
+    x = torch.randn(64, k)
+    int8_kernel.set_threads(1)
+    alone = torch.cat([int8_kernel.linear(x[i : i + 1], weight, None, blocks, packed) for i in range(64)])
+    try:
+        for threads in (1, 2):
+            int8_kernel.set_threads(threads)
+            for rows in ROW_COUNTS:
+                assert torch.equal(int8_kernel.linear(x[:rows], weight, None, blocks, packed), alone[:rows])
+                assert torch.equal(int8_kernel.linear(x[64 - rows :], weight, None, blocks, packed), alone[64 - rows :])
+    finally:
+        int8_kernel.set_threads(1)
+
+
+def _block_model(hidden: int = 96, inter: int = 160) -> nn.Module:
+    """A tiny Llama whose decoder weights are Q4_1-made and head Q8_0-made, as a GGUF's load (odd
+    block counts, output counts not in groups of 16)."""
+    model = tinymodels.build_model(3, 120, 1, 2, hidden_size=hidden, intermediate_size=inter)
+    with torch.no_grad():
+        for i, m in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
+            m.weight.copy_(_q8_weight(*m.weight.shape, i) if m is model.lm_head else _q4_weight(*m.weight.shape, i))
+    return fused_llama.fuse(model)
+
+
+def test_the_fused_forward_in_int8_keeps_a_verify_s_logits_the_steps(int8_kernel: gemv.Gemv) -> None:
+    fused = _block_model()
+    lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32)
+    prompt = [5, 17, 33, 2, 90, 41, 8]
+    lm.calibrate_products(64)
+    _, (want_steps, _) = _greedy(lm, prompt, 16)
+    lm.calibrate_products(64, activations="int8")
+    assert fused.body.linears.int8 and lm.head_product.packed is not None
+    assert fused.body.native is not None and all(p.qkv.kind == 3 for p in fused.body.native.layers)
+    got, (steps, verify) = _greedy(lm, prompt, 16)
+    # The verify of five positions: the bits of the five one-token steps.
+    assert torch.equal(verify, steps)
+    # Not the float32 products (the mode is taken), but near them.
+    assert not torch.equal(steps, want_steps)
+    torch.testing.assert_close(steps, want_steps, rtol=0.05, atol=0.05 * float(want_steps.abs().max()))
+    # The same products with torch's calls between them (whose norms and attention round otherwise).
+    native = fused.body.native
+    fused.body.native = None
+    again, (torch_steps, _) = _greedy(lm, prompt, 16)
+    fused.body.native = native
+    assert again == got
+    torch.testing.assert_close(torch_steps, steps, rtol=1e-4, atol=1e-4)
+
+
+def test_int8_is_refused_where_it_cannot_run(
+    kernel: gemv.Gemv, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fused = _block_model()
+    with pytest.raises(ValueError, match="--activations takes"):
+        fused.body.choose_products(8, "int4")
+    # Float32 weights without exact blocks: nothing for int8 to multiply.
+    plain = fused_llama.fuse(tinymodels.build_model(0, 96, 1, 2))
+    with pytest.raises(ValueError, match="none of this model's linears"):
+        plain.body.choose_products(8, "int8")
+    # A transformers forward (no kernel for its layers).
+    lm = BatchedCausalLM(tinymodels.build_model(0, 96, 1, 2), torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="fused forward"):
+        lm.calibrate_products(8, activations="int8")
+    monkeypatch.setattr(gemv.Gemv, "int8_supported", lambda self: False)
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        fused.body.choose_products(8, "int8")
+    with pytest.raises(ValueError, match="AVX-512 VNNI"):
+        HeadProduct(nn.Linear(64, 8, bias=False)).calibrate(4, activations="int8")
+    for parse, argv, reason in [
+        (VerifierConfig.from_args, ["--activations", "int8", "--dtype", "bfloat16"], "--dtype float32"),
+        (DrafterConfig.from_args, ["--activations", "int8", "--drafter", "suffix"], "model drafter"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert reason in capsys.readouterr().err
