@@ -1,0 +1,95 @@
+"""The drafter's prefill runs beside the rounds: no round waits for a joining sequence's prefill there."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+from fake_backends import FakeDrafter, FakeVerifier, reference
+from test_chunked_prefill import LONG
+from test_scheduler import GREEDY, collect, scheduler
+
+from gateway.round.scheduler import GenerationParams
+
+PREFILL_S = 0.15  # each of the drafter's prefill exchanges (an open, a chunk): many verifies long
+VERIFY_S = 0.005
+
+
+class SlowPrefillDrafter(FakeDrafter):
+    """A drafter whose prefill is slow and whose drafts are quick; it records when it prefilled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.open_delay_s = PREFILL_S
+        self.prefills: list[tuple[float, float]] = []  # (start, end) of each prefill exchange
+
+    async def open(self, specs: list[Any]) -> list[Any]:
+        start = time.perf_counter()
+        try:
+            return await super().open(specs)
+        finally:
+            self.prefills.append((start, time.perf_counter()))
+
+    async def draft(self, request: Any) -> Any:
+        if any(t.prefill_tokens for t in request.tasks):
+            start = time.perf_counter()
+            await asyncio.sleep(PREFILL_S)
+            self.prefills.append((start, time.perf_counter()))
+        return await super().draft(request)
+
+
+def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any], list[float], str]:
+    """A short request drafting, then a long one joining; the times the verifier was called."""
+    sched = scheduler(verifier, drafter, prefill_chunk_tokens=64)
+    sched.drafter_prefill.fits = lambda busy_ns=0.0: 64  # type: ignore[method-assign]
+    # Joins at admission are sized to the verifier's open, beside it, and are not this test's subject.
+    sched._early_joins = lambda batch, prefilled: ([], {})  # type: ignore[method-assign]
+    calls: list[float] = []
+    verify = verifier.verify
+
+    async def timed(request: Any) -> Any:
+        calls.append(time.perf_counter())
+        return await verify(request)
+
+    verifier.verify = timed  # type: ignore[method-assign]
+
+    async def main() -> Any:
+        sched.start()
+        try:
+            short = sched.submit([3, 4, 5], GenerationParams(200, GREEDY))
+            while len(calls) < 3:
+                await asyncio.sleep(0)
+            long = sched.submit(LONG, GenerationParams(150, GREEDY))
+            outs = await asyncio.gather(collect(sched, short), collect(sched, long))
+            return outs, long.id
+        finally:
+            await sched.stop()
+
+    outs, long_id = asyncio.run(main())
+    return outs, calls, long_id
+
+
+def test_rounds_go_on_target_only_while_the_drafter_prefills_and_draft_after() -> None:
+    drafter = SlowPrefillDrafter()
+    verifier = FakeVerifier(drafter=drafter, delay_s=VERIFY_S)
+    ((short_ids, _), (long_ids, _)), calls, long_id = run(drafter, verifier)
+    assert short_ids == reference([3, 4, 5], 200) and long_ids == reference(LONG, 150)  # as target-only
+    assert len(drafter.prefills) >= 2  # the open and a chunk at least, each PREFILL_S long
+    # No round waits for a prefill: the verifier is called at least every PREFILL_S / 2 throughout.
+    first_prefill = drafter.prefills[0][0]
+    gaps = [b - a for a, b in itertools.pairwise(calls) if b > first_prefill]
+    assert gaps and max(gaps) < PREFILL_S / 2, max(gaps)
+    # Rounds ran while each prefill was pending, and the long request was verified target-only in them.
+    drafts = {}  # per verify request: drafts checked for the long request (None: not in it)
+    for request, at in zip(verifier.requests, calls, strict=True):
+        tasks = [t for t in request.tasks if t.sequence_id == long_id and not t.prefill_tokens]
+        drafts[at] = len(tasks[0].draft_token_ids) if tasks else None
+    for start, end in drafter.prefills:
+        inside = [at for at in calls if start < at < end]
+        assert len(inside) >= 3
+        assert all(drafts[at] in (None, 0) for at in inside)
+    # Once the drafter's prefill is done, the long request drafts.
+    done = drafter.prefills[-1][1]
+    assert sum(n or 0 for at, n in drafts.items() if at > done) > 0
