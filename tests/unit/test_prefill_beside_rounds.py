@@ -11,6 +11,7 @@ from fake_backends import FakeDrafter, FakeVerifier, reference
 from test_chunked_prefill import LONG
 from test_scheduler import GREEDY, collect, scheduler
 
+from gateway.backends import BackendError
 from gateway.round.scheduler import GenerationParams
 
 PREFILL_S = 0.15  # each of the drafter's prefill exchanges (an open, a chunk): many verifies long
@@ -93,3 +94,70 @@ def test_rounds_go_on_target_only_while_the_drafter_prefills_and_draft_after() -
     # Once the drafter's prefill is done, the long request drafts.
     done = drafter.prefills[-1][1]
     assert sum(n or 0 for at, n in drafts.items() if at > done) > 0
+
+
+DEADLINE_S = 0.3  # the drafter's deadline, which its client enforces: a frozen open fails after it
+
+
+class FreezingDrafter(FakeDrafter):
+    """A drafter that freezes once told to: an open then fails at its deadline, as the client fails it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = False
+        self.events: list[tuple[str, list[str]]] = []  # opens and closes, in the order they ended
+
+    async def open(self, specs: list[Any]) -> list[Any]:
+        if self.frozen:
+            await asyncio.sleep(DEADLINE_S)
+            self.events.append(("open failed", [s.sequence_id for s in specs]))
+            raise BackendError("deadline exceeded")
+        results = await super().open(specs)
+        self.events.append(("open", [s.sequence_id for s in specs]))
+        return results
+
+    async def close_sequences(self, ids: list[str]) -> None:
+        await super().close_sequences(ids)
+        self.events.append(("close", list(ids)))
+
+
+def test_a_drafter_frozen_mid_prefill_is_marked_down_and_stalls_no_round() -> None:
+    """A request finishing target-only while its open hangs on a frozen drafter: no round waits
+    for that open, its failure at the deadline marks the drafter down, and the id it left there
+    is closed only after it."""
+    drafter = FreezingDrafter()
+    verifier = FakeVerifier(drafter=drafter, delay_s=VERIFY_S)
+    sched = scheduler(verifier, drafter)
+    sched._early_joins = lambda batch, prefilled: ([], {})  # type: ignore[method-assign]
+    calls: list[float] = []
+    verify = verifier.verify
+
+    async def timed(request: Any) -> Any:
+        calls.append(time.perf_counter())
+        return await verify(request)
+
+    verifier.verify = timed  # type: ignore[method-assign]
+
+    async def main() -> tuple[Any, Any, str]:
+        sched.start()
+        try:
+            long = sched.submit([3, 4, 5], GenerationParams(600, GREEDY))
+            while not drafter.events:  # the long request is open on the drafter
+                await asyncio.sleep(0.001)
+            drafter.frozen = True
+            short = sched.submit([6, 7], GenerationParams(4, GREEDY))
+            outs = await asyncio.gather(collect(sched, long), collect(sched, short))
+            return outs[0], outs[1], short.id
+        finally:
+            await sched.stop()
+
+    (long_ids, _), (short_ids, _), short_id = asyncio.run(main())
+    assert long_ids == reference([3, 4, 5], 600) and short_ids == reference([6, 7], 4)
+    assert ("open failed", [short_id]) in drafter.events
+    assert "open failed" in sched.drafter_link.last_error  # marked down by the prefill beside the rounds
+    # No round waited for the frozen open, though the short request finished while it hung.
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert max(gaps) < DEADLINE_S / 2, max(gaps)
+    # Its id, which the drafter may hold, is closed there only once the open has ended.
+    ends = [i for i, (kind, ids) in enumerate(drafter.events) if short_id in ids]
+    assert drafter.events[ends[0]][0] == "open failed" and all(drafter.events[i][0] == "close" for i in ends[1:])

@@ -151,6 +151,7 @@ class Exchange:
         # ones: a round never waits for it, so a joining prompt never stalls the running streams.
         self.fill_task: asyncio.Task[int] | None = None
         self.fill_ids: set[str] = set()  # the sequences it prefills
+        self._closers: set[asyncio.Task[None]] = set()  # closes of finished sequences waiting for it
 
     async def run(self, plan: RoundPlan, round_id: int, contexts: dict[str, dict[str, str]]) -> RoundResult:
         started = time.perf_counter_ns()
@@ -232,7 +233,9 @@ class Exchange:
         if ahead_failure is not None:
             raise ahead_failure
         ahead = ahead_task.result() if ahead_task is not None else None
-        tokens = sum(chunks.get(s.id, len(s.tokens) - 1) for s in plan.join)
+        # A drafter that is down opens none of them (they join once it is back).
+        down = self.drafter_link is not None and not self.drafter_link.up
+        tokens = 0 if down else sum(chunks.get(s.id, len(s.tokens) - 1) for s in plan.join)
         return reply, ahead, tokens, (replied, verified, joined)
 
     @property
@@ -249,6 +252,33 @@ class Exchange:
         await asyncio.wait([task])
         if not task.cancelled() and task.exception() is not None:
             log.warning("the drafter's prefill failed: %s", task.exception())
+
+    def hold_closes(self, seqs: list[Any]) -> list[Any]:
+        """Of `seqs`, finished, those the drafter's prefill in flight holds: each is closed on the
+        drafter once that prefill lands, so that its open or chunk does not overtake the close.
+        No round waits for it: a drafter that froze mid-prefill would stall every stream."""
+        task = self.fill_task
+        held = [s for s in seqs if s.id in self.fill_ids] if task is not None and not task.done() else []
+        if task is not None and held:
+            closer = asyncio.create_task(self._close_after(task, held))
+            self._closers.add(closer)
+            closer.add_done_callback(self._closers.discard)
+        return held
+
+    async def _close_after(self, task: asyncio.Task[int], held: list[Any]) -> None:
+        await asyncio.wait([task])
+        # A prefill that failed left them off the drafter (its ids are closed once it is back).
+        ids = [s.id for s in held if s.drafter.on_drafter]
+        if ids:
+            await self.close_on_drafter(ids)
+
+    async def stop_fill(self) -> None:
+        """At shutdown: the drafter's prefill in flight is cancelled, and the closes held for it sent."""
+        if self.fill_task is not None:
+            self.fill_task.cancel()
+            await self.settle_fill()
+        if self._closers:
+            await asyncio.wait(set(self._closers))
 
     def fill(
         self, round_id: int, join: list[Any], chunks: dict[str, int], items: list[DraftItem], alone: bool

@@ -185,9 +185,7 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         stranded = list(self.active)
-        if self.exchange.fill_task is not None:
-            self.exchange.fill_task.cancel()
-            await self.exchange.settle_fill()
+        await self.exchange.stop_fill()
         for seq in [*self.waiting, *self.active]:
             fail(seq, GenerationError(503, "the gateway is shutting down", "service_unavailable"))
         # Free them on the services now, not only once this gateway's lease lapses there.
@@ -588,13 +586,11 @@ class Scheduler:
         if not seqs:
             return
         gone = {s.id for s in seqs}
-        if self.exchange.filling and gone & self.exchange.fill_ids:
-            # Finished (target-only) while the drafter prefilled it: that open lands before the close.
-            await self.exchange.settle_fill()
+        held = self.exchange.hold_closes(seqs)  # closed on the drafter once its prefill in flight lands
         self.active = [s for s in self.active if s.id not in gone]
         self.metrics.running.set(len(self.active))
         closes = [close_quietly(self.verifier, [s.id for s in seqs])]
-        on_drafter = [s.id for s in seqs if s.drafter.on_drafter]
+        on_drafter = [s.id for s in seqs if s.drafter.on_drafter and s not in held]
         if on_drafter and self.drafter is not None:
             closes.append(self.exchange.close_on_drafter(on_drafter))
         await asyncio.gather(*closes)
