@@ -41,8 +41,9 @@ class SlowPrefillDrafter(FakeDrafter):
         return await super().draft(request)
 
 
-def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any], list[float], str]:
-    """A short request drafting, then a long one joining; the times the verifier was called."""
+def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any], list[float], str, float]:
+    """A short request drafting, then a long one joining; the times the verifier was called, and
+    the sequence-rounds counted target-only while their drafter cache was not ready."""
     sched = scheduler(verifier, drafter, prefill_chunk_tokens=64)
     sched.drafter_prefill.fits = lambda busy_ns=0.0: 64  # type: ignore[method-assign]
     # Joins at admission are sized to the verifier's open, beside it, and are not this test's subject.
@@ -69,13 +70,13 @@ def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any],
             await sched.stop()
 
     outs, long_id = asyncio.run(main())
-    return outs, calls, long_id
+    return outs, calls, long_id, sched.metrics.drafter_unready_rounds._value.get()
 
 
 def test_rounds_go_on_target_only_while_the_drafter_prefills_and_draft_after() -> None:
     drafter = SlowPrefillDrafter()
     verifier = FakeVerifier(drafter=drafter, delay_s=VERIFY_S)
-    ((short_ids, _), (long_ids, _)), calls, long_id = run(drafter, verifier)
+    ((short_ids, _), (long_ids, _)), calls, long_id, unready = run(drafter, verifier)
     assert short_ids == reference([3, 4, 5], 200) and long_ids == reference(LONG, 150)  # as target-only
     assert len(drafter.prefills) >= 2  # the open and a chunk at least, each PREFILL_S long
     # No round waits for a prefill: the verifier is called at least every PREFILL_S / 2 throughout.
@@ -87,10 +88,14 @@ def test_rounds_go_on_target_only_while_the_drafter_prefills_and_draft_after() -
     for request, at in zip(verifier.requests, calls, strict=True):
         tasks = [t for t in request.tasks if t.sequence_id == long_id and not t.prefill_tokens]
         drafts[at] = len(tasks[0].draft_token_ids) if tasks else None
+    waited = 0
     for start, end in drafter.prefills:
         inside = [at for at in calls if start < at < end]
         assert len(inside) >= 3
         assert all(drafts[at] in (None, 0) for at in inside)
+        waited += sum(drafts[at] == 0 for at in inside)
+    # The metric counts those rounds (and any other a sequence spent waiting for the drafter).
+    assert unready >= waited > 0
     # Once the drafter's prefill is done, the long request drafts.
     done = drafter.prefills[-1][1]
     assert sum(n or 0 for at, n in drafts.items() if at > done) > 0

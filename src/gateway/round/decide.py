@@ -359,6 +359,7 @@ def decide(
     # A round that prefills on the verifier teaches the policy nothing (see the observer).
     choice = choose_ks(seqs, limits, policy, measurable=not plan.prefill)
     plan.auto_pipeline = choice.auto_pipeline
+    plan.unready = [s for s in choice.wanted if s.output]  # a first round is target-only anyway
     wanted = [] if drafter_busy else choice.wanted
     plan.joined_for_auto = [] if drafter_busy else choice.for_auto
     # All may join: each prefills on the drafter only its share of the round's budget.

@@ -578,6 +578,7 @@ class Scheduler:
                 applied.branch_hits,
                 applied.branch_outcomes,
                 applied.fan_out_misses,
+                len(plan.unready),
             )
         )
 
