@@ -159,6 +159,12 @@ class GatewayMetrics:
             "Draft blocks the verifier refused (their distributions did not fit their tokens)",
             registry=r,
         )
+        self.drafter_unready_rounds = Counter(
+            "specd_spec_decode_drafter_unready_rounds",
+            "Sequence-rounds after a sequence's first verified target-only though drafts were wanted, because "
+            "its drafter cache was not ready yet (waiting to open on the drafter, or its prefill there in flight)",
+            registry=r,
+        )
         self.ahead_guesses = Counter(
             "specd_spec_decode_ahead_guesses",
             "Draft-ahead guesses at the verifier's own token after a block accepted whole, by outcome",

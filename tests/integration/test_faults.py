@@ -179,6 +179,14 @@ async def _gather_streams(gateway: st.Service, prompts: list[str], max_tokens: i
         return await asyncio.gather(*(st.stream_text(client, p, max_tokens, None) for p in prompts))
 
 
+async def _drafter_up(gateway: st.Service, until_s: float) -> float:
+    """specd_drafter_up once it reads 0, or as it reads after `until_s`."""
+    deadline = time.monotonic() + until_s
+    while (up := metrics(gateway)["specd_drafter_up"]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return up
+
+
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_drafter_frozen_past_its_deadline(gateway_for, backends, tok, references, pipeline):
     # The session's backends: the drafter is thawed, and what it held closed, before the test ends.
@@ -198,7 +206,10 @@ def test_drafter_frozen_past_its_deadline(gateway_for, backends, tok, references
             try:
                 return await asyncio.wait_for(asyncio.gather(*tasks), 120)
             finally:
-                frozen = metrics(gateway)["specd_drafter_up"]
+                # Kept frozen until past its deadline: the streams may end sooner, target-only, when
+                # what they waited on was a drafter prefill in flight (no round waits for one), and
+                # that prefill's deadline is what marks the drafter down then.
+                frozen = await _drafter_up(gateway, until_s=2 + 8)
                 drafter.proc.send_signal(signal.SIGCONT)
                 assert frozen == 0
 

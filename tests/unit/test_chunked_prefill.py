@@ -128,10 +128,11 @@ def test_a_long_prompt_on_a_slow_drafter_catches_up_and_drafts(chunk: int) -> No
     assert len(drafter.chunks) >= len(LONG) // 8
     drafted = [len(t.draft_token_ids) for r in verifier.requests for t in r.tasks]
     first = next((i for i, n in enumerate(drafted) if n), None)
-    # The verifier's own chunks first (if chunked), then the drafter's: 8 a round, of which
-    # one is the token the last round committed.
+    # The verifier's own chunks first (if chunked), then the drafter's, 8 a chunk.
+    # The drafter's chunks run beside the rounds, one exchange at a time: with these instant
+    # fakes each lands within two rounds, which commit two tokens meanwhile.
     verifier_rounds = len(LONG) // chunk + 1
-    assert first is not None and first <= verifier_rounds + len(LONG) // 7 + 2
+    assert first is not None and first <= verifier_rounds + 2 * (len(LONG) // 6) + 2
     assert sum(drafted) >= 20
 
 
@@ -193,13 +194,21 @@ def test_the_drafter_prefills_only_sequences_the_policy_wants_drafts_from(drafts
     sched.policy.choose = lambda cands, *a: [c.cap if drafts_pay else 0 for c in cands]  # type: ignore[method-assign]
     plan = sched._decide(list(seqs), 1)
     sched.policy.choose = choose  # type: ignore[method-assign]
-    prefilled = [item.seq.id for item in plan.ahead if item.prefill]
+    prefilled = [item.seq.id for item in plan.fill]
     joined = [s.id for s in plan.join]
     assert not plan.pre_draft and not any(plan.ks.values())  # none of them drafts this round
     if drafts_pay:
         assert prefilled == [filling.id] and set(joined) == {joining.id, seqs[2].id}
     else:
         assert prefilled == [] and joined == []
+    # While a prefill an earlier round started is in flight, the round starts none.
+    sched.policy.choose = lambda cands, *a: [c.cap for c in cands]  # type: ignore[method-assign]
+    loop = asyncio.new_event_loop()
+    sched.exchange.fill_task = loop.create_future()  # type: ignore[assignment]  # never done
+    loop.close()
+    busy = sched._decide(list(seqs), 2)
+    sched.policy.choose = choose  # type: ignore[method-assign]
+    assert busy.fill == [] and busy.join == [] and busy.joined_for_auto == []
 
 
 def test_drafts_beside_the_verify_leave_the_drafter_s_prefill_what_is_left_of_the_verify() -> None:
@@ -230,4 +239,4 @@ def test_drafts_beside_the_verify_leave_the_drafter_s_prefill_what_is_left_of_th
     ahead = {item.seq.id: item for item in plan.ahead}
     assert ahead[drafting.id].num_draft_tokens == 5  # the guess, then 4 drafts: 150 ms of the verify's 200
     assert plan.drafter_prefill == budget.tokens(150e6) < budget.tokens()
-    assert ahead[filling.id].prefill == plan.drafter_prefill
+    assert [(item.seq.id, item.prefill) for item in plan.fill] == [(filling.id, plan.drafter_prefill)]

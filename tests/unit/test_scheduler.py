@@ -297,11 +297,13 @@ def test_a_sequence_joins_the_drafter_only_if_its_drafts_repay_the_join(open_del
     """Drafting pays (a right, cheap drafter), so under auto every sequence is wanted on the drafter;
     once a join is measured to cost more than a sequence's drafts can save, later ones stay off it.
     The costs are far apart (a join saves about 0.45 s; a dear one costs over 1.4 s, a cheap one nearly 0),
-    so that a busy machine's delays cannot swap them."""
+    so that a busy machine's delays cannot swap them. A join costs a round only where the services
+    share cores (no overlap): elsewhere it runs beside the rounds, which do not wait for it."""
     drafter = FakeDrafter(wrong=lambda n: False, delay_s=0.001)
     verifier = FakeVerifier(drafter=drafter, delay_s=0.1)
     drafter.open_delay_s = open_delay_s
     sched = Scheduler(CharTokenizer(), verifier, drafter, 4, 16, [EOS], speculative_mode="auto")
+    sched.drafter_overlap = False
     first, later = joins_in_two_waves(sched, drafter)
     assert first > 0 and sched.policy.join_ns_per_token.value is not None
     assert (later == 0) if open_delay_s else (later == len(PROMPTS) - 2)

@@ -87,17 +87,13 @@ def apply(plan: RoundPlan, result: RoundResult, eos: Collection[int]) -> Applied
 
 
 def _keep_ahead(result: RoundResult) -> list[tuple[Any, int, list[Block]]]:
-    """What the drafter made beside the verify: each sequence's next block, or its prefill left;
-    returns the branches of each draft-ahead that fanned out, with its committed length now."""
+    """What the drafter made beside the verify: each sequence's next block; returns the
+    branches of each draft-ahead that fanned out, with its committed length now."""
     fans: list[tuple[Any, int, list[Block]]] = []
     if result.ahead is None:
         return fans
     for item in result.ahead_items:
         proposal = result.ahead.verdicts.proposals.get(item.seq.id)
-        if item.prefill:
-            if proposal is not None:
-                item.seq.drafter_prefill_pending = proposal.prefill_pending
-            continue
         item.seq.block = ahead_block(item, proposal)
         if proposal is not None and proposal.branches:
             fans.append((item.seq, len(item.seq.tokens), branch_blocks(item, proposal)))

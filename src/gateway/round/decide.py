@@ -339,11 +339,14 @@ def decide(
     policy: SpeculationPolicy,
     verifier_prefill_spent: int,
     drafter_prefill: DrafterPrefillBudget,
+    drafter_busy: bool = False,
 ) -> RoundPlan:
     """Which sequences draft before the verify, which are verified, and which draft during it;
     and which prefill a chunk of their prompt, on the verifier or the drafter, instead.
 
     `verifier_prefill_spent`: prompt tokens this round's opens already prefilled on the verifier.
+    `drafter_busy`: the drafter's prefill started by an earlier round is still running, so this
+    round neither joins nor prefills on the drafter; the sequences waiting go target-only meanwhile.
     Every sequence in `everyone` needs its acceptance and guess rates (the scheduler gives them).
     """
     plan = RoundPlan()
@@ -355,10 +358,13 @@ def decide(
     seqs = [s for s in everyone if not s.prefill_pending]
     # A round that prefills on the verifier teaches the policy nothing (see the observer).
     choice = choose_ks(seqs, limits, policy, measurable=not plan.prefill)
-    plan.auto_pipeline, plan.joined_for_auto = choice.auto_pipeline, choice.for_auto
-    # All may join: each prefills on the drafter only its share of what fits behind a verify.
-    plan.join = [s for s in choice.wanted if s.drafter.pending]
-    filling = [s for s in choice.wanted if s.drafter.drafting]
+    plan.auto_pipeline = choice.auto_pipeline
+    plan.unready = [s for s in choice.wanted if s.output]  # a first round is target-only anyway
+    wanted = [] if drafter_busy else choice.wanted
+    plan.joined_for_auto = [] if drafter_busy else choice.for_auto
+    # All may join: each prefills on the drafter only its share of the round's budget.
+    plan.join = [s for s in wanted if s.drafter.pending]
+    filling = [s for s in wanted if s.drafter.drafting]
     # Only sequences that draft take turns; a cohort alone has no partner to overlap
     # with, and a sequence that does not draft is verified every round.
     turns = [
@@ -383,8 +389,8 @@ def decide(
         # which this exchange brings: without them a prefill would stay one round behind for good.
         left = [(s.id, s.drafter_prefill_pending + len(s.tokens) - s.drafter.synced) for s in filling]
         chunks = plan_prefill(left, plan.drafter_prefill)
-        # Prefilled on the drafter while the verifier works, like a draft-ahead.
-        plan.ahead.extend(DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks)
+        # Prefilled on the drafter beside the rounds, which do not wait for it.
+        plan.fill = [DraftItem(s, 0, prefill=chunks[s.id]) for s in filling if s.id in chunks]
     plan.pipeline = "+".join(sorted({pipeline_of(s, limits, choice.auto_pipeline) for s in everyone}))
     return plan
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -33,7 +33,7 @@ from gateway.round.messages import (
     verify_request,
 )
 from gateway.round.prefill_budget import DrafterPrefillBudget
-from specd.proto.speculative.v1 import common_pb2, verifier_pb2
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, verifier_pb2
 from specd.rpc.serving import add_penalties_pb, logprobs_request_pb, sampling_pb
 from specd.rpc.tracing import Tracing
 
@@ -58,7 +58,7 @@ class RoundResult:
     pre: DraftExchange | None  # the drafts made before the verify (None: none, or the drafter failed)
     ahead_items: list[DraftItem]  # what was drafted, or prefilled, on the drafter beside the verify
     ahead: DraftExchange | None
-    joined_tokens: int  # prompt tokens the drafter was sent to open joining sequences
+    joined_tokens: int  # prompt tokens the drafter is sent to open joining sequences (beside the rounds)
     times: RoundTimes
 
     def ahead_drafted(self) -> list[int]:
@@ -147,6 +147,11 @@ class Exchange:
         # Whether the drafter's work runs while the verifier works, or after it (see Scheduler).
         self.overlap = overlap
         self._active = active  # the running sequences, which a drafter failure affects
+        # The drafter's prefill (joins' opens, chunks) started by a round and run beside the later
+        # ones: a round never waits for it, so a joining prompt never stalls the running streams.
+        self.fill_task: asyncio.Task[int] | None = None
+        self.fill_ids: set[str] = set()  # the sequences it prefills
+        self._closers: set[asyncio.Task[None]] = set()  # closes of finished sequences waiting for it
 
     async def run(self, plan: RoundPlan, round_id: int, contexts: dict[str, dict[str, str]]) -> RoundResult:
         started = time.perf_counter_ns()
@@ -194,48 +199,138 @@ class Exchange:
         ahead_items: list[DraftItem],
         contexts: dict[str, dict[str, str]],
     ) -> tuple[verifier_pb2.VerifyResponse, DraftExchange | None, int, tuple[int, int, int]]:
-        """The verify, with the drafter's work beside it (or after it); the reply, the ahead
-        drafts, the tokens the joins opened, and when the verify replied and each side settled."""
-        filling = [item.seq for item in plan.ahead if item.prefill]
+        """The verify, with the drafts ahead beside it (or after it), and the drafter's prefill
+        started beside the rounds; the reply, the ahead drafts, the tokens the prefill started
+        this round was sent, and when the verify replied and each side settled."""
         ahead_task: asyncio.Task[Any] | None = None
-        join_task: asyncio.Task[int] | None = None
+        filling = [item.seq for item in plan.fill]
+        budget = plan.drafter_prefill or self.drafter_prefill.tokens()
+        chunks = open_chunks(plan.join, filling, "drafter_prefill_pending", budget) if plan.join else {}
 
-        def drafter_work() -> tuple[asyncio.Task[Any] | None, asyncio.Task[int] | None]:
-            ahead = asyncio.create_task(self.draft(round_id, ahead_items, contexts)) if ahead_items else None
-            join = (
-                asyncio.create_task(self.join(plan.join, filling, alone=not ahead_items, budget=plan.drafter_prefill))
-                if plan.join
-                else None
-            )
-            return ahead, join
+        def drafter_work() -> asyncio.Task[Any] | None:
+            if plan.join or plan.fill:
+                fill = self.fill(round_id, plan.join, chunks, plan.fill, alone=not ahead_items)
+                self.fill_task = asyncio.create_task(fill)
+                self.fill_ids = {s.id for s in [*plan.join, *filling]}
+            return asyncio.create_task(self.draft(round_id, ahead_items, contexts)) if ahead_items else None
 
         if self.overlap:
-            ahead_task, join_task = drafter_work()
+            ahead_task = drafter_work()
         try:
             reply = await self.verifier.verify(request)
             replied = time.perf_counter_ns()
             if not self.overlap:
-                ahead_task, join_task = drafter_work()
+                ahead_task = drafter_work()
         finally:
-            # Settled whatever the verify did, so no exchange outlives its round.
+            # Settled whatever the verify did, so no draft exchange outlives its round. The
+            # drafter's prefill does, and is not waited for, except where the two services share
+            # cores: there it would only slow the next verify, so it runs alone after this one.
             ahead_failure = await settle(ahead_task)
             verified = time.perf_counter_ns()
-            join_failure = await settle(join_task)
+            if not self.overlap:
+                await self.settle_fill()
             joined = time.perf_counter_ns()
-        for failure in (ahead_failure, join_failure):
-            if failure is not None:
-                raise failure
+        if ahead_failure is not None:
+            raise ahead_failure
         ahead = ahead_task.result() if ahead_task is not None else None
-        joined_tokens = join_task.result() if join_task is not None else 0
-        return reply, ahead, joined_tokens, (replied, verified, joined)
+        # A drafter that is down opens none of them (they join once it is back).
+        down = self.drafter_link is not None and not self.drafter_link.up
+        tokens = 0 if down else sum(chunks.get(s.id, len(s.tokens) - 1) for s in plan.join)
+        return reply, ahead, tokens, (replied, verified, joined)
+
+    @property
+    def filling(self) -> bool:
+        """Whether the drafter's prefill an earlier round started is still running."""
+        return self.fill_task is not None and not self.fill_task.done()
+
+    async def settle_fill(self) -> None:
+        """Wait for the drafter's prefill in flight (its failures are the drafter's, handled there).
+        A cancellation of the caller reaches the caller: it is not the prefill's failure."""
+        task, self.fill_task = self.fill_task, None
+        if task is None:
+            return
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("the drafter's prefill failed: %s", task.exception())
+
+    def hold_closes(self, seqs: list[Any]) -> list[Any]:
+        """Of `seqs`, finished, those the drafter's prefill in flight holds: each is closed on the
+        drafter once that prefill lands, so that its open or chunk does not overtake the close.
+        No round waits for it: a drafter that froze mid-prefill would stall every stream."""
+        task = self.fill_task
+        held = [s for s in seqs if s.id in self.fill_ids] if task is not None and not task.done() else []
+        if task is not None and held:
+            closer = asyncio.create_task(self._close_after(task, held))
+            self._closers.add(closer)
+            closer.add_done_callback(self._closers.discard)
+        return held
+
+    async def _close_after(self, task: asyncio.Task[int], held: list[Any]) -> None:
+        await asyncio.wait([task])
+        # A prefill that failed left them off the drafter (its ids are closed once it is back).
+        ids = [s.id for s in held if s.drafter.on_drafter]
+        if ids:
+            await self.close_on_drafter(ids)
+
+    async def stop_fill(self) -> None:
+        """At shutdown: the drafter's prefill in flight is cancelled, and the closes held for it sent."""
+        if self.fill_task is not None:
+            self.fill_task.cancel()
+            await self.settle_fill()
+        if self._closers:
+            await asyncio.wait(set(self._closers))
+
+    def fill(
+        self, round_id: int, join: list[Any], chunks: dict[str, int], items: list[DraftItem], alone: bool
+    ) -> Coroutine[Any, Any, int]:
+        """The drafter's prefill a round starts, to run beside the later rounds: the opens of `join`
+        (each prefilling its share, `chunks`) and the chunks `items` of sequences opened earlier.
+        Each sequence drafts once its drafter prefill is done, and is verified target-only until
+        then. The chunks' request is built now: it carries the tokens their sizes were planned for,
+        not those the rounds commit before it is sent (a chunk would then never catch up)."""
+        request = draft_request(round_id, items, {}) if items else None
+
+        if not items:
+            return self.join(join, [], alone=alone, chunks=chunks)
+        if not join:  # as one coroutine: a fill done sooner lets the next round prefill more
+            return self._fill_chunks(round_id, items, request)
+
+        async def both() -> int:
+            opens = self.join(join, [item.seq for item in items], alone=False, chunks=chunks)
+            joined, chunked = await asyncio.gather(opens, self._fill_chunks(round_id, items, request))
+            return joined + chunked
+
+        return both()
+
+    async def _fill_chunks(
+        self, round_id: int, items: list[DraftItem], request: drafter_pb2.DraftRequest | None
+    ) -> int:
+        """One prefill-only draft exchange; returns the prompt tokens it prefilled."""
+        if not items:
+            return 0
+        exchange = await self.draft(round_id, items, {}, request)
+        if exchange is None:
+            return 0
+        for item in items:
+            proposal = exchange.verdicts.proposals.get(item.seq.id)
+            if proposal is not None and item.seq.drafter.on_drafter:
+                item.seq.drafter_prefill_pending = proposal.prefill_pending
+        prefilled = sum(item.prefill for item in items)
+        self.drafter_prefill.observe_prefill(prefilled, exchange.elapsed_ns)
+        return prefilled
 
     async def draft(
-        self, round_id: int, items: list[DraftItem], contexts: dict[str, dict[str, str]]
+        self,
+        round_id: int,
+        items: list[DraftItem],
+        contexts: dict[str, dict[str, str]],
+        request: drafter_pb2.DraftRequest | None = None,
     ) -> DraftExchange | None:
-        """One draft exchange; a failed drafter marks itself down and the round goes on without drafts."""
+        """One draft exchange (`request`: built earlier from `items`); a failed drafter marks
+        itself down and the round goes on without drafts."""
         assert self.drafter is not None
         started = time.perf_counter_ns()
-        request = draft_request(round_id, items, contexts)
+        request = request or draft_request(round_id, items, contexts)
         try:
             reply = await self.drafter.draft(request)
         except BackendError as exc:
@@ -256,7 +351,8 @@ class Exchange:
         for item, task in zip(items, request.tasks, strict=True):
             # An open failing beside this exchange may have marked the drafter down meanwhile.
             if item.seq.id in verdicts.proposals and item.seq.drafter.on_drafter:
-                item.seq.drafter.synced_to(len(item.seq.tokens))
+                # What the task carried: a prefill beside the rounds sees tokens committed meanwhile.
+                item.seq.drafter.synced_to(task.num_committed)
                 hidden = item.seq.hidden
                 if hidden is not None:
                     item.seq.drafter.sent_hidden(task.hidden_start + len(task.hidden_states) // hidden.row_bytes)

@@ -119,8 +119,13 @@ class RoundPlan:
     prefill: list[tuple[RoundSequence, int]] = field(default_factory=list)
     # Sequences opened on the drafter beside the verify: the policy wants drafts from them.
     join: list[RoundSequence] = field(default_factory=list)
-    # Prompt tokens the drafter may prefill beside the verify, joins' and chunks' together.
+    # Prompt tokens the drafter may prefill beside the rounds, joins' and chunks' together.
     drafter_prefill: int = 0
+    # Chunks of the drafter's prefill (`DraftItem.prefill`), in an exchange no round waits for.
+    fill: list[DraftItem] = field(default_factory=list)
+    # Sequences past their first round whose drafts the policy wants but which run target-only:
+    # their drafter cache is not ready (they wait to open there, or their prefill there is in flight).
+    unready: list[RoundSequence] = field(default_factory=list)
     # What `auto` resolves to this round, and the round's pipelines as observed ("a+b" for a mix).
     auto_pipeline: str = "sequential"
     pipeline: str = "sequential"

@@ -44,6 +44,7 @@ class RoundOutcome:
     branch_hits: int = 0
     branch_outcomes: list[bool] = field(default_factory=list)
     fan_out_misses: int = 0  # fanned-out draft-aheads left with no block (the next round drafts first)
+    unready: int = 0  # sequences the policy wanted drafts from, target-only while their drafter cache is not ready
 
     @property
     def drafted(self) -> list[int]:
@@ -174,6 +175,7 @@ class RoundObserver:
         self.metrics.observe_round(proposals, len(outcome.verdicts), times)
         self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
         self.metrics.observe_ks(outcome.drafted)
+        self.metrics.drafter_unready_rounds.inc(outcome.unready)
         if outcome.wasted_drafts:
             self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
 

@@ -185,6 +185,7 @@ class Scheduler:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         stranded = list(self.active)
+        await self.exchange.stop_fill()
         for seq in [*self.waiting, *self.active]:
             fail(seq, GenerationError(503, "the gateway is shutting down", "service_unavailable"))
         # Free them on the services now, not only once this gateway's lease lapses there.
@@ -546,17 +547,15 @@ class Scheduler:
                 s.acceptance = self.policy.new_sequence()
             if not s.prefill_pending and s.guess is None:
                 s.guess = self.policy.new_guess_rate()
-        return decide(seqs, round_id, self.limits, self.policy, self._verifier_prefill_spent, self.drafter_prefill)
+        spent = self._verifier_prefill_spent
+        busy = self.exchange.filling
+        return decide(seqs, round_id, self.limits, self.policy, spent, self.drafter_prefill, drafter_busy=busy)
 
     def _observe(
         self, round_id: int, plan: RoundPlan, result: RoundResult, applied: Applied, spans: dict[str, Any]
     ) -> None:
         """What the round teaches: the drafter's prefill budget, the latencies, the policy."""
-        budget = self.drafter_prefill
-        budget.observe_verify(result.reply.timings.total_ns)
-        ahead, items = result.ahead, result.ahead_items
-        if ahead is not None and items and all(item.prefill for item in items):
-            budget.observe_prefill(sum(item.prefill for item in items), ahead.elapsed_ns)
+        self.drafter_prefill.observe_verify(result.reply.timings.total_ns)
         self.observer.observe_commits(applied.emitted, applied.finished)
         self.metrics.refused_draft_blocks.inc(applied.refused)
         if plan.not_as_chosen:
@@ -574,11 +573,12 @@ class Scheduler:
                 result.ahead_drafted(),
                 result.joined_tokens,
                 applied.guesses,
-                sum(item.prefill for item in items),
+                sum(item.prefill for item in plan.fill),
                 applied.branches,
                 applied.branch_hits,
                 applied.branch_outcomes,
                 applied.fan_out_misses,
+                len(plan.unready),
             )
         )
 
@@ -587,10 +587,11 @@ class Scheduler:
         if not seqs:
             return
         gone = {s.id for s in seqs}
+        held = self.exchange.hold_closes(seqs)  # closed on the drafter once its prefill in flight lands
         self.active = [s for s in self.active if s.id not in gone]
         self.metrics.running.set(len(self.active))
         closes = [close_quietly(self.verifier, [s.id for s in seqs])]
-        on_drafter = [s.id for s in seqs if s.drafter.on_drafter]
+        on_drafter = [s.id for s in seqs if s.drafter.on_drafter and s not in held]
         if on_drafter and self.drafter is not None:
             closes.append(self.exchange.close_on_drafter(on_drafter))
         await asyncio.gather(*closes)
