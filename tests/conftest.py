@@ -21,9 +21,12 @@ SPREAD = frozenset(
 )
 
 
-# Tests that compare latencies measured a moment apart: another worker's load between the two would
-# decide them. `make test` runs them after the others, with no other test beside them.
-SERIAL = frozenset({"test_real_model.py", "test_fair_shares.py", "test_hostile_load.py"})
+# Tests that compare latencies measured a moment apart, or bound a stall of the round loop in
+# milliseconds: another worker's load beside them would decide them. `make test` runs them after the
+# others, with no other test beside them.
+SERIAL = frozenset(
+    {"test_real_model.py", "test_fair_shares.py", "test_hostile_load.py", "test_prefill_beside_rounds.py"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
