@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 ClientFactory = Callable[[str, str], Any]
 
 
+# How often a gateway waiting for its backends at start asks them: a check costs a local RPC, and
+# every fraction of a poll a ready verifier waits for is part of the gateway's start.
+READY_POLL_S = 0.1
+
+
 @dataclass(eq=False)
 class Replica:
     client: Any
@@ -152,7 +157,7 @@ class _Pool:
             if loop.time() > deadline:
                 names = ", ".join(e.address for e in missing)
                 raise BackendError(f"{self.service} at {names} not ready after {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(READY_POLL_S)
 
     def _endpoint_ready(self, endpoint: Endpoint, healthy: set[str]) -> bool:
         return any(r.endpoint == endpoint and r.address in healthy for r in self.replicas.values())
