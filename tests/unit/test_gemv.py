@@ -375,14 +375,16 @@ def test_found_blocks_are_kept_and_read_back(tmp_path, monkeypatch) -> None:
     assert searched == [1, 2]
 
 
-def test_layers_get_their_own_kept_blocks_from_digests_hashed_at_once(tmp_path, monkeypatch) -> None:
-    """attach_blocks hashes every layer's weight together (on threads), then reads each layer's kept
-    blocks by its own digest: a layer never gets another's."""
+def test_layers_found_and_read_back_on_threads_get_their_own_blocks(tmp_path, monkeypatch) -> None:
+    """attach_blocks finds (and keeps) or reads back every layer's blocks on a pool of threads: each
+    layer gets its own, in order."""
     from specd.engine import block_cache
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
     weights = [_q4_weight(8, 64, 3), _q8_weight(16, 64, 4), torch.randn(8, 64), _q4_weight(4, 96, 5)]
-    assert block_cache.weight_digests(weights, 1) == [block_cache.weight_digest(w, 1) for w in weights]
+    assert block_cache.on_threads(lambda w: block_cache.weight_digest(w, 1), weights) == [
+        block_cache.weight_digest(w, 1) for w in weights
+    ]
 
     def layers() -> list[nn.Linear]:
         made = []

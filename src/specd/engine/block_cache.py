@@ -35,15 +35,15 @@ def weight_digest(weight: torch.Tensor, layout: int) -> str:
     return digest.hexdigest()
 
 
-def weight_digests(weights: Sequence[torch.Tensor], layout: int) -> list[str]:
-    """`weight_digest` of each weight, hashed on a thread per core this process may run on: the
-    hash releases the GIL, and hashing every weight of a model is most of a cached start's reading
-    of its blocks."""
+def on_threads(work: Callable[[torch.Tensor], Any], weights: Sequence[torch.Tensor]) -> list[Any]:
+    """`work(weight)` for each weight (`kept`'s callers), on a thread per core this process may run
+    on, in order: hashing a weight releases the GIL, and so do the tensor operations that find its
+    blocks."""
     if len(weights) < 2:
-        return [weight_digest(w, layout) for w in weights]
+        return [work(w) for w in weights]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=max(1, min(cores, len(weights)))) as pool:
-        return list(pool.map(lambda w: weight_digest(w, layout), weights))
+        return list(pool.map(work, weights))
 
 
 def kept(
@@ -52,12 +52,10 @@ def kept(
     make: Callable[[str, torch.Tensor, torch.Tensor], Any],
     layout: int,
     directory: Path | None = None,
-    digest: str | None = None,
 ) -> Any:
     """`find(weight)` (blocks with kind, q and scales, or None), or `make(kind, q, scales)` from what
-    an earlier start kept for the same bytes and `layout`. `digest`: `weight_digest(weight, layout)`
-    where the caller hashed it already."""
-    path = (directory or blocks_dir()) / f"{digest or weight_digest(weight, layout)}.pt"
+    an earlier start kept for the same bytes and `layout`."""
+    path = (directory or blocks_dir()) / f"{weight_digest(weight, layout)}.pt"
     with contextlib.suppress(OSError, RuntimeError, ValueError, KeyError, EOFError):
         saved = torch.load(path, mmap=True, weights_only=True)
         return make(saved["kind"], saved["q"], saved["scales"])

@@ -110,22 +110,13 @@ def _q8_chunk(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return q.to(torch.int8).view(torch.uint8).reshape(groups.shape[0], -1), d
 
 
-def as_blocks(weight: torch.Tensor, digest: str | None = None) -> Blocks | None:
+def as_blocks(weight: torch.Tensor) -> Blocks | None:
     """The weight's Q4_1 or Q8_0 blocks where they rebuild every float32 weight bit for bit
     (a model loaded from such a GGUF); None for any other weight. Found once per machine
-    (`specd.engine.block_cache`; `digest`: the weight's hash there, where already made)."""
-    if not _may_have_blocks(weight):
+    (`specd.engine.block_cache`)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK or weight.device.type != "cpu":
         return None
-    return block_cache.kept(weight, _find_blocks, Blocks, BLOCKS_LAYOUT, digest=digest)
-
-
-def _may_have_blocks(weight: torch.Tensor) -> bool:
-    return (
-        weight.dtype == torch.float32
-        and weight.dim() == 2
-        and not weight.shape[1] % BLOCK
-        and weight.device.type == "cpu"
-    )
+    return block_cache.kept(weight, _find_blocks, Blocks, BLOCKS_LAYOUT)
 
 
 def _find_blocks(weight: torch.Tensor) -> Blocks | None:
@@ -456,9 +447,6 @@ def attach_packed(linears: Sequence[nn.Linear]) -> None:
 def attach_blocks(linears: Sequence[nn.Linear]) -> int:
     """Give each layer whose weight has exact blocks (`as_blocks`) its `Blocks`, once; how many have them."""
     todo = [m for m in linears if BLOCKS_ATTRIBUTE not in m.__dict__]
-    hashed = [m for m in todo if _may_have_blocks(m.weight)]
-    digests = block_cache.weight_digests([m.weight for m in hashed], BLOCKS_LAYOUT)
-    by_layer = {id(m): digest for m, digest in zip(hashed, digests, strict=True)}
-    for m in todo:
-        m.__dict__[BLOCKS_ATTRIBUTE] = as_blocks(m.weight, by_layer.get(id(m)))
+    for m, blocks in zip(todo, block_cache.on_threads(as_blocks, [m.weight for m in todo]), strict=True):
+        m.__dict__[BLOCKS_ATTRIBUTE] = blocks
     return sum(m.__dict__[BLOCKS_ATTRIBUTE] is not None for m in linears)
