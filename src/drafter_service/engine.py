@@ -1,4 +1,4 @@
-"""Draft proposers (no gRPC here): a causal-LM drafter and a model-free n-gram drafter."""
+"""The causal-LM drafter (no gRPC here)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from collections.abc import Sequence
 
 import torch
 
+from drafter_service.base import DrafterBase
 from drafter_service.constraints import mask_rows, push_token, sync_grammars
-from drafter_service.fanout import FanOut, check_branches, confirmed, settle
-from drafter_service.siblings import SiblingNotes, check_siblings, greedy_notes, seeded_notes, wanting
-from specd.engine import hidden_states, ngram
-from specd.engine.errors import EngineError, invalid, precondition
+from drafter_service.fanout import FanOut, confirmed, settle
+from drafter_service.siblings import SiblingNotes, greedy_notes, seeded_notes, wanting
+from specd.engine import hidden_states
+from specd.engine.errors import EngineError, invalid
 from specd.engine.featurehead import FeatureTrack
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler
@@ -22,85 +23,6 @@ from specd.engine.sampling import gumbel_argmax, probabilities, spans_keys, spar
 from specd.engine.sequences import SequenceState, SequenceTable
 from specd.engine.slot_cache import to_device
 from specd.engine.tasks import DraftProposal, DraftTask, RoundTiming, SequenceSpec, SparseDist
-
-
-class _DrafterBase:
-    kind = "model"
-
-    def __init__(self, table: SequenceTable, fingerprint: TokenizerFingerprint | None, max_draft_tokens: int):
-        self.table = table
-        self.fingerprint = fingerprint
-        self.max_draft_tokens = max_draft_tokens
-
-    @property
-    def max_context(self) -> int:
-        return self.table.max_context
-
-    def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
-        return self.table.open(specs)
-
-    def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
-        return self.table.close(ids, ignore_unknown)
-
-    def kv_bytes(self) -> int:
-        return self.table.kv_bytes()
-
-    def _decode_features(self, task: DraftTask, committed: int) -> torch.Tensor | None:
-        """The task's hidden states, checked; this drafter reads none, so sending any is an error."""
-        if task.hidden_states:
-            raise invalid("this drafter reads no hidden states (its feature_size is 0)")
-        return None
-
-    def _accept_tasks(
-        self, tasks: Sequence[DraftTask]
-    ) -> tuple[list[DraftProposal], list[tuple[int, SequenceState, int, list[int]]]]:
-        """Validate tasks and append their committed tokens.
-
-        Returns the proposals and, per live task, (index, state, k, context): the
-        context is the committed tokens plus any assumed ones, which drafting
-        continues from.
-        """
-        proposals = [DraftProposal(t.sequence_id) for t in tasks]
-        live: list[tuple[int, SequenceState, int, list[int]]] = []
-        seen: set[str] = set()
-        for i, task in enumerate(tasks):
-            try:
-                if task.sequence_id in seen:
-                    raise invalid(f"sequence {task.sequence_id!r} appears twice in one round")
-                seen.add(task.sequence_id)
-                state = self.table.get(task.sequence_id)
-                if task.num_draft_tokens < 0:
-                    raise invalid(f"num_draft_tokens must be >= 0, got {task.num_draft_tokens}")
-                if task.num_draft_tokens > self.max_draft_tokens:
-                    raise invalid(f"{task.num_draft_tokens} draft tokens exceed the limit of {self.max_draft_tokens}")
-                if task.prefill_tokens > 0 and (task.num_draft_tokens or task.assumed or task.guess_first):
-                    raise invalid("a prefill task drafts nothing, assumes nothing and guesses nothing")
-                check_siblings(task)
-                check_branches(task, state)
-                self.table.check_tokens(task.new_tokens, "new tokens")
-                self.table.check_tokens(task.assumed, "assumed tokens")
-                total = len(state.committed) + len(task.new_tokens)
-                if total != task.num_committed:
-                    raise precondition(
-                        f"sequence {task.sequence_id!r} would have {total} committed tokens, "
-                        f"the caller says {task.num_committed}"
-                    )
-                if total + len(task.assumed) + task.num_draft_tokens > self.table.max_context:
-                    raise invalid(
-                        f"{total} committed + {len(task.assumed)} assumed + {task.num_draft_tokens} draft "
-                        f"tokens exceed the context window {self.table.max_context}"
-                    )
-                features = self._decode_features(task, total)
-            except EngineError as exc:
-                proposals[i].error = exc
-                continue
-            if features is not None:
-                assert state.features is not None
-                state.features.add_real(task.hidden_start, features)
-            state.committed.extend(task.new_tokens)
-            context = state.committed + list(task.assumed) if task.assumed else state.committed
-            live.append((i, state, task.num_draft_tokens, context))
-        return proposals, live
 
 
 def until_end(tokens: list[int], ends: frozenset[int]) -> list[int]:
@@ -118,7 +40,7 @@ def default_branch_slots(max_sequences: int, device: torch.device) -> int:
     return max_sequences if device.type == "cpu" else max(1, max_sequences // 4)
 
 
-class ModelDrafter(_DrafterBase):
+class ModelDrafter(DrafterBase):
     """Drafts with a causal LM: one batched forward per draft position."""
 
     def __init__(
@@ -567,26 +489,3 @@ def note_inputs(states: Sequence[SequenceState], rows: Sequence[Row], inputs: Se
         return
     for state, row, x in zip(states, rows, inputs, strict=True):
         state.head_inputs.note(row.start + row.logits_from, x)
-
-
-class NgramDrafter(_DrafterBase):
-    """Prompt lookup: proposes what followed the latest earlier match of the suffix.
-
-    Deterministic, so every proposed token has probability 1 under the proposer
-    and no distributions go on the wire.
-    """
-
-    kind = "ngram"
-
-    def __init__(
-        self, vocab_size: int, max_sequences: int, max_context: int, max_draft_tokens: int, min_n: int, max_n: int
-    ) -> None:
-        table = SequenceTable(None, vocab_size, max_sequences, max_context, torch.device("cpu"))
-        super().__init__(table, None, max_draft_tokens)
-        self.min_n, self.max_n = min_n, max_n
-
-    def draft(self, tasks: Sequence[DraftTask]) -> tuple[list[DraftProposal], RoundTiming]:
-        proposals, live = self._accept_tasks(tasks)
-        for i, _, k, context in live:
-            proposals[i].tokens = ngram.propose(context, k, self.min_n, self.max_n)
-        return proposals, RoundTiming(batch_size=len(live))

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 import torch
 
 from specd.engine.cuda_graphs import read_back
-from specd.engine.errors import invalid
 from specd.engine.host_threads import one_torch_thread
 from specd.engine.prefix import common_prefix
 from specd.engine.sampling import gumbel_top, probabilities, spans_keys, truncate
@@ -46,23 +45,6 @@ from specd.engine.slot_cache import to_device
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 
 Active = tuple[int, SequenceState, int]  # (proposal index, state, tokens to draft), as the drafting loops keep
-
-
-def check_branches(task: DraftTask, state: SequenceState) -> None:
-    """Branches follow a guess at the verifier's token after assumed ones, and need no mask."""
-    if task.num_branches == 0:
-        return
-    if task.num_branches < 0:
-        raise invalid(f"num_branches must be >= 0, got {task.num_branches}")
-    if task.prefill_tokens > 0:
-        raise invalid("a prefill task drafts no branches")
-    if not task.guess_first:
-        # Without assumed tokens (a target-only verify meanwhile) the other verdict is another guess.
-        raise invalid("num_branches needs guess_first")
-    if task.num_siblings > 0:
-        raise invalid("num_branches must be 0 with num_siblings")
-    if state.grammar is not None or state.penalties.active:
-        raise invalid("num_branches must be 0 for a sequence with structured output or penalties")
 
 
 def confirmed(cached: Sequence[int], context: Sequence[int]) -> int:

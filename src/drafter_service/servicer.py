@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
-from drafter_service.engine import ModelDrafter, NgramDrafter
-from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
 from specd.rpc.serving import EngineRunner, SequenceRpcs
 from specd.rpc.tracing import Tracing
+
+if TYPE_CHECKING:
+    from drafter_service.engine import ModelDrafter
+    from drafter_service.ngram_engine import NgramDrafter
+    from drafter_service.suffix_engine import SuffixDrafter
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import torch
 
 from specd.engine.cuda_graphs import read_back
-from specd.engine.errors import invalid
 from specd.engine.sampling import gumbel_argmax, sample
 from specd.engine.sequences import SequenceState
 from specd.engine.tasks import DraftProposal, DraftTask, SparseDist
@@ -33,20 +32,6 @@ from specd.engine.tasks import DraftProposal, DraftTask, SparseDist
 def wanting(notes: SiblingNotes, active: Sequence[tuple[int, SequenceState, int]], rows: Sequence[int]) -> list[int]:
     """Positions in `rows` (indices into `active`) of the rows whose sequences asked for siblings."""
     return [n for n, r in enumerate(rows) if active[r][0] in notes.wanted]
-
-
-def check_siblings(task: DraftTask) -> None:
-    """Siblings go beside chain drafts, at most one a depth, and never beside a guess."""
-    if task.num_siblings == 0:
-        return
-    if task.num_siblings < 0:
-        raise invalid(f"num_siblings must be >= 0, got {task.num_siblings}")
-    if task.prefill_tokens > 0:
-        raise invalid("a prefill task proposes no siblings")
-    if task.guess_first:
-        raise invalid("num_siblings must be 0 with guess_first")
-    if task.num_siblings > task.num_draft_tokens:
-        raise invalid(f"{task.num_siblings} siblings exceed the {task.num_draft_tokens} draft tokens beside them")
 
 
 def greedy_notes(logits: torch.Tensor, chain: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from drafter_service.engine import _DrafterBase
+from drafter_service.base import DrafterBase
 from specd.engine import suffix
 from specd.engine.errors import EngineError
 from specd.engine.sequences import SequenceState, SequenceTable
@@ -29,7 +27,7 @@ class _Track:
     seen: int  # committed tokens counted in `local` and followed by `cursor`
 
 
-class SuffixDrafter(_DrafterBase):
+class SuffixDrafter(DrafterBase):
     """Deterministic, so every proposed token has probability 1 under the proposer and no
     distributions go on the wire. A greedy sequence asked for siblings gets each depth's
     runner-up continuation as a leaf beside the chain (a token tree)."""
@@ -47,7 +45,7 @@ class SuffixDrafter(_DrafterBase):
         tenants: int = 16,
         limits: suffix.Limits | None = None,
     ) -> None:
-        table = SequenceTable(None, vocab_size, max_sequences, max_context, torch.device("cpu"))
+        table = SequenceTable(None, vocab_size, max_sequences, max_context, None)
         super().__init__(table, None, max_draft_tokens)
         self.depth = depth
         self.limits = limits or suffix.Limits()

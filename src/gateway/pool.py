@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 # (address, server name for TLS) -> a client of one replica.
 ClientFactory = Callable[[str, str], Any]
+
+# How often a backend waited for is asked if it serves: at start, and a replica that served (not refused) once down.
+READY_POLL_S = 0.1
 
 
 @dataclass(eq=False)
@@ -152,7 +156,7 @@ class _Pool:
             if loop.time() > deadline:
                 names = ", ".join(e.address for e in missing)
                 raise BackendError(f"{self.service} at {names} not ready after {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(READY_POLL_S)
 
     def _endpoint_ready(self, endpoint: Endpoint, healthy: set[str]) -> bool:
         return any(r.endpoint == endpoint and r.address in healthy for r in self.replicas.values())
@@ -228,7 +232,8 @@ class _Pool:
         loop = asyncio.get_running_loop()
         resolved_at = renew_at = loop.time()
         while True:
-            await asyncio.sleep(min(self.health_interval_s, self.lease_renew_s))
+            down = any(not r.up and not r.removed and not r.refused and r.model_id for r in self.replicas.values())
+            await asyncio.sleep(min(self.health_interval_s, self.lease_renew_s, READY_POLL_S if down else math.inf))
             try:
                 if any(e.dns for e in self.endpoints) and loop.time() - resolved_at >= self.resolve_interval_s:
                     resolved_at = loop.time()

@@ -20,6 +20,7 @@ from gateway.api.body_screen import BodyScreen
 from gateway.api.grpc_api import GatewayServicer
 from gateway.api.limits import RateLimiter
 from gateway.api.openai_api import OpenAIApi
+from gateway.api.prompts import vocabulary_facts
 from gateway.backends import BackendError, check_compatible
 from gateway.config import GatewayConfig
 from gateway.pool import drafter_pool, verifier_pool
@@ -54,15 +55,18 @@ async def run(config: GatewayConfig) -> None:
     # Before waiting for the backends: a port another process holds is a start-up error.
     check_free({"HTTP": (config.host, config.http_port), "gRPC": (config.host, config.grpc_port)})
     verifier, drafter = _backend_pools(config, backend_tls, tokens[0] if tokens else "")
+    # What needs only the tokenizer is done before the backends answer (the verifier loads its model meanwhile).
+    # Every end id of the model stops a sequence; the backends' sets must be the same (the fingerprint holds it).
+    eos = end_token_ids(config.tokenizer, tokenizer)
+    log.info("sequences end at token ids %s", list(eos))
+    fingerprint = TokenizerFingerprint.of(tokenizer, eos)
+    vocabulary_facts(tokenizer)
     backends: list[Any] = [verifier] + ([drafter] if drafter else [])
     for backend in backends:
         log.info("waiting for the %s at %s", backend.name, backend.address)
         await backend.wait_ready(config.connect_timeout_s)
         await backend.load_info()
-    # Every end id of the model stops a sequence; the backends' sets must be the same (the fingerprint holds it).
-    eos = end_token_ids(config.tokenizer, tokenizer)
-    log.info("sequences end at token ids %s", list(eos))
-    check_compatible(TokenizerFingerprint.of(tokenizer, eos), verifier, drafter)
+    check_compatible(fingerprint, verifier, drafter)
     tracing = Tracing("specd-gateway", config.otlp_endpoint, config.trace_file)
     scheduler = _start_scheduler(config, tokenizer, verifier, drafter, eos, tracing)
     api = _openai_api(config, scheduler, tokenizer, model_name, _health_status(scheduler, verifier, drafter))

@@ -6,7 +6,8 @@ import pytest
 import tinymodels
 import torch
 
-from drafter_service.engine import ModelDrafter, NgramDrafter
+from drafter_service.engine import ModelDrafter
+from drafter_service.ngram_engine import NgramDrafter
 from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.engine.grammar import GrammarCompiler

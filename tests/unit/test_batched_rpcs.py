@@ -12,7 +12,7 @@ import grpc
 import pytest
 from tinymodels import backed_kv_bytes
 
-from drafter_service.engine import NgramDrafter
+from drafter_service.ngram_engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.params import SamplingParams

@@ -10,7 +10,7 @@ import tinymodels
 import torch
 from torch import nn
 
-from drafter_service import server
+from drafter_service import model_build, server
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import default_branch_slots
 from specd.engine import gemv
@@ -49,7 +49,7 @@ def test_auto_reads_four_bit_weights_in_float32_through_the_kernel(four_bit_dir:
     if gemv.load() is None:
         pytest.skip("the gemv kernel cannot be built here")
     config = DrafterConfig(model=str(four_bit_dir), max_sequences=2, max_context=64)
-    loaded, quantization = server._load_weights(config)
+    loaded, quantization = model_build._load_weights(config)
     assert (quantization, loaded.dtype) == ("none", torch.float32)
     assert all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in _linears(loaded.model))
     engine, info = server.build_engine(config)
@@ -59,19 +59,19 @@ def test_auto_reads_four_bit_weights_in_float32_through_the_kernel(four_bit_dir:
 
 def test_auto_with_bfloat16_asked_for_is_the_int4_copy(four_bit_dir: Path) -> None:
     config = DrafterConfig(model=str(four_bit_dir), dtype="bfloat16", max_sequences=2, max_context=64)
-    loaded, quantization = server._load_weights(config)
+    loaded, quantization = model_build._load_weights(config)
     assert (quantization, loaded.dtype) == ("int4", torch.bfloat16)
     assert any(isinstance(m, Int4WeightOnlyLinear) for m in loaded.model.modules())
 
 
 def test_auto_without_the_kernel_is_the_int4_copy(four_bit_dir: Path, monkeypatch) -> None:
-    monkeypatch.setattr(server.gemv, "load", lambda: None)
-    loaded, quantization = server._load_weights(DrafterConfig(model=str(four_bit_dir)))
+    monkeypatch.setattr(model_build.gemv, "load", lambda: None)
+    loaded, quantization = model_build._load_weights(DrafterConfig(model=str(four_bit_dir)))
     assert (quantization, loaded.dtype) == ("int4", torch.bfloat16)
 
 
 def test_auto_on_weights_that_are_not_four_bit_is_the_int8_copy(model_dirs) -> None:
-    loaded, quantization = server._load_weights(DrafterConfig(model=str(model_dirs["draft"])))
+    loaded, quantization = model_build._load_weights(DrafterConfig(model=str(model_dirs["draft"])))
     assert (quantization, loaded.dtype) == ("int8", torch.bfloat16)
 
 
@@ -79,14 +79,14 @@ def test_wide_rows_name_a_quantized_drafter(four_bit_dir: Path) -> None:
     if gemv.load() is None:
         pytest.skip("the gemv kernel cannot be built here")
     with pytest.raises(ValueError, match="int8_wide_rows applies to a quantized drafter"):
-        server._load_weights(DrafterConfig(model=str(four_bit_dir), int8_wide_rows=8))
+        model_build._load_weights(DrafterConfig(model=str(four_bit_dir), int8_wide_rows=8))
 
 
 def test_auto_dtype() -> None:
-    assert server.activation_dtype("auto", "cpu", "none") == "float32"
-    assert server.activation_dtype("auto", "cpu", "int4") == "bfloat16"
-    assert server.activation_dtype("auto", "cuda", "none") == "bfloat16"
-    assert server.activation_dtype("float16", "cpu", "none") == "float16"
+    assert model_build.activation_dtype("auto", "cpu", "none") == "float32"
+    assert model_build.activation_dtype("auto", "cpu", "int4") == "bfloat16"
+    assert model_build.activation_dtype("auto", "cuda", "none") == "bfloat16"
+    assert model_build.activation_dtype("float16", "cpu", "none") == "float16"
     with pytest.raises(SystemExit):
         DrafterConfig.from_args(["--dtype", "float64"])
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from tinymodels import backed_kv_bytes, device_under_test
 
-from drafter_service.engine import ModelDrafter, NgramDrafter, default_branch_slots
+from drafter_service.engine import ModelDrafter, default_branch_slots
+from drafter_service.ngram_engine import NgramDrafter
 from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.params import SamplingParams

@@ -373,3 +373,37 @@ def test_found_blocks_are_kept_and_read_back(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(gemv, "_find_blocks", lambda w: searched.append(2))
     gemv.as_blocks(weight)  # unreadable: searched again
     assert searched == [1, 2]
+
+
+def test_layers_found_and_read_back_on_threads_get_their_own_blocks(tmp_path, monkeypatch) -> None:
+    """attach_blocks finds (and keeps) or reads back every layer's blocks on a pool of threads: each
+    layer gets its own, in order."""
+    from specd.engine import block_cache
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path))
+    weights = [_q4_weight(8, 64, 3), _q8_weight(16, 64, 4), torch.randn(8, 64), _q4_weight(4, 96, 5)]
+    assert block_cache.on_threads(lambda w: block_cache.weight_digest(w, 1), weights) == [
+        block_cache.weight_digest(w, 1) for w in weights
+    ]
+
+    def layers() -> list[nn.Linear]:
+        made = []
+        for w in weights:
+            layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
+            with torch.no_grad():
+                layer.weight.copy_(w)
+            made.append(layer)
+        return made
+
+    first = layers()
+    assert gemv.attach_blocks(first) == 3  # the random weight has none
+    searched: list[torch.Tensor] = []
+    monkeypatch.setattr(gemv, "_find_blocks", lambda w: searched.append(w))
+    second = layers()
+    assert gemv.attach_blocks(second) == 3
+    assert len(searched) == 1 and torch.equal(searched[0], weights[2])  # only the weight without blocks
+    for a, b in zip(first, second, strict=True):
+        found, read = a.__dict__[gemv.BLOCKS_ATTRIBUTE], b.__dict__[gemv.BLOCKS_ATTRIBUTE]
+        assert (found is None) == (read is None)
+        if found is not None:
+            assert read.kind == found.kind and torch.equal(read.q, found.q) and torch.equal(read.scales, found.scales)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from tinymodels import device_under_test, on_test_device
 
-from drafter_service.engine import ModelDrafter, NgramDrafter
+from drafter_service.engine import ModelDrafter
+from drafter_service.ngram_engine import NgramDrafter
 from specd.engine.grammar import JSON_OBJECT_SCHEMA, apply_mask, canonical, schema_problem
 from specd.engine.kvcache import BatchedCausalLM
 from specd.engine.params import SamplingParams

@@ -10,7 +10,7 @@ import re
 import pytest
 from test_grammar import PARAMS, decode_under, generate, make_drafter, make_verifier, text_of
 
-from drafter_service.engine import NgramDrafter
+from drafter_service.ngram_engine import NgramDrafter
 from gateway.api.validation import InvalidParameter, RequestedParams, generation_params
 from specd.engine.grammar import GrammarError, choice_grammar, regex_grammar
 from specd.engine.params import SamplingParams

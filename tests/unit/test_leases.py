@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from drafter_service.engine import NgramDrafter
+from drafter_service.ngram_engine import NgramDrafter
 from drafter_service.servicer import DrafterServicer
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2
 from specd.rpc.leases import Leases, engine_id, public_message

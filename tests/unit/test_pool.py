@@ -293,6 +293,40 @@ def test_health_checks_stop_and_resume_placement() -> None:
     run(go())
 
 
+def test_a_replica_that_went_down_is_asked_often_and_taken_back_as_soon_as_it_answers() -> None:
+    """Between health checks the pool waits its interval, but for a replica that served and went
+    down (a verifier the supervisor is restarting) it asks every READY_POLL_S: taken back at once."""
+
+    async def go() -> None:
+        clients: dict[str, FakeClient] = {}
+        asked: list[str] = []
+
+        class Counted(FakeClient):
+            async def healthy(self, timeout_s: float = 2.0) -> bool:
+                asked.append(self.address)
+                return self.serving
+
+        def factory(address: str, server_name: str) -> FakeClient:
+            clients[address] = Counted(address, server_name)
+            del clients[address].kind
+            return clients[address]
+
+        pool = VerifierPool("127.0.0.1:1", factory, health_interval_s=2.0)
+        await started(pool)
+        clients["127.0.0.1:1"].serving = False
+        await asyncio.sleep(2.2)  # the watcher's check at its interval finds it down
+        assert not pool.replicas["127.0.0.1:1"].up
+        before = len(asked)
+        await asyncio.sleep(1.0)
+        assert len(asked) - before >= 5, f"asked {len(asked) - before} times in 1 s while it was down"
+        clients["127.0.0.1:1"].serving = True
+        await asyncio.sleep(0.4)
+        assert pool.replicas["127.0.0.1:1"].up
+        await pool.close()
+
+    run(go())
+
+
 def test_every_replica_failing_fails_the_round() -> None:
     async def go() -> None:
         pool, clients = make_pool()

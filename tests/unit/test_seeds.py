@@ -14,7 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from drafter_service.engine import ModelDrafter, NgramDrafter
+from drafter_service.engine import ModelDrafter
+from drafter_service.ngram_engine import NgramDrafter
 from specd.engine.params import SamplingParams
 from specd.engine.sampling import gumbel_argmax, position_keys, probabilities
 from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask

@@ -66,8 +66,24 @@ def size_problem(param: str, texts: Iterable[str], limit: int, max_context: int)
 
 @functools.lru_cache(maxsize=4)
 def prompts_for(tokenizer: Any, max_context: int) -> Prompts:
-    """One Prompts per tokenizer: its bounds take a pass over the vocabulary."""
+    """One Prompts per tokenizer and context window."""
     return Prompts(tokenizer, max_context)
+
+
+@functools.lru_cache(maxsize=4)
+def vocabulary_facts(tokenizer: Any) -> tuple[int, dict[str, list[int]]]:
+    """What Prompts needs of a tokenizer's whole vocabulary, one pass per tokenizer: the most bytes
+    one token covers, and each special token's text as ordinary tokens. The gateway computes them
+    while it waits for its backends, so they do not delay its start once they answer."""
+    vocab = tokenizer.get_vocab()
+    max_token_bytes = max(len(tokenizer.decode([i]).encode()) for i in vocab.values()) or 1
+    specials = {a.content for a in tokenizer.added_tokens_decoder.values() if a.special}
+    specials |= set(tokenizer.all_special_tokens)
+    as_text = {
+        s: list(tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True))
+        for s in (*specials, _OPEN, _CLOSE)
+    }
+    return max_token_bytes, as_text
 
 
 class Prompts:
@@ -76,17 +92,11 @@ class Prompts:
     def __init__(self, tokenizer: Any, max_context: int) -> None:
         self.tokenizer = tokenizer
         self.max_context = max_context
-        vocab = tokenizer.get_vocab()
-        # No token covers more bytes than this: a text of more than max_context times it cannot fit.
-        self.max_token_bytes = max(len(tokenizer.decode([i]).encode()) for i in vocab.values()) or 1
-        specials = {a.content for a in tokenizer.added_tokens_decoder.values() if a.special}
-        specials |= set(tokenizer.all_special_tokens)
-        # Each special token's text as ordinary tokens, encoded here once: at request time no
-        # tokenizer setting changes, so encodes on the worker never race decodes on the loop.
-        self._as_text = {
-            s: list(tokenizer.encode(s, add_special_tokens=False, split_special_tokens=True))
-            for s in (*specials, _OPEN, _CLOSE)
-        }
+        # No token covers more bytes than max_token_bytes: a text of more than max_context times it
+        # cannot fit. Each special token's text as ordinary tokens is encoded once: at request time
+        # no tokenizer setting changes, so encodes on the worker never race decodes on the loop.
+        self.max_token_bytes, as_text = vocabulary_facts(tokenizer)
+        self._as_text = dict(as_text)
         alternatives = sorted(self._as_text, key=len, reverse=True)
         self._special = re.compile("|".join(re.escape(s) for s in alternatives))
 

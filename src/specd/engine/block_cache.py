@@ -12,7 +12,8 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,17 @@ def weight_digest(weight: torch.Tensor, layout: int) -> str:
     digest = hashlib.blake2b(f"{layout}:{tuple(weight.shape)}".encode(), digest_size=16)
     digest.update(memoryview(weight.detach().contiguous().numpy()).cast("B"))
     return digest.hexdigest()
+
+
+def on_threads(work: Callable[[torch.Tensor], Any], weights: Sequence[torch.Tensor]) -> list[Any]:
+    """`work(weight)` for each weight (`kept`'s callers), on a thread per core this process may run
+    on, in order: hashing a weight releases the GIL, and so do the tensor operations that find its
+    blocks."""
+    if len(weights) < 2:
+        return [work(w) for w in weights]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=max(1, min(cores, len(weights)))) as pool:
+        return list(pool.map(work, weights))
 
 
 def kept(

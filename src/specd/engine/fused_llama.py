@@ -52,17 +52,19 @@ def supports(model: Any) -> bool:
 def _concat(linears: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose outputs are those of `linears`, in order."""
     first = linears[0]
+    # Made on the meta device and given the concatenation itself: a layer made in place would
+    # draw random weights and then copy the concatenation over them, both thrown away.
     out = nn.Linear(
         first.in_features,
         sum(m.out_features for m in linears),
         bias=first.bias is not None,
-        device=first.weight.device,
+        device="meta",
         dtype=first.weight.dtype,
     )
     with torch.no_grad():
-        out.weight.copy_(torch.cat([m.weight for m in linears], dim=0))
+        out.weight = nn.Parameter(torch.cat([m.weight for m in linears], dim=0))
         if first.bias is not None:
-            out.bias.copy_(torch.cat([m.bias for m in linears], dim=0))
+            out.bias = nn.Parameter(torch.cat([m.bias for m in linears], dim=0))
     return out
 
 

@@ -446,9 +446,7 @@ def attach_packed(linears: Sequence[nn.Linear]) -> None:
 
 def attach_blocks(linears: Sequence[nn.Linear]) -> int:
     """Give each layer whose weight has exact blocks (`as_blocks`) its `Blocks`, once; how many have them."""
-    held = 0
-    for m in linears:
-        if BLOCKS_ATTRIBUTE not in m.__dict__:
-            m.__dict__[BLOCKS_ATTRIBUTE] = as_blocks(m.weight)
-        held += m.__dict__[BLOCKS_ATTRIBUTE] is not None
-    return held
+    todo = [m for m in linears if BLOCKS_ATTRIBUTE not in m.__dict__]
+    for m, blocks in zip(todo, block_cache.on_threads(as_blocks, [m.weight for m in todo]), strict=True):
+        m.__dict__[BLOCKS_ATTRIBUTE] = blocks
+    return sum(m.__dict__[BLOCKS_ATTRIBUTE] is not None for m in linears)

@@ -1,4 +1,9 @@
-"""Per-sequence state of one model: slots, committed tokens, prefill, limits."""
+"""Per-sequence state of one model: slots, committed tokens, prefill, limits.
+
+No torch at import: a model-free drafter (the suffix drafter `specd up` runs on the CPU) keeps its
+sequences here too, and its start (and every supervised restart) should not wait on torch's import.
+What a model's table does with tensors imports them where it does it.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +11,9 @@ import heapq
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from specd.engine.errors import EngineError, exhausted, invalid, not_found
-from specd.engine.featurehead import FeatureTrack
-from specd.engine.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-from specd.engine.kvcache import BatchedCausalLM, Row
-from specd.engine.logits import penalize
-from specd.engine.logprobs import token_logprobs
 from specd.engine.params import (
     LogprobsRequest,
     Penalties,
@@ -25,9 +24,15 @@ from specd.engine.params import (
 )
 from specd.engine.prefix import common_prefix
 from specd.engine.ranges import RANGES
-from specd.engine.sampling import make_generator
 from specd.engine.tasks import SequenceSpec
 from specd.heap import trim_heap
+
+if TYPE_CHECKING:
+    import torch
+
+    from specd.engine.featurehead import FeatureTrack
+    from specd.engine.grammar import GrammarCompiler, GrammarMatcher
+    from specd.engine.kvcache import BatchedCausalLM
 
 
 @dataclass
@@ -100,12 +105,15 @@ class SequenceState:
         """Its penalties and bias on logits [n, V]: row j follows committed + drafted + drafts[:j]."""
         if not self.penalties.active:
             return logits
+        from specd.engine.logits import penalize
+
         prompt, output = self.committed[: self.prompt_len], self.committed[self.prompt_len :]
         return penalize(logits, self.penalties, prompt, [*output, *drafted], drafts)
 
 
 class SequenceTable:
-    """Open sequences of one BatchedCausalLM (or of a model-free drafter when lm is None)."""
+    """Open sequences of one BatchedCausalLM (or of a model-free drafter when lm is None). `device`:
+    where sampled sequences' generators live; None for a model-free drafter, which draws nothing."""
 
     def __init__(
         self,
@@ -113,7 +121,7 @@ class SequenceTable:
         vocab_size: int,
         max_sequences: int,
         max_context: int,
-        device: torch.device,
+        device: torch.device | None,
         prefill_chunk_tokens: int = 4096,
         scores_prompts: bool = False,
         grammars: GrammarCompiler | None = None,
@@ -194,7 +202,7 @@ class SequenceTable:
                 list(spec.prompt),
                 [],
                 spec.sampling,
-                make_generator(spec.sampling, self.device),
+                self._generator(spec.sampling),
                 spec.penalties,
                 len(spec.prompt) - spec.num_generated,
                 spec.logprobs,
@@ -220,6 +228,13 @@ class SequenceTable:
             self.seqs[state.sequence_id] = state
         return errors, forward_ns
 
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+        if self.device is None:
+            return None
+        from specd.engine.sampling import make_generator
+
+        return make_generator(sampling, self.device)
+
     def _grammar(self, spec: SequenceSpec, ends: frozenset[int] | None) -> GrammarMatcher | None:
         """The sequence's grammar state, having consumed what it already generated; None if unconstrained."""
         if not spec.json_schema and not spec.grammar:
@@ -232,6 +247,8 @@ class SequenceTable:
             raise invalid(
                 "this service has no grammar engine for its tokenizer: it cannot apply a json_schema or grammar"
             )
+        from specd.engine.grammar import GrammarError
+
         try:
             grammar = self.grammars.matcher(spec.json_schema, spec.grammar, ends)
             if spec.num_generated:
@@ -255,6 +272,9 @@ class SequenceTable:
     def _prefill(self, work: Sequence[tuple[SequenceState, int]]) -> int:
         """Cache the next n prompt tokens of each sequence (n = all but the last, at a whole-prompt open)."""
         assert self.lm is not None
+        from specd.engine.logprobs import token_logprobs
+        from specd.engine.rows import Row
+
         start = time.perf_counter_ns()
         work, copies = self._share_prefills(work)
         todo = sorted(((s, n) for s, n in work if n > 0), key=lambda w: w[1])
