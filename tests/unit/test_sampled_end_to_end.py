@@ -45,7 +45,7 @@ from gateway.round import messages as round_messages
 from gateway.round.costs import CostModel
 from gateway.round.messages import Block, DraftItem
 from gateway.round.scheduler import Delta, Finished, GenerationParams, Scheduler
-from specd.engine import sequences
+from specd.engine import sampling
 from specd.engine.kvcache import BatchedCausalLM
 from specd.engine.params import SamplingParams
 from verifier_service.engine import VerifierEngine
@@ -114,13 +114,13 @@ def counted_generators(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each unseeded sequence's generator as the services make it, but seeded from a counter, so
     the test is repeatable; the drafter's and the verifier's are still independent."""
     counter = itertools.count(1)
-    original = sequences.make_generator
+    original = sampling.make_generator
 
     def make(params: SamplingParams, device: torch.device) -> torch.Generator | None:
         gen = original(params, device)
         return gen.manual_seed(next(counter)) if gen is not None else None
 
-    monkeypatch.setattr(sequences, "make_generator", make)
+    monkeypatch.setattr(sampling, "make_generator", make)
 
 
 @dataclasses.dataclass
