@@ -108,7 +108,9 @@ class Scheduler:
             PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size, off=policy_off)
         )
         self.metrics.bind_policy(self.policy)
-        self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
+        self.observer = RoundObserver(
+            self.metrics, self.policy, self.tracing, lambda record: asyncio.get_running_loop().call_soon(record)
+        )
         self.pipeline = pipeline
         if siblings < 0 or branches < 0:
             raise ValueError(f"siblings and branches must be >= 0, got {siblings} and {branches}")
