@@ -32,7 +32,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from gateway.backends import BackendError, DrafterClient, VerifierClient
+from gateway.backends import BackendError, DrafterClient, VerifierClient, within
 from gateway.failures import CANCELLED, GenerationError, InvalidParameter, open_error, unavailable
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.round.apply import Applied, apply, drop_stale_blocks, internal_error
@@ -329,7 +329,8 @@ class Scheduler:
         if not seq.deadline:
             return await seq.events.get()
         try:
-            return await asyncio.wait_for(seq.events.get(), max(0.0, seq.deadline - time.monotonic()))
+            # In this task: wait_for would make a task of every event's wait.
+            return await within(max(0.0, seq.deadline - time.monotonic()), seq.events.get())
         except asyncio.TimeoutError:
             # events() cancels the sequence on the way out, which frees it on both services.
             return Failed(
