@@ -2,6 +2,12 @@
 
 Each backend keeps one long-lived bidirectional round stream; a round is one
 write and one read on it. A broken stream is dropped and reopened on next use.
+
+The round streams run on a channel of their own without the token interceptor,
+and carry the token as the call's metadata instead: an intercepted stream-stream
+call proxies every write through a queue, a put task and a consumer task, and
+every read through another task, which is a handful of event-loop hops on each
+round's critical path for what one header at the call's start does as well.
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import grpc
@@ -17,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from specd.rpc.backend_auth import client_interceptors
+from specd.rpc.backend_auth import client_interceptors, token_metadata
 from specd.rpc.serving import channel_options, fingerprint_from_pb
 from specd.rpc.tls import server_name_option
 
@@ -46,8 +52,7 @@ class RoundStream:
             if self._call is None:
                 self._call = self._opener()
             try:
-                await asyncio.wait_for(self._call.write(request), self._timeout_s)
-                response = await asyncio.wait_for(self._call.read(), self._timeout_s)
+                response = await within(self._timeout_s, self._write_read(request))
             except (grpc.aio.AioRpcError, asyncio.TimeoutError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
                 # InvalidStateError: the call ended (its peer died) since the last round.
                 self._reset()
@@ -64,6 +69,10 @@ class RoundStream:
                 raise BackendError(f"{self._name} answered round {response.round_id} to round {request.round_id}")
             return response
 
+    async def _write_read(self, request: Any) -> Any:
+        await self._call.write(request)
+        return await self._call.read()
+
     def _reset(self) -> None:
         if self._call is not None:
             self._call.cancel()
@@ -71,6 +80,19 @@ class RoundStream:
 
     def close(self) -> None:
         self._reset()
+
+
+async def within(timeout_s: float, exchange: Coroutine[Any, Any, Any]) -> Any:
+    """`exchange`'s result, or TimeoutError once `timeout_s` has passed.
+
+    Where asyncio has `timeout` (3.11), the exchange runs in the caller's task; `wait_for`
+    makes a task of it there, a hop through the event loop each way.
+    """
+    timeout = getattr(asyncio, "timeout", None)
+    if timeout is None:
+        return await asyncio.wait_for(exchange, timeout_s)
+    async with timeout(timeout_s):
+        return await exchange
 
 
 def not_found_error(exc: BaseException) -> bool:
@@ -108,12 +130,18 @@ class _Backend:
         self.name = name
         self.timeout_s = timeout_s
         options = channel_options(max_message_bytes)
-        interceptors = client_interceptors(token)
-        if credentials is None:
-            self.channel = grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-        else:
+        if credentials is not None:
             options += server_name_option(server_name)
-            self.channel = grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+        def channel(interceptors: list[grpc.aio.ClientInterceptor]) -> grpc.aio.Channel:
+            if credentials is None:
+                return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+            return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+
+        self.channel = channel(client_interceptors(token))
+        # The round streams' channel: the token goes as each stream's metadata (see the module's doc).
+        self.round_channel = channel([])
+        self.round_metadata = token_metadata(token)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self.info: common_pb2.ModelInfo | None = None
         self._presence: asyncio.Task[None] | None = None
@@ -182,6 +210,7 @@ class _Backend:
     async def close(self) -> None:
         if self._presence is not None:
             self._presence.cancel()
+        await self.round_channel.close()
         await self.channel.close()
 
 
@@ -200,7 +229,8 @@ class VerifierClient(_Backend):
             address, "verifier", timeout_s, max_message_bytes, credentials, server_name, lease_owner, token
         )
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
-        self.rounds = RoundStream(lambda: self.stub.Verify(), "verifier", timeout_s)
+        rounds = verifier_pb2_grpc.VerifierServiceStub(self.round_channel)
+        self.rounds = RoundStream(lambda: rounds.Verify(metadata=self.round_metadata), "verifier", timeout_s)
 
     async def load_info(self) -> common_pb2.ModelInfo:
         with self._refused_credentials():
@@ -243,7 +273,8 @@ class DrafterClient(_Backend):
     ) -> None:
         super().__init__(address, "drafter", timeout_s, max_message_bytes, credentials, server_name, lease_owner, token)
         self.stub = drafter_pb2_grpc.DrafterServiceStub(self.channel)
-        self.rounds = RoundStream(lambda: self.stub.Draft(), "drafter", timeout_s)
+        rounds = drafter_pb2_grpc.DrafterServiceStub(self.round_channel)
+        self.rounds = RoundStream(lambda: rounds.Draft(metadata=self.round_metadata), "drafter", timeout_s)
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
         self.feature_size = 0
 

@@ -17,7 +17,15 @@ from specd.engine.grammar import GrammarCompiler, GrammarError, apply_mask
 from specd.engine.host_threads import one_torch_thread
 from specd.engine.kvcache import BatchedCausalLM, Row
 from specd.engine.params import TokenLogprob
-from specd.engine.sampling import Verdict, coupled_verdict, deferred_verdict, gumbel_argmax, probabilities, spans_keys
+from specd.engine.sampling import (
+    Verdict,
+    coupled_verdict,
+    deferred_verdict,
+    greedy_tokens,
+    gumbel_argmax,
+    probabilities,
+    spans_keys,
+)
 from specd.engine.sequences import SequenceState, SequenceTable
 from specd.engine.tasks import RoundTiming, SequenceSpec, SparseDist, VerifyResult, VerifyTask
 from specd.engine.tree_sampling import TreeVerdict, coupled_tree_verdict, tree_rejection_sample
@@ -327,7 +335,7 @@ class VerifierEngine:
         if not greedy:
             return {}
         # Argmax per block, not of their concatenation: no copy of every row's logits.
-        tokens = read_back(torch.cat([adjusted[n].argmax(dim=-1) for n in greedy]))
+        tokens = read_back(torch.cat([greedy_tokens(adjusted[n]) for n in greedy]))
         return _by_block(tokens, {n: adjusted[n].shape[0] for n in greedy})
 
     @staticmethod

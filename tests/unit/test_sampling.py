@@ -20,6 +20,7 @@ from specd.engine.sampling import (
     Verdict,
     coupled_verdict,
     deferred_verdict,
+    greedy_tokens,
     gumbel_argmax,
     make_generator,
     position_keys,
@@ -535,3 +536,21 @@ def test_sample_at_the_top_of_the_uniform_lands_on_the_last_possible_token(monke
     # The largest uniform below 1, times a total that rounds to it: past the CDF's end.
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor(1.0))
     assert sample(p, torch.Generator()) == 2
+
+
+def test_greedy_tokens_are_torchs_argmax_ties_nan_and_views_included() -> None:
+    """The verifier's greedy verdicts through numpy on the CPU: the same ids as torch's argmax,
+    the first of tied maxima and the first NaN included, on rows that are views of a block."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        logits = torch.randn(6, 4099, generator=g).to(dtype)
+        logits[1, [5, 900, 4000]] = logits[1].max() + 1  # a three-way tie for the largest
+        logits[2, [17, 3000]] = float("nan")
+        logits[3] = float("-inf")
+        logits[3, [8, 9]] = 0.0
+        logits[4, :] = 1.0  # every id ties
+        for block in (logits, logits[1:5], logits[:, :4000], logits.t().contiguous().t()):
+            got = greedy_tokens(block)
+            assert got.dtype == torch.int64 and got.device == block.device
+            assert got.tolist() == block.argmax(dim=-1).tolist()
+        assert greedy_tokens(logits).tolist()[1:5] == [5, 17, 8, 0]

@@ -495,3 +495,37 @@ def test_min_tokens_reaches_both_services_with_every_eos_id_the_scheduler_stops_
         (spec,) = [s for opened in service.opens for s in opened]
         penalties = penalties_from_pb(spec.sampling)
         assert penalties.min_tokens == 5 and penalties.eos == tuple(sorted({EOS, 77}))
+
+
+def test_a_rounds_metrics_are_recorded_once_the_next_rounds_request_is_sent() -> None:
+    """Off the round's critical path, yet every round counted: round n's metrics come after the
+    first request of round n + 1 (its draft or its verify), and each round's are recorded once."""
+    drafter = FakeDrafter()
+    verifier = FakeVerifier(drafter=drafter)
+    sched = scheduler(verifier, drafter)
+    order: list[tuple[str, int]] = []
+    verify, draft, observe_round = verifier.verify, drafter.draft, sched.metrics.observe_round
+
+    async def verify_sent(request: Any) -> Any:
+        order.append(("request", request.round_id))
+        return await verify(request)
+
+    async def draft_sent(request: Any) -> Any:
+        order.append(("request", request.round_id))
+        return await draft(request)
+
+    def recorded(*args: Any) -> None:
+        order.append(("metrics", 0))
+        observe_round(*args)
+
+    verifier.verify, drafter.draft = verify_sent, draft_sent  # type: ignore[method-assign]
+    sched.metrics.observe_round = recorded  # type: ignore[method-assign]
+    [(ids, last)] = generate(sched, [PROMPTS[0]], max_tokens=12)
+    assert ids == reference(PROMPTS[0], 12) and isinstance(last, Finished)
+    rounds = sorted({n for kind, n in order if kind == "request"})
+    firsts = [order.index(("request", n)) for n in rounds]
+    records = [i for i, (kind, _) in enumerate(order) if kind == "metrics"]
+    assert len(records) == len(rounds) > 2
+    assert all(next_sent < record for next_sent, record in zip(firsts[1:], records, strict=False))
+    family = next(m for m in sched.metrics.registry.collect() if m.name == "specd_rounds")
+    assert next(s.value for s in family.samples if s.name.endswith("_total")) == len(rounds)

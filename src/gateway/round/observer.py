@@ -6,9 +6,10 @@ stand.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +62,19 @@ class RoundOutcome:
 
 
 class RoundObserver:
-    def __init__(self, metrics: GatewayMetrics, policy: SpeculationPolicy, tracing: Tracing) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        policy: SpeculationPolicy,
+        tracing: Tracing,
+        later: Callable[[Callable[[], None]], object] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.policy = policy
         self.tracing = tracing
+        # Runs a round's metrics (None: at once). The scheduler's runs them when it next waits, on the
+        # next round's exchange with its request sent, not between a round's reply and that request.
+        self.later = later
 
     def start_spans(self, round_id: int, seqs: Sequence[Any]) -> dict[str, Any]:
         """One round span per request, under that request's span.
@@ -124,21 +134,40 @@ class RoundObserver:
             seq.span = None
 
     def observe(self, outcome: RoundOutcome) -> None:
+        """What the round teaches the policy, and its spans, now: the next round's plan reads the one,
+        and the other ends with the round. Its metrics go through `later` (see __init__)."""
         try:
             self._observe(outcome)
         except Exception:
             log.exception("observing round %d failed; its tokens stand", outcome.round_id)
+            return
         finally:
             for span in outcome.spans.values():
                 if span.is_recording():
                     span.end()
+        record = functools.partial(self._record, outcome)
+        if self.later is None:
+            record()
+        else:
+            self.later(record)
+
+    def _record(self, outcome: RoundOutcome) -> None:
+        """The round's metrics."""
+        try:
+            proposals = [(v.drafted, v.accepted) for v in outcome.verdicts if v.error is None and not v.drafts_refused]
+            self.metrics.observe_round(proposals, len(outcome.verdicts), outcome.times)
+            self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
+            self.metrics.observe_ks(outcome.drafted)
+            self.metrics.drafter_unready_rounds.inc(outcome.unready)
+            if outcome.wasted_drafts:
+                self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
+        except Exception:
+            log.exception("recording round %d's metrics failed; its tokens stand", outcome.round_id)
 
     def _observe(self, outcome: RoundOutcome) -> None:
         times = outcome.times
-        proposals: list[tuple[int, int]] = []
         for v in outcome.verdicts:
             if v.error is None and not v.drafts_refused:
-                proposals.append((v.drafted, v.accepted))
                 self._learn_acceptance(v)
         for seq, hit in outcome.guesses:
             self.policy.observe_guess(getattr(seq, "guess", None), hit)
@@ -172,12 +201,6 @@ class RoundObserver:
                 learn_costs=not outcome.drafter_prefill_tokens,
             )
         self._annotate(outcome, choice, observed_gain)
-        self.metrics.observe_round(proposals, len(outcome.verdicts), times)
-        self.metrics.pipeline_rounds.labels(pipeline=outcome.pipeline).inc()
-        self.metrics.observe_ks(outcome.drafted)
-        self.metrics.drafter_unready_rounds.inc(outcome.unready)
-        if outcome.wasted_drafts:
-            self.metrics.wasted_draft_tokens.inc(outcome.wasted_drafts)
 
     def _learn_branches(self, outcome: RoundOutcome) -> None:
         """Fan-out draft-ahead: the branches drafted and adopted, and their guesses' hit rate."""

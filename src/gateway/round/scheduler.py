@@ -32,7 +32,7 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind
 
-from gateway.backends import BackendError, DrafterClient, VerifierClient
+from gateway.backends import BackendError, DrafterClient, VerifierClient, within
 from gateway.failures import CANCELLED, GenerationError, InvalidParameter, open_error, unavailable
 from gateway.metrics import GatewayMetrics, stats_line
 from gateway.round.apply import Applied, apply, drop_stale_blocks, internal_error
@@ -108,7 +108,9 @@ class Scheduler:
             PolicyConfig(k_max=self.k_limit, disable_by_batch_size=disable_by_batch_size, off=policy_off)
         )
         self.metrics.bind_policy(self.policy)
-        self.observer = RoundObserver(self.metrics, self.policy, self.tracing)
+        self.observer = RoundObserver(
+            self.metrics, self.policy, self.tracing, lambda record: asyncio.get_running_loop().call_soon(record)
+        )
         self.pipeline = pipeline
         if siblings < 0 or branches < 0:
             raise ValueError(f"siblings and branches must be >= 0, got {siblings} and {branches}")
@@ -327,7 +329,8 @@ class Scheduler:
         if not seq.deadline:
             return await seq.events.get()
         try:
-            return await asyncio.wait_for(seq.events.get(), max(0.0, seq.deadline - time.monotonic()))
+            # In this task: wait_for would make a task of every event's wait.
+            return await within(max(0.0, seq.deadline - time.monotonic()), seq.events.get())
         except asyncio.TimeoutError:
             # events() cancels the sequence on the way out, which frees it on both services.
             return Failed(

@@ -35,6 +35,16 @@ TOP_P_CANDIDATES = (256, 4096)
 GUMBEL_PROBES = 4
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)`: the lowest id among the largest (a NaN counting as the largest),
+    on the logits' device. On the CPU through numpy's argmax, which is vectorised where torch's
+    CPU argmax is not: over a vocabulary of rows, torch's is most of a verify's work after its
+    forward."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A fresh, nondeterministically seeded generator for an unseeded sampled sequence.
 

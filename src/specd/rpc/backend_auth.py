@@ -97,11 +97,16 @@ def server_interceptors(tokens: Sequence[str]) -> list[grpc.aio.ServerIntercepto
     ]
 
 
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries the token on one call (none without a token)."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
 def client_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors adding the token to every call of a channel (all four call shapes)."""
     if not token:
         return []
-    header = ("authorization", f"Bearer {token}")
+    (header,) = token_metadata(token)
 
     def with_token(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), header)
