@@ -1,4 +1,4 @@
-"""Render README's table of the current sitting from the JSONs docs/bench/sitting.json names.
+"""Render README's (and docs/benchmarks.md's) table of the current sitting from the JSONs docs/bench/sitting.json names.
 
 docs/bench/sitting.json lists the sitting's `specd bench` reports (one row each: a label and a
 file) and, where it was measured, the llama.cpp peer's report (scripts/llamacpp_peer.py's runs on
@@ -20,6 +20,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "README.md"
+# Every document that shows the sitting, and the path from it to docs/bench.
+DOCS = {DOC: "docs/bench", ROOT / "docs" / "benchmarks.md": "bench"}
 BENCH = ROOT / "docs" / "bench"
 SITTING = BENCH / "sitting.json"
 BEGIN = "<!-- sitting-table: begin (scripts/render_sitting.py renders it: do not edit by hand) -->"
@@ -85,7 +87,7 @@ def _peer_line(peer: dict[str, Any], chat: dict[str, Any] | None) -> str:
         line += (
             f". Footnote: llama.cpp on an F32 copy of the same weights, {' and '.join(f'{v:.1f}' for v in f32)} tok/s"
         )
-    return line + f" ([{SITTING.name}](docs/bench/{SITTING.name}), [{peer['file']}](docs/bench/{peer['file']}))."
+    return line + f" ([{SITTING.name}](BENCH/{SITTING.name}), [{peer['file']}](BENCH/{peer['file']}))."
 
 
 def render_table(bench: Path = BENCH) -> str:
@@ -113,28 +115,30 @@ def render_table(bench: Path = BENCH) -> str:
     return "\n".join(lines)
 
 
-def render(doc_text: str, bench: Path = BENCH) -> str:
+def render(doc_text: str, bench: Path = BENCH, links: str = "docs/bench") -> str:
+    """`doc_text` with the table between the markers; `links`: the path from the document to docs/bench."""
     if BEGIN not in doc_text or END not in doc_text:
-        raise SystemExit(f"{DOC.name} has no sitting-table markers")
+        raise SystemExit("a document has no sitting-table markers")
     head, rest = doc_text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n\n{render_table(bench)}\n\n{END}{tail}"
+    return f"{head}{BEGIN}\n\n{render_table(bench).replace('](BENCH/', f']({links}/')}\n\n{END}{tail}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if README's table is stale")
     args = parser.parse_args(argv)
-    current = DOC.read_text()
-    text = render(current)
-    if not args.check:
-        DOC.write_text(text)
-        print(f"wrote {DOC}")
-        return 0
-    if current != text:
-        print("README.md's sitting table is stale; run: python scripts/render_sitting.py", file=sys.stderr)
-        return 1
-    return 0
+    stale = 0
+    for doc, links in DOCS.items():
+        current = doc.read_text()
+        text = render(current, links=links)
+        if not args.check:
+            doc.write_text(text)
+            print(f"wrote {doc}")
+        elif current != text:
+            print(f"{doc.name}'s sitting table is stale; run: python scripts/render_sitting.py", file=sys.stderr)
+            stale = 1
+    return stale
 
 
 if __name__ == "__main__":
