@@ -15,14 +15,19 @@ from specd.tools.provenance import measured_at, source_commit
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def render() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("render_benchmarks", ROOT / "scripts" / "render_benchmarks.py")
+def _script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def render() -> ModuleType:
+    return _script("render_benchmarks")
 
 
 def _result(mode: str, tps: float, ratio: float, blocks: list[float]) -> dict[str, object]:
@@ -147,12 +152,7 @@ def test_every_json_the_documents_cite_exists() -> None:
 
 @pytest.fixture(scope="module")
 def sitting() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("render_sitting", ROOT / "scripts" / "render_sitting.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return _script("render_sitting")
 
 
 def test_readme_sitting_table_is_the_rendering(sitting: ModuleType) -> None:
