@@ -41,13 +41,8 @@ class SlowPrefillDrafter(FakeDrafter):
         return await super().draft(request)
 
 
-def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any], list[float], str, float]:
-    """A short request drafting, then a long one joining; the times the verifier was called, and
-    the sequence-rounds counted target-only while their drafter cache was not ready."""
-    sched = scheduler(verifier, drafter, prefill_chunk_tokens=64)
-    sched.drafter_prefill.fits = lambda busy_ns=0.0: 64  # type: ignore[method-assign]
-    # Joins at admission are sized to the verifier's open, beside it, and are not this test's subject.
-    sched._early_joins = lambda batch, prefilled: ([], {})  # type: ignore[method-assign]
+def timed_verifies(verifier: Any) -> list[float]:
+    """The times `verifier` is asked to verify, filled in as it is."""
     calls: list[float] = []
     verify = verifier.verify
 
@@ -55,7 +50,18 @@ def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any],
         calls.append(time.perf_counter())
         return await verify(request)
 
-    verifier.verify = timed  # type: ignore[method-assign]
+    verifier.verify = timed
+    return calls
+
+
+def run(drafter: SlowPrefillDrafter, verifier: FakeVerifier) -> tuple[list[Any], list[float], str, float]:
+    """A short request drafting, then a long one joining; the times the verifier was called, and
+    the sequence-rounds counted target-only while their drafter cache was not ready."""
+    sched = scheduler(verifier, drafter, prefill_chunk_tokens=64)
+    sched.drafter_prefill.fits = lambda busy_ns=0.0: 64  # type: ignore[method-assign]
+    # Joins at admission are sized to the verifier's open, beside it, and are not this test's subject.
+    sched._early_joins = lambda batch, prefilled: ([], {})  # type: ignore[method-assign]
+    calls = timed_verifies(verifier)
 
     async def main() -> Any:
         sched.start()
@@ -134,14 +140,7 @@ def test_a_drafter_frozen_mid_prefill_is_marked_down_and_stalls_no_round() -> No
     verifier = FakeVerifier(drafter=drafter, delay_s=VERIFY_S)
     sched = scheduler(verifier, drafter)
     sched._early_joins = lambda batch, prefilled: ([], {})  # type: ignore[method-assign]
-    calls: list[float] = []
-    verify = verifier.verify
-
-    async def timed(request: Any) -> Any:
-        calls.append(time.perf_counter())
-        return await verify(request)
-
-    verifier.verify = timed  # type: ignore[method-assign]
+    calls = timed_verifies(verifier)
 
     async def main() -> tuple[Any, Any, str]:
         sched.start()
