@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -53,7 +54,7 @@ POLL_BACKOFF = [
 ]
 
 
-def wait_grpc_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def wait_grpc_healthy(address: str, proc: subprocess.Popen | Forked, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     # gRPC's default reconnect backoff grows to seconds while the port is still closed, which would
     # add that much to every start-up a test waits for.
@@ -74,7 +75,7 @@ def wait_grpc_healthy(address: str, proc: subprocess.Popen, timeout_s: float = 1
 @dataclass
 class Service:
     name: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked
     known_port: int  # 0: not read yet from `port_file`
     log: Path
     grpc_port: int = 0  # the gateway's gRPC port
@@ -97,7 +98,7 @@ class Service:
         stop_all([self])
 
 
-def read_port_file(path: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> int:
+def read_port_file(path: Path, proc: subprocess.Popen | Forked, log: Path, timeout_s: float = 120.0) -> int:
     """The port a service wrote to `path` once it bound it (before its model loads)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -128,13 +129,105 @@ def base_url(gateway: Service) -> str:
 
 
 def spawn(name: str, args: list[str], log_dir: Path, port: int, command: list[str] | None = None) -> Service:
-    """`specd NAME ARGS`, or `COMMAND ARGS` (a script that runs NAME its own way)."""
+    """`specd NAME ARGS`, or `COMMAND ARGS` (a script that runs NAME its own way). `specd NAME ARGS`
+    is forked from this worker's zygote (tests/integration/zygote.py) unless SPECD_TEST_ZYGOTE=0."""
     log = log_dir / f"{name}-{port or uuid.uuid4().hex[:12]}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The zygote dies with the thread that started it (PR_SET_PDEATHSIG): the main thread's only.
+    if command is None and threading.current_thread() is threading.main_thread() and USE_ZYGOTE:
+        return Service(name, Zygote.get().fork([name, *args], env, log), port, log)
     argv = [*(command or [sys.executable, "-m", "specd.cli", name]), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
     return Service(name, proc, port, log)
+
+
+USE_ZYGOTE = os.environ.get("SPECD_TEST_ZYGOTE", "1") != "0"
+
+
+class Forked:
+    """A child of the zygote, with the part of `subprocess.Popen` the tests use. The zygote reaps
+    it and writes its exit status to `status` (negative: the signal that ended it)."""
+
+    def __init__(self, pid: int, status: Path, args: list[str]) -> None:
+        self.pid, self.status, self.args = pid, status, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.status.is_file():
+            self.returncode = int(self.status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.01)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """This worker's fork server (tests/integration/zygote.py), started on first use. It forks only
+    for the environment it started in, but for SPECD_ and OTEL_ settings (read by services as they
+    run) and pytest's own PYTEST_ ones: a library may read any other as it is imported."""
+
+    _instance: Zygote | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("zygote.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=self.env,
+            preexec_fn=die_with_parent,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        if self.stdout.readline() != b"ready\n":
+            raise RuntimeError(f"the test zygote exited with {self.proc.wait()} before it was ready")
+
+    @classmethod
+    def get(cls) -> Zygote:
+        with cls._lock:
+            if cls._instance is None or cls._instance.proc.poll() is not None:
+                cls._instance = Zygote()
+            return cls._instance
+
+    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | subprocess.Popen:
+        if _runtime_free(env) != _runtime_free(self.env):
+            with open(log, "wb") as out:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "specd.cli", *argv],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    preexec_fn=die_with_parent,
+                )
+        status = log.with_suffix(".status")
+        request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log), "status": str(status)}
+        with self._lock:
+            self.stdin.write(json.dumps(request).encode() + b"\n")
+            self.stdin.flush()
+            pid = int(self.stdout.readline())
+        return Forked(pid, status, argv)
+
+
+def _runtime_free(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(("SPECD_", "OTEL_", "PYTEST_"))}
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
