@@ -356,11 +356,15 @@ def test_rate_limit_per_api_key(gateway_for):
     assert 200 in burst("bob")  # another key has its own budget
 
 
-# The issue asks for 1,000 requests at concurrency 32; about two minutes here (tiny models).
+# The issue asks for 1,000 requests at concurrency 32; about a minute here (tiny models).
 # SPECD_SOAK_REQUESTS=100 makes a quicker run.
 SOAK_REQUESTS = int(os.environ.get("SPECD_SOAK_REQUESTS", "1000"))
 SOAK_CONCURRENCY = int(os.environ.get("SPECD_SOAK_CONCURRENCY", "32"))
 SOAK_CANCEL_RATE = 0.15
+# What a soak tests is each sequence's life (open, rounds beside others, cancel or finish, close), not
+# its length: short outputs turn the batch over more often for the same time, and the longest still
+# spans rounds of every k.
+SOAK_LENGTHS = (4, 8, 16, 32)
 
 
 def rss_bytes(pid: int) -> int:
@@ -378,7 +382,7 @@ def test_soak_with_random_cancellations(gateway_for, backends, tok, references):
     verifier, drafter = backends
     rng = random.Random(6)
     plan = [
-        (PROMPTS[rng.randrange(len(PROMPTS))], rng.choice([8, 16, 32, LONGEST]), rng.random() < SOAK_CANCEL_RATE)
+        (PROMPTS[rng.randrange(len(PROMPTS))], rng.choice(SOAK_LENGTHS), rng.random() < SOAK_CANCEL_RATE)
         for _ in range(SOAK_REQUESTS)
     ]
     outcome = {"completed": 0, "cancelled": 0, "mismatched": 0, "errors": 0}
