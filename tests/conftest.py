@@ -29,6 +29,15 @@ SERIAL = frozenset(
 )
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m serial` (make test's second run) need not import the other test files: collecting all of
+    them costs each run seconds of CPU (torch, transformers, the clients' SDKs)."""
+    serial_run = config.getoption("markexpr") == "serial"
+    if serial_run and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        return collection_path.name not in SERIAL or None
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name not in SPREAD:
