@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import httpx._transports.default
 import pytest
 import tinymodels
 
@@ -11,6 +12,26 @@ import tinymodels
 # UNAUTHENTICATED.
 for name in ("SPECD_BACKEND_TOKEN", *(f"SPECD_{s}_BACKEND_TOKEN_FILE" for s in ("DRAFTER", "VERIFIER", "GATEWAY"))):
     os.environ.pop(name, None)
+
+
+def _shared_default_ssl_context(make):
+    """httpx makes a new default SSL context, reading the CA bundle, for every client, and so for
+    each `httpx.post`: about 20 ms of CPU, thousands of times a run, for calls to plain-HTTP
+    loopback services. The default one is made once here; a test that passes its own (TLS) is
+    given its own."""
+    made: dict[bool, object] = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None or not trust_env:
+            return make(verify=verify, cert=cert, trust_env=trust_env)
+        if True not in made:
+            made[True] = make()
+        return made[True]
+
+    return create_ssl_context
+
+
+httpx._transports.default.create_ssl_context = _shared_default_ssl_context(httpx._transports.default.create_ssl_context)
 
 
 # make test's workers (pytest-xdist, --dist loadgroup) take each file's tests together, so its module
