@@ -1,7 +1,8 @@
 """Faults under `specd up`, as a user runs it: the supervisor restarts what dies and the stack recovers.
 
-Each test starts its own `specd up` on tiny models and loopback ports, then SIGKILLs one of
-its children (found through /proc: they are the launcher's child processes).
+Each test starts its own `specd up` on tiny models and loopback ports (the two that kill a backend
+and see it recover share one), then SIGKILLs one of its children (found through /proc: they are
+the launcher's child processes).
 """
 
 from __future__ import annotations
@@ -190,14 +191,19 @@ def stop(up: Up) -> int | None:
     return code
 
 
-@pytest.fixture
-def supervised(model_dirs, log_dir, request) -> Iterator[Up]:
-    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, request.node.name[:40])
+@pytest.fixture(scope="module")
+def supervised(model_dirs, log_dir) -> Iterator[Up]:
+    """One `specd up` for the tests that kill one child and see the stack recover (SHARED: they run
+    on one worker, one after the other); each reads the log from where it began (`since`)."""
+    up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, "shared")
     try:
         yield up
     finally:
         code = stop(up)
         assert code == 0, f"specd up exited with {code} on SIGTERM:\n{up.output()[-3000:]}"
+
+
+SHARED = pytest.mark.xdist_group("test_supervised.py-shared")
 
 
 @pytest.fixture(scope="module")
@@ -233,13 +239,15 @@ async def streams_with_a_kill(up: Up, prompts: list[str], victim: str) -> list[s
 
 
 @pytest.mark.slow  # 40-90 s here: a restart of the drafter child and a reconnect
+@SHARED
 def test_drafter_killed_under_specd_up_costs_no_request_and_speculation_resumes(supervised, tok, references):
     up = supervised
+    since = len(up.output())
     prompts = (PROMPTS * 2)[:16]
     outcomes = asyncio.run(streams_with_a_kill(up, prompts, "drafter"))
     for prompt, outcome in zip(prompts, outcomes, strict=True):
         assert outcome == expected_text(tok, references, prompt, LONGEST), (prompt, outcome)
-    assert "the drafter was killed by SIGKILL while serving; the others keep running" in up.output()
+    assert "the drafter was killed by SIGKILL while serving; the others keep running" in up.output()[since:]
     # The supervisor starts it again on the same port; the gateway takes it back.
     wait_until(lambda: up.health().json()["drafter"] == "ok", 90, "the gateway to take the drafter back")
     assert up.metrics()["specd_drafter_reconnects_total"] >= 1
@@ -253,11 +261,13 @@ def test_drafter_killed_under_specd_up_costs_no_request_and_speculation_resumes(
     assert texts == [expected_text(tok, references, p, LONGEST) for p in PROMPTS[:4]]
     assert up.metrics()["specd_spec_decode_num_drafts_total"] > before, "speculation did not resume"
     # The gateway and verifier were never restarted.
-    assert "restarting the gateway" not in up.output() and "restarting the verifier" not in up.output()
+    assert "restarting the gateway" not in up.output()[since:] and "restarting the verifier" not in up.output()[since:]
 
 
+@SHARED
 def test_verifier_killed_under_specd_up_fails_in_flight_requests_then_recovers(supervised):
     up = supervised
+    since = len(up.output())
     body = {"model": MODEL, "prompt": "Go on", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
 
     async def run() -> list[httpx.Response]:
@@ -282,8 +292,8 @@ def test_verifier_killed_under_specd_up_fails_in_flight_requests_then_recovers(s
 
     wait_until(served, 60, "a new request to succeed after the verifier died", interval_s=0.5)
     print(f"first request served {time.monotonic() - killed:.1f} s after the verifier was killed")
-    assert "the verifier was killed by SIGKILL while serving; the others keep running" in up.output()
-    assert "restarting the gateway" not in up.output() and "restarting the drafter" not in up.output()
+    assert "the verifier was killed by SIGKILL while serving; the others keep running" in up.output()[since:]
+    assert "restarting the gateway" not in up.output()[since:] and "restarting the drafter" not in up.output()[since:]
 
 
 @pytest.mark.slow  # 90-200 s here: ten gateway restarts
