@@ -22,7 +22,7 @@ def distilled(tmp_path_factory, model_dirs):
         "--target", str(model_dirs["target"]),
         "--out", str(out),
         "--work-dir", str(work),
-        "--budget-minutes", "0.25",
+        "--budget-minutes", "0.1",
         "--gen-batch", "8",
         "--max-new-tokens", "12",
         "--draft-vocab", "256",
