@@ -34,14 +34,6 @@ def _shared_default_ssl_context(make):
 httpx._transports.default.create_ssl_context = _shared_default_ssl_context(httpx._transports.default.create_ssl_context)
 
 
-# make test's workers (pytest-xdist, --dist loadgroup) take each file's tests together, so its module
-# fixtures start their services once; these files' tests start their own services or models, and are
-# spread over the workers instead, so no worker is left with the longest files one after another.
-SPREAD = frozenset(
-    {"test_faults.py", "test_supervised.py", "test_sampled_end_to_end.py", "test_engines.py", "test_kvcache.py"}
-)
-
-
 # Tests that compare latencies measured a moment apart, or bound a stall of the round loop in
 # milliseconds: another worker's load beside them would decide them. `make test` runs them after the
 # others, with no other test beside them.
@@ -61,8 +53,6 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if item.path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if item.path.name in SERIAL:
             item.add_marker(pytest.mark.serial)
 

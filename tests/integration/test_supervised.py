@@ -193,17 +193,14 @@ def stop(up: Up) -> int | None:
 
 @pytest.fixture(scope="module")
 def supervised(model_dirs, log_dir) -> Iterator[Up]:
-    """One `specd up` for the tests that kill one child and see the stack recover (SHARED: they run
-    on one worker, one after the other); each reads the log from where it began (`since`)."""
+    """One `specd up` for the tests that kill one child and see the stack recover (a file's tests
+    run on one worker); each reads the log from where it began (`since`)."""
     up = start_up(model_dirs["target"], model_dirs["draft"], log_dir, "shared")
     try:
         yield up
     finally:
         code = stop(up)
         assert code == 0, f"specd up exited with {code} on SIGTERM:\n{up.output()[-3000:]}"
-
-
-SHARED = pytest.mark.xdist_group("test_supervised.py-shared")
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +236,6 @@ async def streams_with_a_kill(up: Up, prompts: list[str], victim: str) -> list[s
 
 
 @pytest.mark.slow  # 40-90 s here: a restart of the drafter child and a reconnect
-@SHARED
 def test_drafter_killed_under_specd_up_costs_no_request_and_speculation_resumes(supervised, tok, references):
     up = supervised
     since = len(up.output())
@@ -264,7 +260,6 @@ def test_drafter_killed_under_specd_up_costs_no_request_and_speculation_resumes(
     assert "restarting the gateway" not in up.output()[since:] and "restarting the verifier" not in up.output()[since:]
 
 
-@SHARED
 def test_verifier_killed_under_specd_up_fails_in_flight_requests_then_recovers(supervised):
     up = supervised
     since = len(up.output())
