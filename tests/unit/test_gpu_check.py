@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,16 +24,24 @@ def script(name: str) -> ModuleType:
     return module
 
 
-def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None:
-    bench, out = tmp_path / "bench", tmp_path / "out"
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[Path, Path, dict]:
+    """One dry run of every section the CPU can run: its bench folder, its --out folder, its report."""
+    root = tmp_path_factory.mktemp("dry_run")
+    bench, out = root / "bench", root / "out"
+    sections = "device,graph_probe,step_ms,verify_ms,synthetic_pair"
     cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "600"]
-    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", "device,graph_probe,step_ms,verify_ms"]
+    cmd += ["--bench-dir", str(bench), "--out", str(out), "--sections", sections]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     [path] = bench.glob("gpu-cpu-*.json")
+    return path, out, json.loads(path.read_text())
+
+
+def test_the_dry_run_writes_its_json_after_every_section(dry_run) -> None:
+    path, out, report = dry_run
     assert (out / path.name).read_text() == path.read_text()
-    report = json.loads(path.read_text())
     assert report["dry_run"] and report["device"]["copy_gbps"] > 0
     tiny = report["step_ms"]["tiny"]
     assert set(tiny["step_ms"]) == {"1", "2"}
@@ -41,23 +51,16 @@ def test_the_dry_run_writes_its_json_after_every_section(tmp_path: Path) -> None
     # The uncaptured static path computes what the eager one does.
     assert tiny["graphed_vs_eager"]["same_argmax"]
     assert report["verify_ms"]["tiny"]["x_step"]["eager"]["1"] == 1.0
-    assert set(report["wall_s"]) == {"device", "graph_probe", "step_ms", "verify_ms"}
+    assert set(report["wall_s"]) == {"device", "graph_probe", "step_ms", "verify_ms", "synthetic_pair"}
     # The probe's variants of the static path, uncaptured here, each give the eager logits.
     probe = report["graph_probe"]
     assert set(probe) == set(script("gpu_check").PROBE_VARIANTS)
     assert all(gap < 1e-3 for name, gap in probe.items() if name != "bfloat16"), probe
 
 
-def test_the_dry_run_benches_a_synthetic_pair_under_the_issues_keys(tmp_path: Path) -> None:
+def test_the_dry_run_benches_a_synthetic_pair_under_the_issues_keys(dry_run) -> None:
     """The synthetic_pair section on a tiny synthetic pair: one stack, one α, one clients level."""
-    bench = tmp_path / "bench"
-    cmd = [sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--budget-s", "400"]
-    cmd += ["--bench-dir", str(bench), "--sections", "step_ms,synthetic_pair"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [path] = bench.glob("gpu-cpu-*.json")
-    report = json.loads(path.read_text())
+    _, _, report = dry_run
     assert set(report["synthetic_pair"]) == {"0.8"}, report.get("synthetic_pair_runs")
     cells = report["synthetic_pair"]["0.8"]
     assert set(cells) == {f"{mode}@1" for mode in ("target", "sequential", "ahead", "auto")}
