@@ -135,7 +135,9 @@ def spawn(name: str, args: list[str], log_dir: Path, port: int, command: list[st
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     # The zygote dies with the thread that started it (PR_SET_PDEATHSIG): the main thread's only.
     if command is None and threading.current_thread() is threading.main_thread() and USE_ZYGOTE:
-        return Service(name, Zygote.get().fork([name, *args], env, log), port, log)
+        forked = Zygote.get().fork([name, *args], env, log)
+        if forked is not None:
+            return Service(name, forked, port, log)
     argv = [*(command or [sys.executable, "-m", "specd.cli", name]), *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent)
@@ -207,16 +209,10 @@ class Zygote:
                 cls._instance = Zygote()
             return cls._instance
 
-    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | subprocess.Popen:
+    def fork(self, argv: list[str], env: dict[str, str], log: Path) -> Forked | None:
+        """`specd ARGV` in `env`, its output to `log`; None where `env` is not one to fork for."""
         if _runtime_free(env) != _runtime_free(self.env):
-            with open(log, "wb") as out:
-                return subprocess.Popen(
-                    [sys.executable, "-m", "specd.cli", *argv],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    preexec_fn=die_with_parent,
-                )
+            return None
         status = log.with_suffix(".status")
         request = {"argv": argv, "env": env, "cwd": os.getcwd(), "log": str(log), "status": str(status)}
         with self._lock:
