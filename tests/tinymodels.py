@@ -1,13 +1,17 @@
 """Tiny random-weight causal LMs for tests, saved like any local HF checkpoint.
 
-They use the embedded model's real tokenizer, so the gateway can tokenize text
-and fingerprints are meaningful, with a 2-layer body that runs in milliseconds.
+They use the embedded model's tokenizer cut to its first TEST_VOCAB tokens (`tokenizer`), so the
+gateway tokenizes real text, chat templates and special tokens are the embedded model's and
+fingerprints are meaningful, with a 2-layer body that runs in milliseconds.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +40,36 @@ def backed_kv_bytes(table, positions: int) -> int:
     return table.kv_reserved_bytes()
 
 
+def merged(pair: list[str] | str) -> str:
+    """What a merge makes: tokenizer.json writes a merge as a pair or as "left right"."""
+    return "".join(pair) if isinstance(pair, list) else pair.replace(" ", "", 1)
+
+
+# The embedded tokenizer's first 4,096 tokens: its special tokens, bytes and first merges. Text
+# takes about a third more tokens than with all 49,152, and the LM head, most of a tiny model's
+# work, is twelve times smaller.
+TEST_VOCAB = 4096
+
+
 def tokenizer():
-    """The embedded model's tokenizer; SPECD_TEST_TOKENIZER names a directory holding the same one
-    (the shipped drafter's, src/specd/data/smollm2-135m-drafter) where the embedded GGUF is not at
-    hand: a GPU host it cannot travel to (scripts/gpu_check.py)."""
-    where = os.environ.get("SPECD_TEST_TOKENIZER") or str(materialize(EMBEDDED))
-    return AutoTokenizer.from_pretrained(where, local_files_only=True)
+    """The embedded model's tokenizer cut to TEST_VOCAB tokens: a byte-level BPE keeps working
+    with a prefix of its merges (ids past the bytes are merges in the order they were learned), so
+    every text still encodes and decodes to itself. SPECD_TEST_TOKENIZER names a directory holding
+    the full one (the shipped drafter's, src/specd/data/smollm2-135m-drafter) where the embedded
+    GGUF is not at hand: a GPU host it cannot travel to (scripts/gpu_check.py)."""
+    source = Path(os.environ.get("SPECD_TEST_TOKENIZER") or materialize(EMBEDDED))
+    cut = Path(tempfile.mkdtemp(prefix="specd-test-tokenizer-"))
+    for name in ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, cut)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    model = spec["model"]
+    model["vocab"] = {token: i for token, i in model["vocab"].items() if i < TEST_VOCAB}
+    model["merges"] = [pair for pair in model["merges"] if merged(pair) in model["vocab"]]
+    (cut / "tokenizer.json").write_text(json.dumps(spec))
+    made = AutoTokenizer.from_pretrained(str(cut), local_files_only=True)
+    shutil.rmtree(cut)
+    return made
 
 
 def build_model(seed: int, vocab_size: int, bos: int, eos: int, layers: int = 2, **overrides: Any) -> LlamaForCausalLM:

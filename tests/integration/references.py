@@ -31,3 +31,10 @@ def greedy_references(tok: Any, model: Any, prompts: Sequence[str], max_tokens: 
         )
         refs[prompt] = out[0, len(ids) :].tolist()
     return refs
+
+
+def api_text(tok: Any, ids: Sequence[int]) -> str:
+    """The text the API returns for these generated ids: their decoding, less a character the last
+    ids leave incomplete. The gateway streams a character once its last byte has come (as vLLM and
+    TGI do), so one the output ends in the middle of is never sent."""
+    return tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")

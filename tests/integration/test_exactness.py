@@ -8,7 +8,7 @@ import grpc
 import httpx
 import pytest
 from references import PROMPTS as ALL_PROMPTS
-from references import greedy_references
+from references import api_text, greedy_references
 from stack import base_url, complete_texts
 
 from specd.proto.speculative.v1 import gateway_pb2, gateway_pb2_grpc
@@ -59,7 +59,7 @@ def concurrent_texts(gateway, prompts: list[str], **extra) -> list[str]:
 def test_greedy_token_identical_16_concurrent(gateway_for, references, tok, k):
     prompts = (PROMPTS * 2)[:16]
     for prompt, text in zip(prompts, concurrent_texts(gateway_for(k), prompts), strict=True):
-        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+        assert text == api_text(tok, references[prompt]), prompt
 
 
 def test_ngram_drafter_is_exact(model_dirs, log_dir, references):
@@ -81,7 +81,7 @@ def test_greedy_token_identical_in_every_pipeline(gateway_for, references, tok, 
     prompts = (PROMPTS * 2)[:concurrency]
     texts = concurrent_texts(gateway_for(4), prompts, pipeline=pipeline)
     for prompt, text in zip(prompts, texts, strict=True):
-        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+        assert text == api_text(tok, references[prompt]), prompt
 
 
 @pytest.mark.parametrize("chunk", ["1", "5"])
@@ -91,7 +91,7 @@ def test_greedy_token_identical_with_chunked_prefill(gateway_for, references, to
     gateway = gateway_for(4, "--prefill-chunk-tokens", chunk, "--pipeline", pipeline)
     prompts = (PROMPTS * 2)[:12]
     for prompt, text in zip(prompts, complete_texts(base_url(gateway), prompts, MAX_TOKENS), strict=True):
-        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+        assert text == api_text(tok, references[prompt]), prompt
     assert list(grpc_generate(gateway, PROMPTS[0]).token_ids) == references[PROMPTS[0]]
 
 
@@ -125,7 +125,7 @@ def test_greedy_token_identical_with_trees_and_fan_out(gateway_for, references, 
     refusals = gateway.output().count("drafter refused")
     prompts = (PROMPTS * 2)[:concurrency]
     for prompt, text in zip(prompts, concurrent_texts(gateway, prompts, **({} if flag else fields)), strict=True):
-        assert text == tok.decode(references[prompt], skip_special_tokens=True), prompt
+        assert text == api_text(tok, references[prompt]), prompt
     assert counter(gateway, f"specd_spec_decode_{used}_total") > before
     assert counter(gateway, "specd_spec_decode_num_refused_draft_blocks_total") == 0
     assert gateway.output().count("drafter refused") == refusals  # every task drafted as asked

@@ -21,7 +21,7 @@ import pytest
 import stack as st
 from prometheus_client.parser import text_string_to_metric_families
 from references import PROMPTS as ALL_PROMPTS
-from references import greedy_references
+from references import api_text, greedy_references
 
 from specd.proto.speculative.v1 import (
     drafter_pb2,
@@ -45,7 +45,7 @@ def references(tok, tiny_target) -> dict[str, list[int]]:
 
 
 def expected_text(tok, references, prompt: str, max_tokens: int) -> str:
-    return tok.decode(references[prompt][:max_tokens], skip_special_tokens=True)
+    return api_text(tok, references[prompt][:max_tokens])
 
 
 def backend(kind: str, args: list[str], log_dir: Path, port: int | None = None) -> st.Service:

@@ -25,7 +25,7 @@ import pytest
 import stack as st
 from prometheus_client.parser import text_string_to_metric_families
 from references import PROMPTS as ALL_PROMPTS
-from references import greedy_references
+from references import api_text, greedy_references
 
 from specd.proto.speculative.v1 import drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 
@@ -214,7 +214,7 @@ def references(tok, tiny_target) -> dict[str, list[int]]:
 
 
 def expected_text(tok, references, prompt: str, max_tokens: int) -> str:
-    return tok.decode(references[prompt][:max_tokens], skip_special_tokens=True)
+    return api_text(tok, references[prompt][:max_tokens])
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> float:

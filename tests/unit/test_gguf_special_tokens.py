@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 
+from transformers import AutoTokenizer
+
 from specd.engine.checkpoints import (
+    EMBEDDED,
     EMBEDDED_DRAFTER,
     _set_special_tokens,
     embedded_gguf_path,
     gguf_special_token_ids,
     load_tokenizer,
+    materialize,
 )
 from specd.engine.fingerprint import TokenizerFingerprint
 
@@ -19,9 +22,9 @@ def test_the_embedded_gguf_declares_smollm2_instruct_special_tokens():
     assert gguf_special_token_ids(embedded_gguf_path()) == {"bos": 1, "eos": 2, "unk": 0, "pad": 2}
 
 
-def test_a_conversion_that_maps_eos_wrongly_is_corrected_from_the_metadata(tok):
+def test_a_conversion_that_maps_eos_wrongly_is_corrected_from_the_metadata():
     # What one transformers release made of this GGUF: eos <|im_start|>, no pad token.
-    wrong = copy.deepcopy(tok)
+    wrong = AutoTokenizer.from_pretrained(str(materialize(EMBEDDED)), local_files_only=True)
     wrong.eos_token = wrong.convert_ids_to_tokens(1)
     wrong.pad_token = None
     config = SimpleNamespace(bos_token_id=1, eos_token_id=1, pad_token_id=None)
