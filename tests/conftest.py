@@ -6,6 +6,7 @@ from pathlib import Path
 import httpx._transports.default
 import pytest
 import tinymodels
+import torch
 
 # The tests start their own services, each with the backend token it needs or none: a token an
 # operator exported for `specd up` in this shell would make every test's own call to a service
@@ -55,6 +56,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in SERIAL:
             item.add_marker(pytest.mark.serial)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    """The tests' own forwards (tiny models, and the references integration tests compute with
+    transformers) gain little from intra-op threads, and beside the other worker and the services
+    the tests start, OpenMP spin-waiting makes them many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

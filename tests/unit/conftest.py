@@ -17,16 +17,6 @@ from verifier_service.engine import VerifierEngine
 DEVICE = tinymodels.device_under_test()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread():
-    """The tiny models gain nothing from intra-op threads, and on a busy machine
-    OpenMP spin-waiting makes them many times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def fingerprint(tok) -> TokenizerFingerprint:
     return TokenizerFingerprint.of(tok)
