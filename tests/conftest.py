@@ -39,7 +39,14 @@ httpx._transports.default.create_ssl_context = _shared_default_ssl_context(httpx
 # milliseconds: another worker's load beside them would decide them. `make test` runs them after the
 # others, with no other test beside them.
 SERIAL = frozenset(
-    {"test_real_model.py", "test_fair_shares.py", "test_hostile_load.py", "test_prefill_beside_rounds.py"}
+    {
+        "test_real_model.py",
+        "test_fair_shares.py",
+        "test_hostile_load.py",
+        "test_prefill_beside_rounds.py",
+        # auto's choice of pipeline learns from the fakes' timed exchanges (sleeps of 20 ms)
+        "test_auto_pipeline.py",
+    }
 )
 
 
