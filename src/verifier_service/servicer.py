@@ -68,8 +68,10 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
             drafts = None if delivery.released else {d.sequence_id: _drafts(d) for d in delivery.drafts}
             error = self.drafts.deliver(delivery.lease_owner, delivery.round_id, drafts)
             if error:
+                # Only refusals are answered: an answer to every delivery would be one more write
+                # on the round's path, between the drafts' arrival and the verify they start.
                 log.warning("refused drafts delivered for a round: %s", error)
-            yield verifier_pb2.DeliveryAck(round_id=delivery.round_id, error=error)
+                yield verifier_pb2.DeliveryAck(round_id=delivery.round_id, error=error)
 
     async def _delivered(
         self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext

@@ -116,7 +116,7 @@ def test_a_late_delivery_is_refused_with_its_reason(one_hop):
             deliver = stub.Deliver()
             late = verifier_pb2.DeliveredDrafts(sequence_id="nobody", token_ids=[1, 2])
             await deliver.write(verifier_pb2.DraftDelivery(lease_owner="probe", round_id=7, drafts=[late]))
-            ack = await deliver.read()
+            ack = await asyncio.wait_for(deliver.read(), 30)  # only a refusal is answered
             verify.cancel()
             deliver.cancel()
             return reply, ack

@@ -119,6 +119,8 @@ class DirectRound:
         asked = draft_request(round_id, plan.pre_draft, contexts)
         asked.deliver_to_verifier = True
         drafting = asyncio.create_task(self._draft(round_id, plan.pre_draft, asked))
+        # The drafts are on the round's path and the verify waits for them: the draft request goes first.
+        await asyncio.sleep(0)
         reply: verifier_pb2.VerifyResponse | None = None
         try:
             reply, ahead, joined_tokens, marks = await self.exchange._verify(plan, round_id, request, [], contexts)

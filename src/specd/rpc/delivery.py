@@ -1,8 +1,8 @@
 """A long-lived Deliver stream to one verifier: the one-hop exchange's drafts (docs/architecture.md).
 
 The drafter writes each round's drafts on it, and the gateway a release of a round whose drafter
-failed. A write is all a round waits for: the verifier's acknowledgements are read beside, and one
-that refuses a delivery (a round it does not await: late, or never asked) is logged with its reason.
+failed. A write is all a round waits for: the verifier answers only a delivery it refuses (a round
+it does not await: late, or never asked), read beside and logged with its reason.
 A broken stream is dropped and reopened on the next write; the round it failed goes without drafts
 at the verifier, whose wait for them is bounded.
 """
@@ -57,9 +57,8 @@ class DeliveryStream:
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         try:
             while (ack := await call.read()) is not grpc.aio.EOF:
-                if ack.error:
-                    log.warning("the verifier refused round %d's drafts: %s", ack.round_id, ack.error)
-                    self._on_refused(ack.error)
+                log.warning("the verifier refused round %d's drafts: %s", ack.round_id, ack.error)
+                self._on_refused(ack.error)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("the verifier's delivery stream ended: %s: %s", exc.code().name, exc.details())

@@ -127,8 +127,8 @@ class VerifierServiceServicer:
         """Long-lived stream of drafts sent straight to the verifier (the one-hop
         exchange, docs/architecture.md): a drafter delivers a round's drafts for
         the tasks that await them (VerifyTask.direct_drafts), and a gateway whose
-        drafter failed releases the round. One acknowledgement per delivery, in
-        order.
+        drafter failed releases the round. A delivery the verifier refuses (for a
+        round it does not await) is answered with the reason; one it takes, not.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
