@@ -170,3 +170,46 @@ def test_the_verdicts_are_read_against_what_the_verifier_verified() -> None:
     request.tasks[0].ClearField("draft_token_ids")
     with pytest.raises(ProtocolError):
         take_delivered(request, reply)
+
+
+def test_direct_needs_one_drafter_and_one_verifier() -> None:
+    from gateway.config import GatewayConfig
+
+    GatewayConfig(exchange="direct").validate()
+    with pytest.raises(ValueError, match="needs a drafter"):
+        GatewayConfig(exchange="direct", drafter="").validate()
+    with pytest.raises(ValueError, match="one drafter and one verifier"):
+        GatewayConfig(exchange="direct", verifier="127.0.0.1:1,127.0.0.1:2").validate()
+    with pytest.raises(ValueError, match="one drafter and one verifier"):
+        GatewayConfig(exchange="direct", drafter="dns:///drafters:50051").validate()
+
+
+def test_specd_up_gives_the_drafter_the_verifier_and_the_links_tls() -> None:
+    import argparse
+
+    from specd.up_tls import drafter_delivery
+
+    args = argparse.Namespace(
+        exchange="direct",
+        verifier_port=7,
+        tls_ca="ca.pem",
+        tls_server_name="",
+        host="h",
+        tls_client_cert="c",
+        tls_client_key="k",
+    )
+    assert drafter_delivery(args) == [
+        "--deliver-to", "127.0.0.1:7",
+        "--deliver-tls-ca", "ca.pem", "--deliver-tls-server-name", "h",
+        "--deliver-tls-cert", "c", "--deliver-tls-key", "k",
+    ]  # fmt: skip
+    assert drafter_delivery(argparse.Namespace(exchange="gateway")) == []
+
+
+def test_the_drafters_delivery_tls_options_need_a_verifier_to_deliver_to() -> None:
+    from drafter_service.config import DrafterConfig
+
+    with pytest.raises(ValueError, match="apply to --deliver-to"):
+        DrafterConfig(deliver_tls_ca="ca.pem").validate()
+    with pytest.raises(ValueError, match="go together"):
+        DrafterConfig(deliver_to="v:1", deliver_tls_ca="ca.pem", deliver_tls_cert="c").validate()
