@@ -21,7 +21,7 @@ import pytest
 import stack as st
 from prometheus_client.parser import text_string_to_metric_families
 from references import PROMPTS as ALL_PROMPTS
-from references import greedy_references
+from references import api_text, greedy_references
 
 from specd.proto.speculative.v1 import verifier_pb2, verifier_pb2_grpc
 from specd.tools.benchstats import round_costs
@@ -37,7 +37,7 @@ def references(tok, tiny_target) -> dict[str, list[int]]:
 
 
 def texts(tok, references) -> list[str]:
-    return [tok.decode(references[p][:TOKENS], skip_special_tokens=True) for p in PROMPTS]
+    return [api_text(tok, references[p][:TOKENS]) for p in PROMPTS]
 
 
 def metrics(gateway: st.Service) -> dict[str, float]:
