@@ -88,8 +88,23 @@ class DrafterConfig(ModelServiceConfig):
         0.1, "suffix drafter: no draft whose estimated probability (its path's frequencies multiplied) is below this"
     )
 
+    deliver_to: str = field(
+        "",
+        "the one-hop exchange (the gateway's --exchange direct): the verifier (host:port) this drafter sends a "
+        "round's drafts to itself when the round asks, authenticated with the first --backend-token; empty: none",
+    )
+    deliver_tls_ca: str = field("", "PEM CA that signed the --deliver-to verifier's certificate: TLS to it")
+    deliver_tls_cert: str = field("", "PEM client certificate for the --deliver-to verifier (mutual TLS)")
+    deliver_tls_key: str = field("", "PEM private key of --deliver-tls-cert")
+    deliver_tls_server_name: str = field("", "name the verifier's certificate is checked against; default: its host")
+
     def validate(self) -> None:
         super().validate()
+        client_cert = bool(self.deliver_tls_cert), bool(self.deliver_tls_key)
+        if client_cert[0] != client_cert[1] or (self.deliver_tls_cert and not self.deliver_tls_ca):
+            raise ValueError("--deliver-tls-cert and --deliver-tls-key go together, and need --deliver-tls-ca")
+        if (self.deliver_tls_ca or self.deliver_tls_server_name) and not self.deliver_to:
+            raise ValueError("the --deliver-tls-* options apply to --deliver-to, which is not set")
         if not 0.0 <= self.synthetic_agreement <= 1.0:
             raise ValueError(f"synthetic_agreement must be between 0 and 1, not {self.synthetic_agreement}")
         if self.max_support < 1:

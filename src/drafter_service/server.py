@@ -17,9 +17,12 @@ from drafter_service.suffix_engine import SuffixDrafter
 from specd.engine import suffix
 from specd.engine.cpus import pin
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specd.rpc import backend_auth
+from specd.rpc.delivery import DeliveryStream
 from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
-from specd.rpc.serving import EngineRunner, run_service
+from specd.rpc.serving import EngineRunner, channel_options, run_service
+from specd.rpc.tls import channel_credentials, server_name_option
 from specd.rpc.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
 NGRAM_VOCAB_LIMIT = 2**31 - 1
 
 log = logging.getLogger(__name__)
+
+# A delivery is one write on a stream already open: past this the verifier has stopped reading.
+DELIVERY_TIMEOUT_S = 5.0
 
 
 def build_engine(config: DrafterConfig) -> tuple[ModelDrafter | NgramDrafter | SuffixDrafter, common_pb2.ModelInfo]:
@@ -82,15 +88,46 @@ def register(
     tracing: Tracing,
     metrics: ServiceMetrics,
     leases: Leases,
+    delivery: DeliveryStream | None = None,
 ) -> list[str]:
     drafter_pb2_grpc.add_DrafterServiceServicer_to_server(
-        DrafterServicer(engine, info, runner, tracing, metrics, leases), server
+        DrafterServicer(engine, info, runner, tracing, metrics, leases, delivery), server
     )
     return [drafter_pb2.DESCRIPTOR.services_by_name["DrafterService"].full_name]
 
 
+def delivery_stream(config: DrafterConfig) -> DeliveryStream | None:
+    """The one-hop exchange's stream to the verifier (--deliver-to), with the backend links' token and TLS."""
+    if not config.deliver_to:
+        return None
+    tokens = backend_auth.load_tokens(config.backend_token, config.backend_token_file)
+    credentials = channel_credentials(config.deliver_tls_ca, config.deliver_tls_cert, config.deliver_tls_key)
+    options = channel_options(config.max_message_bytes)
+    if credentials is None:
+        channel = grpc.aio.insecure_channel(config.deliver_to, options=options)
+    else:
+        options += server_name_option(config.deliver_tls_server_name)
+        channel = grpc.aio.secure_channel(config.deliver_to, credentials, options=options)
+    return DeliveryStream(channel, backend_auth.token_metadata(tokens[0] if tokens else ""), DELIVERY_TIMEOUT_S)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    run_service("drafter", DrafterConfig.from_args(argv), build_engine, register)
+    config = DrafterConfig.from_args(argv)
+
+    def register_delivering(
+        server: grpc.aio.Server,
+        engine: ModelDrafter | NgramDrafter | SuffixDrafter,
+        info: common_pb2.ModelInfo,
+        runner: EngineRunner,
+        tracing: Tracing,
+        metrics: ServiceMetrics,
+        leases: Leases,
+    ) -> list[str]:
+        # Made here, in the service's event loop, which the channel belongs to.
+        delivery = delivery_stream(config)
+        return register(server, engine, info, runner, tracing, metrics, leases, delivery)
+
+    run_service("drafter", config, build_engine, register_delivering)
 
 
 if __name__ == "__main__":

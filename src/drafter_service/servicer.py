@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import grpc
 
 from specd.engine.tasks import DraftBranch, DraftProposal, DraftTask, SparseDist
-from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2
+from specd.rpc.delivery import DeliveryStream
 from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
 from specd.rpc.serving import EngineRunner, SequenceRpcs
@@ -49,8 +50,10 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
         tracing: Tracing,
         metrics: ServiceMetrics,
         leases: Leases,
+        delivery: DeliveryStream | None = None,
     ) -> None:
         self.engine = engine
+        self.delivery = delivery  # to the verifier, for rounds that ask (the one-hop exchange)
         self.info = info
         self.kind = KINDS[engine.kind]
         self.runner = runner
@@ -65,6 +68,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
             open_sequences=len(self.engine.table),
             kv_cache_bytes=self.engine.kv_bytes(),
             feature_size=getattr(self.engine, "feature_size", 0),
+            delivers=self.delivery is not None,
         )
 
     async def OpenDraftSequences(self, request, context) -> drafter_pb2.OpenDraftSequencesResponse:
@@ -118,7 +122,7 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                 lambda sequence_id, error: DraftProposal(sequence_id, error=error),
                 lambda t, p: {"specd.k": t.num_draft_tokens, "specd.proposed": len(p.tokens)},
             )
-            yield drafter_pb2.DraftResponse(
+            response = drafter_pb2.DraftResponse(
                 round_id=request.round_id,
                 proposals=[
                     drafter_pb2.DraftProposal(
@@ -134,3 +138,34 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
                 ],
                 timings=timings,
             )
+            if request.deliver_to_verifier:
+                await self._deliver(response, owner, context)
+            yield response
+
+    async def _deliver(
+        self, response: drafter_pb2.DraftResponse, owner: str, context: grpc.aio.ServicerContext
+    ) -> None:
+        """The round's drafts to the verifier, before its reply to the gateway: they are on the round's path."""
+        if self.delivery is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a round asked this drafter to deliver its drafts to the verifier, but it delivers to none "
+                "(start it with --deliver-to)",
+            )
+        assert self.delivery is not None
+        await self.delivery.send(delivery_of(response, owner))
+
+
+def delivery_of(response: drafter_pb2.DraftResponse, owner: str) -> verifier_pb2.DraftDelivery:
+    """What the verifier needs of a round's proposals: each drafted sequence's chain and its q."""
+    return verifier_pb2.DraftDelivery(
+        lease_owner=owner,
+        round_id=response.round_id,
+        drafts=[
+            verifier_pb2.DeliveredDrafts(
+                sequence_id=p.sequence_id, token_ids=p.token_ids, distributions=p.distributions
+            )
+            for p in response.proposals
+            if p.token_ids and not p.error.code and not p.parents
+        ],
+    )

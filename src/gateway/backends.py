@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specd.engine.fingerprint import TokenizerFingerprint
 from specd.proto.speculative.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specd.rpc.backend_auth import client_interceptors, token_metadata
+from specd.rpc.delivery import DeliveryStream
 from specd.rpc.serving import channel_options, fingerprint_from_pb
 from specd.rpc.tls import server_name_option
 
@@ -93,6 +94,11 @@ async def within(timeout_s: float, exchange: Coroutine[Any, Any, Any]) -> Any:
         return await asyncio.wait_for(exchange, timeout_s)
     async with timeout(timeout_s):
         return await exchange
+
+
+def round_header(request: Any) -> Any:
+    """A round's request without its tasks: a part of it, for a pool that splits it by replica."""
+    return type(request)(**{f.name: v for f, v in request.ListFields() if f.name != "tasks"})
 
 
 def not_found_error(exc: BaseException) -> bool:
@@ -231,6 +237,7 @@ class VerifierClient(_Backend):
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         rounds = verifier_pb2_grpc.VerifierServiceStub(self.round_channel)
         self.rounds = RoundStream(lambda: rounds.Verify(metadata=self.round_metadata), "verifier", timeout_s)
+        self._deliveries: DeliveryStream | None = None  # the one-hop exchange's releases of rounds
 
     async def load_info(self) -> common_pb2.ModelInfo:
         with self._refused_credentials():
@@ -259,6 +266,18 @@ class VerifierClient(_Backend):
         request.lease_owner = self.lease_owner
         return await self.rounds.exchange(request)
 
+    async def release(self, round_id: int) -> None:
+        """The one-hop exchange: this round's drafter failed, so its verify need not wait for drafts."""
+        if self._deliveries is None:
+            self._deliveries = DeliveryStream(self.round_channel, self.round_metadata, self.timeout_s)
+        released = verifier_pb2.DraftDelivery(lease_owner=self.lease_owner, round_id=round_id, released=True)
+        await self._deliveries.send(released)
+
+    async def close(self) -> None:
+        if self._deliveries is not None:
+            await self._deliveries.close()
+        await super().close()
+
 
 class DrafterClient(_Backend):
     def __init__(
@@ -277,6 +296,7 @@ class DrafterClient(_Backend):
         self.rounds = RoundStream(lambda: rounds.Draft(metadata=self.round_metadata), "drafter", timeout_s)
         self.kind = common_pb2.DRAFTER_KIND_UNSPECIFIED
         self.feature_size = 0
+        self.delivers = False  # it can send its drafts to the verifier itself (the one-hop exchange)
 
     async def load_info(self) -> common_pb2.ModelInfo:
         with self._refused_credentials():
@@ -284,6 +304,7 @@ class DrafterClient(_Backend):
         self.info = reply.model
         self.kind = reply.kind
         self.feature_size = reply.feature_size
+        self.delivers = reply.delivers
         self.hold_presence()
         return reply.model
 

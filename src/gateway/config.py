@@ -67,6 +67,16 @@ class GatewayConfig:
         "sequences) while the verifier works; false: after it, for a drafter and a verifier that share cores, "
         "whose threads would otherwise fight over them (specd up sets it for its shared placement)",
     )
+    exchange: str = field(
+        "gateway",
+        "how a round's drafts reach the verifier: gateway (the drafter answers the gateway, which sends them on "
+        "with the verify: two exchanges on a round's path) or direct (the one-hop exchange: the gateway sends "
+        "both their part of a round at once, and the drafter sends its drafts to the verifier itself, which "
+        "needs a drafter started with --deliver-to that verifier; one replica of each). Direct runs the "
+        "sequential rounds; token trees, fan-outs and draft-ahead rounds take the gateway exchange "
+        "(docs/architecture.md, one hop per round)",
+        ["gateway", "direct"],
+    )
     speculative_disable_by_batch_size: int = field(
         0, "no drafting in rounds with at least this many sequences (vLLM's meaning); 0 never disables"
     )
@@ -177,6 +187,8 @@ class GatewayConfig:
             raise ValueError(
                 f"--pipeline {self.pipeline} overlaps the drafter with the verifier: it needs --drafter-overlap"
             )
+        if self.exchange == "direct" and (problem := one_hop_problem(self.verifier, self.drafter)):
+            raise ValueError(f"--exchange direct {problem}")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -201,3 +213,14 @@ class GatewayConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> GatewayConfig:
         return configuration.parse(cls, "GATEWAY", argv, "specd gateway", "Run the gateway.")
+
+
+def one_hop_problem(verifier: str, drafter: str) -> str:
+    """Why the one-hop exchange cannot run against these backends ("" if it can): the drafter
+    delivers to the one verifier it was started with."""
+    endpoints = parse_endpoints(verifier), parse_endpoints(drafter)
+    if not endpoints[1]:
+        return "needs a drafter"
+    if any(len(e) != 1 or e[0].dns for e in endpoints):
+        return "needs one drafter and one verifier, each at one host:port (the drafter delivers to one verifier)"
+    return ""

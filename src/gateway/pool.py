@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from gateway.backends import BackendError, DrafterClient, VerifierClient, describe
+from gateway.backends import BackendError, DrafterClient, VerifierClient, describe, round_header
 from gateway.endpoints import DNS_SCHEME, Endpoint, Resolver, parse_endpoints, resolve_host
 from gateway.owed_closes import OwedCloses
 from specd.engine.fingerprint import TokenizerFingerprint
@@ -462,7 +462,7 @@ class _Pool:
                 raise
         parts = []
         for idx in groups.values():
-            part = type(request)(round_id=request.round_id)
+            part = round_header(request)
             part.tasks.extend(request.tasks[i] for i in idx)
             parts.append(part)
         outcomes = await asyncio.gather(

@@ -26,6 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.pool import drafter_pool, verifier_pool
 from gateway.pool_metrics import PoolCollector
 from gateway.round.decide import WIDE_PIPELINES
+from gateway.round.direct import one_hop
 from gateway.round.scheduler import Scheduler
 from specd.engine import checkpoints
 from specd.engine.end_tokens import end_token_ids
@@ -174,6 +175,9 @@ def _start_scheduler(
         prefill_chunk_tokens=config.prefill_chunk_tokens,
         drafter_overlap=config.drafter_overlap,
     )
+    if config.exchange == "direct":
+        # The drafter's deadline bounds the verifier's wait for a round's drafts, as it bounds a draft exchange.
+        one_hop(scheduler.exchange, verifier, drafter, config.drafter_timeout_s, scheduler.metrics.registry)
     if drafter is not None and drafter.info is not None:
         scheduler.policy.costs.seed_steps((t.sequences, t.forward_ns) for t in drafter.info.step_timings)
     scheduler.metrics.registry.register(PoolCollector([verifier, drafter]))

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from specd.drafter_choice import MODEL_FREE, auto_drafter, resolve_drafter
 from specd.engine import ACTIVATION_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from specd.up_tls import LOOPBACK, add_tls_args, drafter_delivery, gateway_backend_tls
 
 if TYPE_CHECKING:
     from specd.mps import SharedGpu
     from specd.placement import CpuPlacement
 
-LOOPBACK = "127.0.0.1"
 CONFIG_ERROR = 2  # what the services exit with on a flag they cannot run with
 USAGE = """specd <command> [options]
 
@@ -79,7 +79,7 @@ def _up_parser() -> argparse.ArgumentParser:
         _add_placement_args,
         _add_gateway_args,
         _add_tracing_args,
-        _add_tls_args,
+        add_tls_args,
     ):
         add(p)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for all three to be healthy")
@@ -167,6 +167,12 @@ def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=0)
     p.add_argument("--speculative-siblings", type=int, default=0, help="see specd gateway --help; 0: chains only")
     p.add_argument("--speculative-branches", type=int, default=0, help="see specd gateway --help; 0: one block")
+    p.add_argument(
+        "--exchange",
+        choices=["gateway", "direct"],
+        default="gateway",
+        help="see specd gateway --help; direct also starts the drafter with --deliver-to the verifier",
+    )
     p.add_argument(
         "--pipeline",
         choices=["sequential", "cohort", "ahead", "auto"],
@@ -266,24 +272,6 @@ def _add_tracing_args(p: argparse.ArgumentParser) -> None:
     """Where all three services send their spans."""
     p.add_argument("--trace-file", default="", help="all three services append their spans to this JSONL file")
     p.add_argument("--otlp-endpoint", default="", help="OTLP gRPC endpoint all three services export traces to")
-
-
-def _add_tls_args(p: argparse.ArgumentParser) -> None:
-    """One server certificate (and optionally a client one) for every hop."""
-    tls = p.add_argument_group(
-        "TLS", "one server certificate for all three services (its names must cover --host or --tls-server-name)"
-    )
-    tls.add_argument("--tls-cert", default="", help="PEM certificate: every gRPC hop and the HTTP API use TLS")
-    tls.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    tls.add_argument("--tls-ca", default="", help="PEM CA that signed --tls-cert (and --tls-client-cert)")
-    tls.add_argument(
-        "--tls-client-cert",
-        default="",
-        help="mutual TLS: the gateway's client certificate; drafter and verifier "
-        "then refuse clients without a certificate signed by --tls-ca",
-    )
-    tls.add_argument("--tls-client-key", default="", help="PEM private key of --tls-client-cert")
-    tls.add_argument("--tls-server-name", default="", help="name the certificate is checked against; default: --host")
 
 
 def resolve_placement(args: argparse.Namespace, drafter: str) -> CpuPlacement:
@@ -438,6 +426,8 @@ def _up_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> _UpPl
         why = "as asked (--drafter)"
     print(f"specd up: drafter {drafter}: {why}", file=sys.stderr, flush=True)
     refuse_taken_ports(args, drafter)
+    if args.exchange == "direct" and drafter == "none":
+        parser.error("--exchange direct sends a drafter's drafts to the verifier: it needs a drafter")
     if args.recalibrate:
         from specd.engine import calibration
 
@@ -505,6 +495,7 @@ def _child_commands(args: argparse.Namespace, plan: _UpPlan) -> dict[str, list[s
             "--threads", str(args.drafter_threads),
             "--cpus", args.drafter_cpus,
             *backend_tls,
+            *drafter_delivery(args),
         ]  # fmt: skip
     children["gateway"] = _gateway_command(args, drafter, plan.overlap, tracing, server_tls)
     return children
@@ -538,14 +529,11 @@ def _gateway_command(
         "--drafter-timeout-s", str(args.drafter_timeout_s),
         "--backend-timeout-s", str(args.backend_timeout_s),
         "--shutdown-grace-s", str(args.shutdown_grace_s),
+        "--exchange", args.exchange,
         *tracing,
         *server_tls,
+        *gateway_backend_tls(args),
     ]  # fmt: skip
-    if args.tls_ca:
-        # The certificate names --host (or --tls-server-name), not the loopback address dialed.
-        command += ["--backend-tls-ca", args.tls_ca, "--backend-tls-server-name", args.tls_server_name or args.host]
-    if args.tls_client_cert:
-        command += ["--backend-tls-cert", args.tls_client_cert, "--backend-tls-key", args.tls_client_key]
     return command
 
 

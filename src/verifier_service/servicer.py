@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,6 +15,7 @@ from specd.rpc.leases import Leases
 from specd.rpc.service_metrics import ServiceMetrics
 from specd.rpc.serving import EngineRunner, SequenceRpcs, dist_from_pb, token_logprob_pb
 from specd.rpc.tracing import Tracing
+from verifier_service.draft_join import Delivery, DraftJoin, Drafts, drafts_for
 from verifier_service.engine import VerifierEngine
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,7 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
         self.tracing = tracing
         self.metrics = metrics
         self.leases = leases
+        self.drafts = DraftJoin()  # the one-hop exchange's deliveries, joined with their verifies
 
     async def GetVerifierInfo(self, request, context) -> verifier_pb2.GetVerifierInfoResponse:
         return verifier_pb2.GetVerifierInfoResponse(
@@ -58,23 +61,58 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
         async for reply in self.attach(request.lease_owner, context):
             yield reply
 
+    async def Deliver(
+        self, request_iterator: AsyncIterator[verifier_pb2.DraftDelivery], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[verifier_pb2.DeliveryAck]:
+        async for delivery in request_iterator:
+            drafts = None if delivery.released else {d.sequence_id: _drafts(d) for d in delivery.drafts}
+            error = self.drafts.deliver(delivery.lease_owner, delivery.round_id, drafts)
+            if error:
+                # Only refusals are answered: an answer to every delivery would be one more write
+                # on the round's path, between the drafts' arrival and the verify they start.
+                log.warning("refused drafts delivered for a round: %s", error)
+                yield verifier_pb2.DeliveryAck(round_id=delivery.round_id, error=error)
+
+    async def _delivered(
+        self, request: verifier_pb2.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[Delivery, int]:
+        """The round's delivered drafts where a task awaits them ({} where none does), and the wait."""
+        direct = [t for t in request.tasks if t.direct_drafts]
+        if not direct:
+            return {}, 0
+        if not request.drafts_wait_ms or any(t.draft_token_ids for t in direct):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a task that awaits its drafts (direct_drafts) carries none itself, and its round a drafts_wait_ms",
+            )
+        started = time.perf_counter_ns()
+        delivery = await self.drafts.wait(request.lease_owner, request.round_id, request.drafts_wait_ms / 1000)
+        return delivery, time.perf_counter_ns() - started
+
     async def Verify(
         self, request_iterator: AsyncIterator[verifier_pb2.VerifyRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[verifier_pb2.VerifyResponse]:
         async for request in request_iterator:
             owner = request.lease_owner
             ids = self.round_ids(owner, (t.sequence_id for t in request.tasks))
+            delivery, waited_ns = await self._delivered(request, context)
+            drafts = [
+                drafts_for(t.direct_drafts, (delivery or {}).get(t.sequence_id))
+                if t.direct_drafts
+                else (list(t.draft_token_ids), [dist_from_pb(d) for d in t.draft_distributions])
+                for t in request.tasks
+            ]
             tasks = [
                 VerifyTask(
                     sid,
                     t.num_committed,
-                    list(t.draft_token_ids),
-                    [dist_from_pb(d) for d in t.draft_distributions],
+                    tokens,
+                    dists,
                     t.prefill_tokens,
                     t.return_hidden_states,
                     list(t.draft_parents),
                 )
-                for sid, t in zip(ids, request.tasks, strict=True)
+                for sid, t, (tokens, dists) in zip(ids, request.tasks, drafts, strict=True)
             ]
             results, timings = await self.run_round(
                 "verifier.verify",
@@ -99,8 +137,15 @@ class VerifierServicer(SequenceRpcs, verifier_pb2_grpc.VerifierServiceServicer):
                         hidden_states=hidden_states.encode(r.hidden) if r.hidden is not None else b"",
                         hidden_start=r.hidden_start,
                         accepted_path=r.accepted_path,
+                        direct_draft_token_ids=task.draft_tokens if t.direct_drafts else (),
                     )
-                    for t, r in zip(request.tasks, results, strict=True)
+                    for t, task, r in zip(request.tasks, tasks, results, strict=True)
                 ],
                 timings=timings,
+                drafts_missing=delivery is None,
+                drafts_wait_ns=waited_ns,
             )
+
+
+def _drafts(delivered: verifier_pb2.DeliveredDrafts) -> Drafts:
+    return Drafts(list(delivered.token_ids), [dist_from_pb(d) for d in delivered.distributions])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -152,8 +152,12 @@ class Exchange:
         self.fill_task: asyncio.Task[int] | None = None
         self.fill_ids: set[str] = set()  # the sequences it prefills
         self._closers: set[asyncio.Task[None]] = set()  # closes of finished sequences waiting for it
+        # The one-hop exchange (gateway/round/direct.py), which runs the rounds it takes; None: off.
+        self.direct: Callable[[RoundPlan, int, dict[str, dict[str, str]]], Awaitable[RoundResult | None]] | None = None
 
     async def run(self, plan: RoundPlan, round_id: int, contexts: dict[str, dict[str, str]]) -> RoundResult:
+        if self.direct is not None and (result := await self.direct(plan, round_id, contexts)) is not None:
+            return result
         started = time.perf_counter_ns()
         # 1. Drafts the verify needs now.
         blocks = {s.id: b for s in plan.verify if (b := ready_block(s)) is not None}

@@ -12,18 +12,20 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDrafterInfoResponse(_message.Message):
-    __slots__ = ("model", "kind", "open_sequences", "kv_cache_bytes", "feature_size")
+    __slots__ = ("model", "kind", "open_sequences", "kv_cache_bytes", "feature_size", "delivers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     OPEN_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DELIVERS_FIELD_NUMBER: _ClassVar[int]
     model: _common_pb2.ModelInfo
     kind: _common_pb2.DrafterKind
     open_sequences: int
     kv_cache_bytes: int
     feature_size: int
-    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., feature_size: _Optional[int] = ...) -> None: ...
+    delivers: bool
+    def __init__(self, model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., kind: _Optional[_Union[_common_pb2.DrafterKind, str]] = ..., open_sequences: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., feature_size: _Optional[int] = ..., delivers: _Optional[bool] = ...) -> None: ...
 
 class OpenDraftSequencesRequest(_message.Message):
     __slots__ = ("sequences", "lease_owner")
@@ -91,14 +93,16 @@ class DraftTask(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_start: _Optional[int] = ..., guess_first: _Optional[bool] = ..., num_siblings: _Optional[int] = ..., num_branches: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("round_id", "tasks", "lease_owner")
+    __slots__ = ("round_id", "tasks", "lease_owner", "deliver_to_verifier")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_TO_VERIFIER_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     tasks: _containers.RepeatedCompositeFieldContainer[DraftTask]
     lease_owner: str
-    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., lease_owner: _Optional[str] = ...) -> None: ...
+    deliver_to_verifier: bool
+    def __init__(self, round_id: _Optional[int] = ..., tasks: _Optional[_Iterable[_Union[DraftTask, _Mapping]]] = ..., lease_owner: _Optional[str] = ..., deliver_to_verifier: _Optional[bool] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
     __slots__ = ("sequence_id", "token_ids", "distributions", "error", "prefill_pending", "parents", "branches")

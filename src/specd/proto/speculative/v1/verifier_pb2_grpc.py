@@ -67,6 +67,11 @@ class VerifierServiceStub:
                 request_serializer=speculative_dot_v1_dot_common__pb2.AttachRequest.SerializeToString,
                 response_deserializer=speculative_dot_v1_dot_common__pb2.AttachResponse.FromString,
                 _registered_method=True)
+        self.Deliver = channel.stream_stream(
+                '/speculative.v1.VerifierService/Deliver',
+                request_serializer=speculative_dot_v1_dot_verifier__pb2.DraftDelivery.SerializeToString,
+                response_deserializer=speculative_dot_v1_dot_verifier__pb2.DeliveryAck.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -118,6 +123,17 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deliver(self, request_iterator, context):
+        """Long-lived stream of drafts sent straight to the verifier (the one-hop
+        exchange, docs/architecture.md): a drafter delivers a round's drafts for
+        the tasks that await them (VerifyTask.direct_drafts), and a gateway whose
+        drafter failed releases the round. A delivery the verifier refuses (for a
+        round it does not await) is answered with the reason; one it takes, not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +166,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=speculative_dot_v1_dot_common__pb2.AttachRequest.FromString,
                     response_serializer=speculative_dot_v1_dot_common__pb2.AttachResponse.SerializeToString,
+            ),
+            'Deliver': grpc.stream_stream_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=speculative_dot_v1_dot_verifier__pb2.DraftDelivery.FromString,
+                    response_serializer=speculative_dot_v1_dot_verifier__pb2.DeliveryAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -316,6 +337,33 @@ class VerifierService:
             '/speculative.v1.VerifierService/Attach',
             speculative_dot_v1_dot_common__pb2.AttachRequest.SerializeToString,
             speculative_dot_v1_dot_common__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/speculative.v1.VerifierService/Deliver',
+            speculative_dot_v1_dot_verifier__pb2.DraftDelivery.SerializeToString,
+            speculative_dot_v1_dot_verifier__pb2.DeliveryAck.FromString,
             options,
             channel_credentials,
             insecure,
