@@ -2,8 +2,9 @@
 // activations against a weight held as GGUF Q4_1 or Q8_0 blocks, where each activation row is first
 // quantized, once per product, to signed 8-bit blocks of 32 (d_x = max|x| / 127, q_x =
 // round(x * 127 / max|x|), s_x = d_x * sum(q_x), as llama.cpp's Q8_1), and each block's products are
-// summed in integers with AVX-512 VNNI (or AVX2: see below). The float32 path spends a fused multiply-add per weight per
-// activation row; here one instruction sums 64 of them, and only each block's scaling is float32.
+// summed in integers with AVX-512 VNNI (or in an AVX2 form: see below). The float32 path spends a
+// fused multiply-add per weight per activation row; here one instruction sums 64 of them, and only
+// each block's scaling is float32.
 //
 // Layout. The blocks are repacked once (specd.engine.gemv.pack_int8) so that 16 output rows sit side
 // by side: for each group of 16 outputs and each block, input group i (inputs 4i..4i+3) of the 16
@@ -213,8 +214,7 @@ static inline void prefetch_next(const uint8_t *qg, const float *sg, int64_t blo
 //   does: |q_w| <= 128 (128 only for a byte of 0, a padded output) and |q_x| <= 127, so a pair is at
 //   most 2 * 128 * 127 = 32512, and each chunk is widened by madd at once. sum(q_w * q_x) is then
 //   the VNNI form's sum((q_w + 128) * q_x) - 128 * sum(q_x), the same integer.
-// Rows summed at once against a half's block (its 8 weight registers and their accumulators fit 16).
-#define A2_ROWS 4
+// Outputs in a half of a group.
 #define HALF 8
 
 // The VNNI form's quantize_row, with AVX2: the same bytes and scales. Each q_x is the low byte of
@@ -241,7 +241,8 @@ static void quantize_row2(const float *x, const Acts *a, int64_t r) {
         __m256i bytes = _mm256_setzero_si256(), total = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             // Ties to even, whatever the thread's rounding mode; then an exact truncation.
-            const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(v[i], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256 scaled = _mm256_mul_ps(v[i], scale);
+            const __m256 rounded = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             const __m256i qi = _mm256_cvttps_epi32(rounded);
             total = _mm256_add_epi32(total, qi);
             bytes = _mm256_or_si256(bytes, _mm256_shuffle_epi8(qi, _mm256_loadu_si256((const __m256i *)masks[i])));
@@ -331,32 +332,37 @@ static inline void q8_load2(const uint8_t *q, __m256i w[8]) {
 
 // Q4_1's second term, after the first as in the VNNI form.
 #define Q4_MINS                                                                                      \
-    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(sg + b * 32 + 16 + HALF * h), _mm256_set1_ps(a->sx[at])));
+    const __m256 mw = _mm256_loadu_ps(sg + b * 32 + 16 + HALF * h);                                  \
+    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(mw, _mm256_set1_ps(a->sx[at])));
 #define Q4_DOT2(R) A2_DOT(q4, R, 256, 32, q4_load2, q4_sums2, Q4_MINS)
 #define Q8_DOT2(R) A2_DOT(q8, R, 512, 16, q8_load2, q8_sums2, )
 
 typedef void (*a2_fn)(const Acts *, int64_t, const uint8_t *, const float *, float *, int64_t, int, int);
 
-// A kind's AVX2 products, by the bytes and floats of one block of 16 outputs.
-#define A2_KIND(KIND, DOT, QBYTES, SCALES)                                                           \
-    DOT(1) DOT(2) DOT(3) DOT(4)                                                                      \
-    static const a2_fn KIND##_dots2[A2_ROWS + 1] = {0, KIND##_dot2_1, KIND##_dot2_2, KIND##_dot2_3, KIND##_dot2_4}; \
+// A kind's AVX2 products, by the bytes and floats of one block of 16 outputs, up to ROWS activation
+// rows at once against a half's block (Q8_0 spends more registers per row on the signs, and takes
+// fewer).
+#define A2_KIND(KIND, DOT, QBYTES, SCALES, ROWS)                                                     \
+    DOT(1) DOT(2) DOT(3) DOT(4) DOT(5) DOT(6) DOT(7) DOT(8)                                          \
+    static const a2_fn KIND##_dots2[9] = {0, KIND##_dot2_1, KIND##_dot2_2, KIND##_dot2_3, KIND##_dot2_4, \
+        KIND##_dot2_5, KIND##_dot2_6, KIND##_dot2_7, KIND##_dot2_8};                                \
     static void KIND##_groups2(const void *job_args, int64_t g0, int64_t g1) {                       \
         const Job j = *(const Job *)job_args;                                                        \
         const int64_t blocks = j.a->blocks;                                                          \
         for (int64_t g = g0; g < g1; g++)                                                            \
             for (int h = 0; h < 2 && j.N - g * GROUP > HALF * h; h++) {                              \
                 const int64_t left = j.N - g * GROUP - HALF * h;                                     \
-                for (int64_t r = 0; r < j.R; r += A2_ROWS) {                                         \
-                    const int64_t take = j.R - r < A2_ROWS ? j.R - r : A2_ROWS;                      \
-                    KIND##_dots2[take](j.a, r, j.q + g * blocks * QBYTES, j.s + g * blocks * SCALES, \
-                                       j.y + r * j.N + g * GROUP + HALF * h, j.N, h, left < HALF ? (int)left : HALF); \
+                for (int64_t r = 0; r < j.R; r += ROWS) {                                            \
+                    const int64_t take = j.R - r < ROWS ? j.R - r : ROWS;                            \
+                    float *y = j.y + r * j.N + g * GROUP + HALF * h;                                 \
+                    KIND##_dots2[take](j.a, r, j.q + g * blocks * QBYTES, j.s + g * blocks * SCALES, y, j.N, h, \
+                                       left < HALF ? (int)left : HALF);                              \
                 }                                                                                    \
             }                                                                                        \
     }
 
-A2_KIND(q4, Q4_DOT2, 256, 32)
-A2_KIND(q8, Q8_DOT2, 512, 16)
+A2_KIND(q4, Q4_DOT2, 256, 32, 8)
+A2_KIND(q8, Q8_DOT2, 512, 16, 4)
 
 typedef void (*i8_fn)(const Acts *, int64_t, const uint8_t *, const float *, float *, int64_t, __mmask16);
 
