@@ -3,7 +3,8 @@ and a batched step of 8 sequences as the verifier builds them ("native": each de
 through the gemv kernel reading the weights' exact Q4_1 / Q8_0 blocks, in 16-lane AVX-512 form
 where the CPU has it), the same blocks against int8-quantized activations ("native-int8": gemv_int8.c,
 AVX-512 VNNI; not the float32 product, so its greedy tokens may differ, and how many agree is
-printed), the same with the 8-lane AVX2 products ("native-avx2"), with the same
+printed), the same in the int8 products' AVX2 form ("native-int8-avx2": the same bits, so the same
+tokens), the same with the 8-lane AVX2 products ("native-avx2"), with the same
 products but torch's calls between them ("blocks"), with the kernel on the float32 weights
 ("kernel"), and with torch's products only ("torch", as before the kernel: the head's plain or
 transposed product by the same calibration), and compare the greedy tokens of them all on a few
@@ -44,7 +45,7 @@ CHATS = [
     "Give me a haiku about the sea.",
 ]
 CONTEXT = 100
-CONFIGS = ("native", "native-int8", "native-avx2", "blocks", "kernel", "torch")
+CONFIGS = ("native", "native-int8", "native-int8-avx2", "native-avx2", "blocks", "kernel", "torch")
 # Sequences in the batched step (one token each), as at 8 clients.
 BATCH = 8
 
@@ -106,6 +107,7 @@ def main() -> None:
     every = {
         "native": (lm.head_product, linears.max_rows),
         "native-int8": (lm.head_product, linears.max_rows),
+        "native-int8-avx2": (lm.head_product, linears.max_rows),
         "native-avx2": (lm.head_product, linears.max_rows),
         "blocks": (lm.head_product, linears.max_rows),
         "kernel": (lm.head_product, linears.max_rows),
@@ -122,22 +124,25 @@ def main() -> None:
 
     kernel = gemv.load()
     assert kernel is not None, "no gemv kernel on this machine"
-    if "native-int8" in configs and not kernel.int8_supported():
-        parser.error("--configs native-int8: this CPU has no AVX-512 VNNI")
+    if any(name.startswith("native-int8") for name in configs) and not kernel.int8_supported():
+        parser.error("--configs native-int8: this CPU runs no int8 products (neither AVX-512 VNNI nor AVX2)")
+    if "native-int8" in configs and not kernel.set_int8_vnni(True):
+        parser.error("--configs native-int8: this CPU has no AVX-512 VNNI (native-int8-avx2 runs without it)")
     gemv.attach_packed(products)
     native_int8 = NativeLayers.build(model.base_model, kernel, int8=True)
     head_packed = gemv.pack_int8(head_blocks) if head_blocks is not None else None
-    from_blocks = ("native", "native-int8", "native-avx2", "blocks")
+    from_blocks = ("native", "native-int8", "native-int8-avx2", "native-avx2", "blocks")
 
     def use(name: str) -> None:
         lm.head_product, linears.max_rows = configs[name]
         for m in products:
             m.__dict__[gemv.BLOCKS_ATTRIBUTE] = held[m] if name in from_blocks else None
         lm.head_product.blocks = head_blocks if name in from_blocks else None
-        int8 = name == "native-int8"
+        int8 = name.startswith("native-int8")
         linears.int8, lm.head_product.packed = int8, head_packed if int8 else None
         model.base_model.native = native_int8 if int8 else native if name.startswith("native") else None
         kernel.set_wide(name != "native-avx2")
+        kernel.set_int8_vnni(name != "native-int8-avx2")
 
     lm.warm_up(9)
     filler = tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 30), add_special_tokens=False)
@@ -189,7 +194,7 @@ def main() -> None:
             ratios = [v / s for v, s in zip(samples[name][verify], samples[name]["step"], strict=True)]
             result[f"{name}_{verify}_per_step"] = statistics.median(ratios)
         result[f"{name}_greedy"] = [greedy(lm, ids, args.new) for ids in prompts]
-    float32 = [name for name in configs if name != "native-int8"]
+    float32 = [name for name in configs if not name.startswith("native-int8")]
     result["greedy_same"] = [
         len({tuple(result[f"{name}_greedy"][i]) for name in float32}) == 1 for i in range(len(CHATS))
     ]
@@ -203,12 +208,16 @@ def main() -> None:
             }
             for x, y in pairs
         ]
+    if "native-int8" in configs and "native-int8-avx2" in configs:
+        # The two forms give the same bits, so the same tokens.
+        forms = zip(result["native-int8_greedy"], result["native-int8-avx2_greedy"], strict=True)
+        result["int8_greedy_forms_same"] = [x == y for x, y in forms]
     result["blocks_MB"] = sum(b.nbytes for b in held.values() if b is not None) / 1e6 + (
         head_blocks.nbytes / 1e6 if head_blocks is not None else 0
     )
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
-    shown = ("greedy_same", "int8_greedy_vs_float32")
+    shown = ("greedy_same", "int8_greedy_vs_float32", "int8_greedy_forms_same")
     print(json.dumps({k: v for k, v in result.items() if "greedy" not in k or k in shown}, indent=1))
     for name in configs:
         print(

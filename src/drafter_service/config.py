@@ -55,8 +55,9 @@ class DrafterConfig(ModelServiceConfig):
     activations: str = field(
         "float32",
         "model drafter reading exact 4- or 8-bit weight blocks through the CPU kernel: float32 activations, or "
-        "int8: each activation row quantized to 8 bits per block of 32 and summed in integers (AVX-512 VNNI; "
-        "refused without it), cheaper draft steps whose outputs differ from float32's by that rounding",
+        "int8: each activation row quantized to 8 bits per block of 32 and summed in integers (AVX-512 VNNI, or "
+        "AVX2 with the same bits; refused without either), cheaper draft steps whose outputs differ from float32's "
+        "by that rounding",
         ACTIVATION_CHOICES,
     )
     max_support: int = field(32, "tokens kept in each sampled draft distribution sent to the verifier")

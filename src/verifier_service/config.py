@@ -28,7 +28,8 @@ class VerifierConfig(ModelServiceConfig):
         "float32",
         "what the CPU kernel multiplies the target's exact 4- and 8-bit weight blocks (a Q4_1/Q8_0 GGUF, the "
         "embedded target) by: float32 activations, or int8: each activation row quantized to 8 bits per block "
-        "of 32 and summed in integers (AVX-512 VNNI; refused without it), a cheaper verify whose outputs differ "
+        "of 32 and summed in integers (AVX-512 VNNI, or AVX2 with the same bits; refused without either), a "
+        "cheaper verify whose outputs differ "
         "from float32's by that rounding; both keep a verify's logits bitwise its steps' (CPU, --dtype float32)",
         ACTIVATION_CHOICES,
     )

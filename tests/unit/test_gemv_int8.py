@@ -1,9 +1,12 @@
-"""The int8-activation products (specd.engine.gemv, `gemv_int8.c`): the same bits as a torch
-reference of the same quantized arithmetic in the same order, a row's outputs bitwise the same
-alone or in a batch of any size, close to the float32 product, plumbed through the fused forward
-(a verify's logits its steps'), and refused, never dropped, where they cannot run."""
+"""The int8-activation products (specd.engine.gemv, `gemv_int8.c`), in their AVX-512 VNNI and AVX2
+forms: the same bits as a torch reference of the same quantized arithmetic in the same order, the
+two forms bitwise alike, a row's outputs bitwise the same alone or in a batch of any size, close to
+the float32 product, plumbed through the fused forward (a verify's logits its steps'), and refused,
+never dropped, where they cannot run."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import tinymodels
@@ -23,11 +26,35 @@ MAKERS = {"q4": _q4_weight, "q8": _q8_weight}
 SHAPES = [(37, 576), (32, 96), (5, 32), (19, 1536)]
 
 
+@pytest.fixture(params=[False, True], ids=["avx2", "vnni"])
+def int8_kernel(kernel: gemv.Gemv, request: pytest.FixtureRequest) -> Iterator[gemv.Gemv]:
+    """The kernel with its int8 products in AVX2 or AVX-512 VNNI form; the latter skips on a CPU
+    without VNNI. The default (VNNI where the CPU has it) is restored after."""
+    used = kernel.set_int8_vnni(request.param)
+    try:
+        if not kernel.int8_supported():
+            pytest.skip("this CPU runs no int8 products")
+        if used != request.param:
+            pytest.skip("this CPU has no AVX-512 VNNI")
+        yield kernel
+    finally:
+        kernel.set_int8_vnni(True)
+
+
 @pytest.fixture
-def int8_kernel(kernel: gemv.Gemv) -> gemv.Gemv:
-    if not kernel.int8_supported():
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    return kernel
+def both_forms(kernel: gemv.Gemv) -> Iterator[gemv.Gemv]:
+    """The kernel where both int8 forms run (a CPU with AVX-512 VNNI), the default restored after."""
+    try:
+        if not kernel.set_int8_vnni(True):
+            pytest.skip("this CPU has no AVX-512 VNNI to compare the AVX2 form with")
+        yield kernel
+    finally:
+        kernel.set_int8_vnni(True)
+
+
+def _in_form(kernel: gemv.Gemv, vnni: bool, x: torch.Tensor, weight: torch.Tensor, packed: gemv.Packed) -> torch.Tensor:
+    assert kernel.set_int8_vnni(vnni) == vnni
+    return kernel.linear(x, weight, None, None, packed)
 
 
 def _quantized(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,6 +137,58 @@ def test_an_int8_row_is_bitwise_the_same_alone_or_in_a_batch_of_any_size(
                 assert torch.equal(int8_kernel.linear(x[64 - rows :], weight, None, blocks, packed), alone[64 - rows :])
     finally:
         int8_kernel.set_threads(1)
+
+
+# Output counts from one to past a thread split, with partial groups and halves of 8; inputs of one
+# block to the embedded target's widest.
+FORM_OUTPUTS = [1, 5, 8, 9, 15, 16, 17, 37, 165]
+FORM_INPUTS = [32, 96, 576, 1536]
+FORM_ROWS = [*range(1, 18), 24, 33]
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("k", FORM_INPUTS)
+def test_the_avx2_form_gives_the_vnni_form_s_bits(both_forms: gemv.Gemv, kind: str, k: int) -> None:
+    torch.manual_seed(k)
+    x = torch.randn(33, k) * torch.logspace(-4, 3, 33)[:, None]
+    # A zero block, exact ties of the rounding, a block below float32's normal range.
+    x[2, :32] = 0
+    x[5, :32] = torch.arange(-15, 17) + 0.5
+    x[5, 0] = 127.0
+    x[7, -32:] = 1e-40
+    for n in FORM_OUTPUTS:
+        weight, _, packed = _blocks(kind, n, k)
+        want = _in_form(both_forms, True, x, weight, packed)
+        for rows in FORM_ROWS:
+            got = _in_form(both_forms, False, x[:rows], weight, packed)
+            assert torch.equal(got, want[:rows]), (n, rows)
+            # Each row alone: its bits in the batch.
+            assert torch.equal(_in_form(both_forms, False, x[rows - 1 : rows], weight, packed), want[rows - 1 : rows])
+
+
+def _extreme_blocks(kind: str, n: int, k: int) -> gemv.Blocks:
+    """Blocks at the edge of the AVX2 form's int16 pair sums: every Q4_1 nibble 15, every Q8_0 q -127."""
+    blocks = k // 32
+    if kind == "q4":
+        scales = torch.tensor([1.0, -0.5]).repeat(n, blocks, 1)
+        return gemv.Blocks("q4", torch.full((n, blocks * 16), 0xFF, dtype=torch.uint8), scales)
+    q = torch.full((n, blocks * 32), -127, dtype=torch.int8).view(torch.uint8)
+    return gemv.Blocks("q8", q, torch.full((n, blocks), 0.25))
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_the_avx2_form_is_exact_at_the_largest_sums(int8_kernel: gemv.Gemv, kind: str) -> None:
+    # q_x = ±127 everywhere: the largest integer sums the packing and the quantizer can make (a Q8_0
+    # byte stored plus 128 would saturate a maddubs pair against them).
+    n, k = 21, 96
+    blocks = _extreme_blocks(kind, n, k)
+    packed = gemv.pack_int8(blocks)
+    x = torch.ones(4, k)
+    x[1] = -1
+    x[2, ::2] = -1
+    x[3] = torch.randn(k)
+    got = int8_kernel.linear(x, torch.empty(n, k), None, None, packed)
+    assert torch.equal(got, reference(x, blocks))
 
 
 def _block_model(hidden: int = 96, inter: int = 160) -> nn.Module:

@@ -18,9 +18,10 @@ an eighth or about a quarter of the bytes a step streams. Where the kernel is us
 compiler, no AVX2/FMA, not Linux on x86-64), torch's product runs as before.
 
 With `activations="int8"` (`--activations int8`) the products read from blocks quantize each activation
-row to 8 bits per block of 32 and sum in integers (`gemv_int8.c`, AVX-512 VNNI): no longer the float32
-product (the activations are rounded), but still bitwise the same for a row alone or in a batch. It
-is asked for, never chosen: where it cannot run, `require_int8` refuses.
+row to 8 bits per block of 32 and sum in integers (`gemv_int8.c`: AVX-512 VNNI where the CPU has it,
+else an AVX2 form with the same bits): no longer the float32 product (the activations are rounded),
+but still bitwise the same for a row alone or in a batch. It is asked for, never chosen: where it
+cannot run, `require_int8` refuses.
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ class Gemv:
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         self._int8_supported = library.specd_int8_supported
         self._int8_supported.restype = ctypes.c_int
+        self._int8_vnni = library.specd_set_int8_vnni
+        self._int8_vnni.argtypes = [ctypes.c_int]
+        self._int8_vnni.restype = ctypes.c_int
         self._threads = library.specd_set_threads
         self._threads.argtypes = [ctypes.c_int]
         self._threads.restype = ctypes.c_int
@@ -207,8 +211,15 @@ class Gemv:
         return bool(self._wide(int(on)))
 
     def int8_supported(self) -> bool:
-        """Whether this CPU runs the int8-activation products (AVX-512F, BW, VL and VNNI)."""
+        """Whether this CPU runs the int8-activation products: with AVX-512F, BW, VL and VNNI, or in
+        their AVX2 form (AVX2 and FMA)."""
         return bool(self._int8_supported())
+
+    def set_int8_vnni(self, on: bool) -> bool:
+        """Sum the int8-activation products with AVX-512 VNNI from now on where `on` and the CPU has
+        it (the default), else in their AVX2 form; returns whether VNNI is used (False where `on`
+        asked for it and the CPU lacks it). The outputs are bitwise the same either way."""
+        return bool(self._int8_vnni(int(on)))
 
     def __deepcopy__(self, memo: dict[int, object]) -> Gemv:
         # A loaded library is process-wide state: a copied model shares it (ctypes pointers do not copy).
@@ -239,7 +250,8 @@ class Gemv:
     ) -> torch.Tensor:
         """x [..., K] · weight [N, K]ᵀ (+ bias): [..., N], read from `blocks` (`as_blocks(weight)`)
         where given: the same outputs, bitwise; from `packed` (`pack_int8(blocks)`) where given, against
-        x quantized to 8 bits (`gemv_int8.c`; the caller checked `int8_supported`). The caller checked
+        x quantized to 8 bits (`gemv_int8.c`, in the form `set_int8_vnni` chose; the caller checked
+        `int8_supported`). The caller checked
         `accepts`."""
         n, k = weight.shape
         flat = x.reshape(-1, k).contiguous()
@@ -430,8 +442,8 @@ def require_int8(kernel: Gemv | None, what: str) -> Gemv:
         )
     if not kernel.int8_supported():
         raise ValueError(
-            "--activations int8 needs AVX-512 VNNI (avx512f, avx512bw, avx512vl and avx512_vnni), which this "
-            "CPU lacks; use --activations float32"
+            "--activations int8 needs AVX-512 VNNI (avx512f, avx512bw, avx512vl and avx512_vnni) or AVX2 and "
+            "FMA, which this CPU lacks; use --activations float32"
         )
     return kernel
 

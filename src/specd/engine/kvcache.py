@@ -120,7 +120,7 @@ class BatchedCausalLM:
         Other devices keep torch's. `kept`: see `HeadProduct.calibrate`. `activations` "int8": the
         kernel's products from exact weight blocks take int8-quantized activations (specd.engine.gemv);
         ValueError where they cannot (another device, a forward without the kernel, a CPU without
-        AVX-512 VNNI)."""
+        AVX-512 VNNI or AVX2)."""
         choose = getattr(self._base, "choose_products", None)
         if activations != "float32" and (self.device.type != "cpu" or choose is None):
             raise ValueError(
