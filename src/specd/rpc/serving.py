@@ -455,7 +455,9 @@ def run_service(
     """Load a service's engine on its engine thread, then serve until SIGTERM/SIGINT."""
     setup_logging(config.log_level)
     tracing = Tracing(f"specd-{name}", config.otlp_endpoint, config.trace_file)
-    log.info("loading the %s: model %s on %s", name, config.model, config.device)
+    kind = getattr(config, "drafter", "model")  # a model-free drafter reads only the model's tokenizer
+    what = f"model {config.model}" if kind == "model" else f"{kind}, model-free (the tokenizer of {config.model})"
+    log.info("loading the %s: %s on %s", name, what, config.device)
     runner = EngineRunner(name)
     try:
         # Before the model loads: a bad certificate path should not cost a model load.
