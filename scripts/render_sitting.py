@@ -27,7 +27,8 @@ SITTING = BENCH / "sitting.json"
 BEGIN = "<!-- sitting-table: begin (scripts/render_sitting.py renders it: do not edit by hand) -->"
 END = "<!-- sitting-table: end -->"
 NONE = "–"
-COLUMNS = ("workload", "clients", "target-only tok/s", "auto ({drafter})", "fixed k = 4", "acceptance (auto)")
+FIXED = "fixed k = 4"
+COLUMNS = ("workload", "clients", "target-only tok/s", "auto ({drafter})", FIXED, "acceptance (auto)")
 
 
 def _mode(report: dict[str, Any], mode: str) -> dict[str, Any] | None:
@@ -65,6 +66,16 @@ def _mismatches(reports: dict[str, dict[str, Any]]) -> str:
     return f"{differing} of {outputs} greedy outputs differed from target-only's."
 
 
+def _runs_when(peer: dict[str, Any], weights: str) -> str:
+    """The tokens/s of the runs on `weights`, grouped by when they ran: "93.4 (before specd's runs),
+    79.9 (after specd's runs)"."""
+    groups: dict[str, list[float]] = {}
+    for r in peer["runs"]:
+        if weights in r["weights"]:
+            groups.setdefault(r.get("when", "in the sitting"), []).append(r["output_tokens_per_s"])
+    return ", ".join(f"{' and '.join(f'{v:.1f}' for v in values)} tok/s ({when})" for when, values in groups.items())
+
+
 def _peer_line(peer: dict[str, Any], chat: dict[str, Any] | None) -> str:
     """llama.cpp's tokens/s on the sitting's GGUF, and specd's chat at one client against it."""
     q4 = [r["output_tokens_per_s"] for r in peer["runs"] if "Q4_1" in r["weights"]]
@@ -72,10 +83,13 @@ def _peer_line(peer: dict[str, Any], chat: dict[str, Any] | None) -> str:
     threads = sorted({r["threads"] for r in peer["runs"]})
     line = (
         f"**llama.cpp** ({peer['engine']}), the same Q4_1 GGUF, {', '.join(map(str, threads))} threads, "
-        f"{peer['workload']}: {' and '.join(f'{v:.1f}' for v in q4)} tok/s (before and after specd's runs)"
+        f"{peer['workload']}: {_runs_when(peer, 'Q4_1')}"
     )
+    if peer.get("note"):
+        line += f" ({peer['note']})"
     if chat is not None and q4:
-        base = statistics.mean(q4)
+        # The median: one run disturbed by the host moves it least.
+        base = statistics.median(q4)
         target, auto = _mode(chat, "target"), _mode(chat, "auto")
         parts = [
             f"{name} {r['output_tokens_per_s'] / base:.2f}x"
@@ -84,9 +98,7 @@ def _peer_line(peer: dict[str, Any], chat: dict[str, Any] | None) -> str:
         ]
         line += f"; specd's chat at 1 client against it: {', '.join(parts)}"
     if f32:
-        line += (
-            f". Footnote: llama.cpp on an F32 copy of the same weights, {' and '.join(f'{v:.1f}' for v in f32)} tok/s"
-        )
+        line += f". Footnote: llama.cpp on an F32 copy of the same weights, {_runs_when(peer, 'F32')}"
     return line + f" ([{SITTING.name}](BENCH/{SITTING.name}), [{peer['file']}](BENCH/{peer['file']}))."
 
 
@@ -95,7 +107,10 @@ def render_table(bench: Path = BENCH) -> str:
     reports = {name: json.loads((bench / name).read_text()) for _, name in sitting["rows"]}
     first = next(iter(reports.values()))
     machine, commits = first["machine"], sorted({r.get("commit", NONE) for r in reports.values()})
-    columns = [c.format(drafter=sitting["drafter"]) for c in COLUMNS]
+    # A sitting that ran no fixed mode (2026-11-29 on: one drafting mode per prompt set) has no column.
+    fixed = FIXED in COLUMNS and any(_mode(r, "fixed") for r in reports.values())
+    keep = [i for i, c in enumerate(COLUMNS) if fixed or c != FIXED]
+    columns = [COLUMNS[i].format(drafter=sitting["drafter"]) for i in keep]
     lines = [
         f"Measured {first['date'][:10]} at {', '.join(commits)} on {machine['cpu']}, {machine['cpus']} vCPUs, "
         f"torch {machine.get('torch', NONE)}.",
@@ -103,7 +118,8 @@ def render_table(bench: Path = BENCH) -> str:
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
     ]
-    lines += ["| " + " | ".join(row(label, reports[name])) + " |" for label, name in sitting["rows"]]
+    cells = [row(label, reports[name]) for label, name in sitting["rows"]]
+    lines += ["| " + " | ".join(r[i] for i in keep) + " |" for r in cells]
     lines += ["", _mismatches(reports)]
     if sitting.get("peer"):
         peer = {**json.loads((bench / sitting["peer"]).read_text()), "file": sitting["peer"]}

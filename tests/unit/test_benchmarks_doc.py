@@ -182,7 +182,10 @@ def test_the_sitting_table_sets_specd_against_llama_cpp_on_the_same_gguf(sitting
     spec = {"drafter": "suffix drafter", "rows": [["chat", "bench-chat.json"]], "peer": "peer.json"}
     (tmp_path / "sitting.json").write_text(json.dumps(spec))
     table = sitting.render_table(tmp_path)
-    assert "| chat | 1 | 80.0 | 1.20x (1.10–1.30) | – | 0.50 |" in table
+    assert "| chat | 1 | 80.0 | 1.20x (1.10–1.30) | 0.50 |" in table  # no fixed mode ran: no column
     assert "at abc1234 on Test CPU" in table and "1 of 8 greedy outputs differed" in table
-    assert "60.0 and 100.0 tok/s" in table and "target-only 1.00x, auto 1.20x" in table  # against their mean, 80
+    assert "60.0 and 100.0 tok/s" in table and "target-only 1.00x, auto 1.20x" in table  # against their median, 80
+    report["results"].append({**_result("fixed", 88.0, 1.1, [1.1, 1.1]), "requests": 8})
+    (tmp_path / "bench-chat.json").write_text(json.dumps(report))
+    assert "| chat | 1 | 80.0 | 1.20x (1.10–1.30) | 1.10x (1.10–1.10) | 0.50 |" in sitting.render_table(tmp_path)
     assert "F32 copy of the same weights, 40.0 tok/s" in table
