@@ -23,6 +23,7 @@ from specd.tools.benchreport import format_table
 from specd.tools.benchstats import (
     RequestResult,
     acceptance,
+    drafted_again,
     histogram_mean,
     round_costs,
     serial_schedule,
@@ -298,3 +299,24 @@ def test_block_deltas_add_up_to_one_scrape_pair():
     add_deltas(total, {"specd_rounds_total": 20.0}, {"specd_rounds_total": 26.0, "new": 1.0})
     assert total == {"specd_rounds_total": 10.0, "new": 1.0}
     assert round_costs({}, total)["rounds"] == 10.0
+
+
+@pytest.mark.parametrize(
+    ("modes", "levels", "repeated"),
+    [
+        (["target", "auto"], [1], []),
+        (["target", "auto", "hf", "hf-target"], [1], []),
+        (["auto", "auto@other"], [1], []),  # two servers, each drafting the prompts once
+        (["target", "auto", "fixed"], [1], [["auto@1", "fixed@1"]]),
+        (["target", "auto"], [1, 8], [["auto@1", "auto@8"]]),
+        (["fixed@other", "tree@other", "auto"], [4], [["fixed@other@4", "tree@other@4"]]),
+    ],
+)
+def test_runs_that_draft_the_same_prompts_twice_on_one_server_are_named(modes, levels, repeated):
+    # The sitting of 2026-11-28 ran auto and fixed on the same prompts of one stack: the suffix
+    # drafter drafted whichever ran second from the other's answers (a rewrite block 1.37x against
+    # 1.09x for the same mode run first).
+    warnings = drafted_again(modes, levels)
+    assert len(warnings) == len(repeated)
+    for warning, runs in zip(warnings, repeated, strict=True):
+        assert warning.startswith(", ".join(runs) + " send ")

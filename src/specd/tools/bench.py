@@ -55,6 +55,7 @@ from specd.tools.benchreport import machine, print_summary
 from specd.tools.benchstats import (
     RequestResult,
     acceptance,
+    drafted_again,
     round_costs,
     serial_schedule,
     serial_wall_s,
@@ -497,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     outputs: dict[tuple[str, int], list[RequestResult]] = {}
+    for warning in (repeated := drafted_again(args.modes, args.levels)):
+        print(f"specd bench: {warning}", file=sys.stderr, flush=True)
     http_modes = [m for m in args.modes if m not in HF_MODES]
     models = {server: args.model or first_model(url) for server, url in args.servers.items()} if http_modes else {}
     _run_http_levels(args, models, http_modes, prompts, rows, outputs)
@@ -515,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "args": {k: v for k, v in vars(args).items() if k != "levels"},
         "hf_peers": hf_runs,
         "results": rows,
+        "drafted_again": repeated,
     }
     if http_modes:
         report["services"] = asyncio.run(service_stats(args, prompt_tokens))

@@ -161,3 +161,27 @@ def speedup_bound(
     c = draft_step_ms / target_step_ms
     v = verify_ms / target_step_ms
     return {"alpha": alpha, "k": k, "c": c, "verify_ratio": v, "bound": leviathan_speedup(alpha, k, c, v)}
+
+
+# Modes that do not draft on the server: target-only, and the in-process HF peers.
+NOT_DRAFTING = frozenset({"target", "hf", "hf-target"})
+
+
+def drafted_again(modes: Sequence[str], levels: Sequence[int]) -> list[str]:
+    """A warning per server that this bench sends the same prompts in more than one drafting run
+    (mode and level: every level starts from the same prompts). A drafter that keeps earlier
+    responses, as the suffix drafter does for every request of a server without API keys, drafts
+    each run after the first from an earlier run's answers, so those runs read faster than a new
+    prompt would."""
+    runs: dict[str, list[str]] = {}
+    for mode in modes:
+        name, _, server = mode.partition("@")
+        if name not in NOT_DRAFTING:
+            runs.setdefault(server, []).extend(f"{mode}@{level}" for level in levels)
+    return [
+        f"{', '.join(names)} send {server or 'the --base-url server'} the same prompts: where its drafter "
+        "keeps earlier responses (the suffix drafter does), every run after the first may draft from "
+        "an earlier one's answers and read faster than it is; compare such runs on fresh stacks"
+        for server, names in runs.items()
+        if len(names) > 1
+    ]
