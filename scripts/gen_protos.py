@@ -38,7 +38,7 @@ def generate(out: Path) -> None:
         raise SystemExit("protoc failed")
     # protoc writes absolute imports rooted at the proto path; our generated
     # code lives inside the specd package, so re-root them.
-    for path in out.rglob("*.py*"):
+    for path in (p for p in out.rglob("*.py*") if p.suffix in (".py", ".pyi")):  # not __pycache__'s .pyc
         text = path.read_text()
         fixed = re.sub(r"^from speculative\.", f"from {PACKAGE}.speculative.", text, flags=re.M)
         if fixed != text:

@@ -73,6 +73,7 @@ async def run(config: GatewayConfig) -> None:
     api = _openai_api(config, scheduler, tokenizer, model_name, _health_status(scheduler, verifier, drafter))
     api.keyed = api_keys.enabled  # clients are their keys, else their addresses
     api.weights = made_weights(verifier, drafter)
+    api.activations = verifier.info.activations
     if api.weights:
         log.warning("the backends' weights are made, not loaded: %s; the text is meaningless", api.weights)
     grpc_server = None

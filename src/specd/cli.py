@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from specd.drafter_choice import MODEL_FREE, auto_drafter, resolve_drafter
-from specd.engine import ACTIVATION_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from specd.engine import ACTIVATION_CHOICES, AUTO_ACTIVATION_CHOICES, DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from specd.up_tls import LOOPBACK, add_tls_args, drafter_delivery, gateway_backend_tls
 
 if TYPE_CHECKING:
@@ -149,8 +149,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "through the CPU kernel), else bfloat16 (see specd drafter --help)",
     )
     p.add_argument("--verifier-dtype", default="float32")
-    for flag in ("--verifier-activations", "--drafter-activations"):
-        p.add_argument(flag, choices=ACTIVATION_CHOICES, default="float32", help="the service's --activations")
+    p.add_argument(
+        "--verifier-activations",
+        choices=AUTO_ACTIVATION_CHOICES,
+        default="auto",
+        help="the verifier's --activations; auto: int8 where the CPU kernel reads exact weight blocks (the "
+        "embedded target) and the CPU sums int8, else float32",
+    )
+    p.add_argument("--drafter-activations", choices=ACTIVATION_CHOICES, default="float32", help="the drafter's")
     p.add_argument(
         "--quantize",
         choices=["auto", "int8", "int4", "none"],

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specd import configuration
 from specd.configuration import ModelServiceConfig, field
-from specd.engine import ACTIVATION_CHOICES, DECODER_CHOICES
+from specd.engine import AUTO_ACTIVATION_CHOICES, DECODER_CHOICES
 
 
 @dataclass(frozen=True)
@@ -25,13 +25,14 @@ class VerifierConfig(ModelServiceConfig):
         DECODER_CHOICES,
     )
     activations: str = field(
-        "float32",
+        "auto",
         "what the CPU kernel multiplies the target's exact 4- and 8-bit weight blocks (a Q4_1/Q8_0 GGUF, the "
-        "embedded target) by: float32 activations, or int8: each activation row quantized to 8 bits per block "
-        "of 32 and summed in integers (AVX-512 VNNI, or AVX2 with the same bits; refused without either), a "
-        "cheaper verify whose outputs differ "
-        "from float32's by that rounding; both keep a verify's logits bitwise its steps' (CPU, --dtype float32)",
-        ACTIVATION_CHOICES,
+        "embedded target) by: float32 activations; int8: each activation row quantized to 8 bits per block "
+        "of 32 and summed in integers, as llama.cpp computes such blocks (AVX-512 VNNI, or AVX2 with the same "
+        "bits; refused without either), a cheaper step and a far cheaper verify whose outputs differ from "
+        "float32's by that rounding; auto: int8 where it can run (a fused forward on the CPU reading exact "
+        "blocks), else float32. Either keeps a verify's logits bitwise its steps'",
+        AUTO_ACTIVATION_CHOICES,
     )
 
     def validate(self) -> None:

@@ -44,7 +44,9 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
     # Every verify and step forward takes the same products (the kernel's where it applies): a
     # position's logits then carry the same bits in a verify of any size as in its one-token step.
     rows = verify_rows(config.max_sequences, config.max_draft_tokens)
-    calibration.calibrate_products(lm, config.model, config.load_format, rows, config.recalibrate, config.activations)
+    activations = calibration.calibrate_products(
+        lm, config.model, config.load_format, rows, config.recalibrate, config.activations
+    )
     lm.warm_up(min(config.max_draft_tokens, 8) + 1)
     # A verify feeds up to k + 1 tokens a row; longer blocks run eagerly.
     cuda_graphs.enable(lm, config.cuda_graphs, min(config.max_draft_tokens, 8) + 1, "verifier", config.max_sequences)
@@ -59,6 +61,7 @@ def build_engine(config: VerifierConfig) -> tuple[VerifierEngine, common_pb2.Mod
         max_sequences=config.max_sequences,
         max_draft_tokens=config.max_draft_tokens,
         weights=loaded.weights,
+        activations=activations if activations != "float32" else "",
     )
     return engine, info
 

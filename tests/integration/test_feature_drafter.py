@@ -29,6 +29,7 @@ QUESTIONS = [
 def up(tmp_path_factory) -> Iterator[tuple[str, Path, dict[str, str]]]:
     log: Path = tmp_path_factory.mktemp("up-feature") / "up.log"
     args = ("--drafter", "distilled", "--speculative-mode", "fixed", "--placement", "shared", "-k", "3")
+    args += ("--verifier-activations", "float32")  # compared with HF's float32 forward
     with st.specd_up(log, *args) as (base, ports):
         metrics = {s: f"http://{st.HOST}:{ports[f'{s}_metrics']}/metrics" for s in ("drafter", "verifier")}
         yield base, log, metrics

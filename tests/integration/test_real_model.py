@@ -1,7 +1,8 @@
-"""The embedded SmolLM2-135M through `specd up` (its Q4_1 GGUF computed in float32, and the default
-drafter there: the suffix drafter, k = 4): speculative output equals the target alone, and issue #13's
-parameters are exact on the real model, checked with the `openai` SDK against the target run in this
-process (HF forwards in float32)."""
+"""The embedded SmolLM2-135M through `specd up` (its Q4_1 GGUF; the default drafter there: the suffix
+drafter, k = 4). As README starts it (int8 activations against the GGUF's blocks, as llama.cpp computes
+them): speculative output equals the same stack's target-only, structured output validates, seeds hold.
+With float32 activations (`--verifier-activations float32`): the output and issue #13's parameters are
+exact against the target run in this process (HF forwards in float32), checked with the `openai` SDK."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest.mock import ANY
 
 import httpx
 import jsonschema
@@ -37,6 +39,14 @@ def up(tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def up_float32(tmp_path_factory) -> Iterator[str]:
+    """`specd up` with float32 activations: the products an HF float32 forward takes."""
+    log = tmp_path_factory.mktemp("up-float32") / "up.log"
+    with st.specd_up(log, "-k", "4", "--verifier-activations", "float32") as (base, _):
+        yield base
+
+
+@pytest.fixture(scope="module")
 def target() -> tuple[Any, Any]:
     """The embedded model's tokenizer and float32 weights, as the verifier serves them."""
     return checkpoints.load_tokenizer("embedded"), models.load_model("embedded", torch.device("cpu"), torch.float32)
@@ -47,14 +57,25 @@ def client(up) -> openai.OpenAI:
     return openai.OpenAI(base_url=up + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def client_float32(up_float32) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up_float32 + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
-def test_specd_up_serves_the_embedded_model_exactly(up, target):
+def test_specd_up_serves_the_embedded_model_exactly(up_float32, target):
+    up = up_float32
     tokenizer, model = target
-    assert httpx.get(up + "/v1/models").json()["data"][0]["id"] == NAME
+    assert httpx.get(up + "/v1/models").json()["data"][0] == {
+        "id": NAME,
+        "object": "model",
+        "created": ANY,
+        "owned_by": "specd",
+    }
     messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     reply = httpx.post(
         up + "/v1/chat/completions",
@@ -69,8 +90,38 @@ def test_specd_up_serves_the_embedded_model_exactly(up, target):
     assert reply["usage"]["completion_tokens"] == len(out[0]) - len(ids)
 
 
-def test_logprobs_are_the_targets_own_log_softmax(client, target):
+INT8_QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+]
+
+
+def test_the_default_stack_speculates_exactly_in_int8(client, up):
+    """README's stack takes int8 activations (/v1/models says so): speculating (k = 4, and auto) its
+    greedy tokens and their logprobs are its own target-only ones, bit for bit."""
+    assert httpx.get(up + "/v1/models").json()["data"][0]["activations"] == "int8"
+
+    def ask(question: str, k: int | str) -> tuple[str, list[float]]:
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=48,
+            temperature=0,
+            logprobs=True,
+            extra_body={"num_speculative_tokens": k, "ignore_eos": True},
+        )
+        return reply.choices[0].message.content or "", [c.logprob for c in reply.choices[0].logprobs.content]
+
+    for question in INT8_QUESTIONS:
+        alone = ask(question, 0)
+        assert ask(question, 4) == alone, question
+        assert ask(question, "auto") == alone, question
+
+
+def test_logprobs_are_the_targets_own_log_softmax(client_float32, target):
     """(a) Every returned logprob, and the top alternatives, within 1e-4 of an HF float32 forward."""
+    client = client_float32
     tokenizer, model = target
     for question in ("Name three colours.",):
         messages = [{"role": "user", "content": question}]
@@ -114,8 +165,9 @@ def unpenalised(target) -> list[int]:
 
 
 @pytest.mark.parametrize("penalties", PENALTIES, ids=["presence-frequency", "repetition", "logit_bias"])
-def test_penalised_and_biased_greedy_equals_the_target_alone(client, target, unpenalised, penalties):
+def test_penalised_and_biased_greedy_equals_the_target_alone(client_float32, target, unpenalised, penalties):
     """(b) The same formulas applied to the target alone give the same tokens."""
+    client = client_float32
     tokenizer, model = target
     prompt = PENALTY_PROMPT
     ids = tokenizer.encode(prompt)

@@ -251,3 +251,29 @@ def test_int8_is_refused_where_it_cannot_run(
         with pytest.raises(SystemExit):
             parse(argv)
         assert reason in capsys.readouterr().err
+
+
+def test_auto_takes_int8_where_it_runs_and_float32_elsewhere(
+    kernel: gemv.Gemv, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if not kernel.int8_supported():
+        pytest.skip("this CPU runs no int8 products")
+    caplog.set_level("INFO", logger="specd.engine.kvcache")
+    blocks = BatchedCausalLM(_block_model(), torch.device("cpu"), torch.float32)
+    assert blocks.calibrate_products(8, activations="auto") == "int8"
+    assert blocks.head_product.packed is not None
+    # Weights without exact blocks, and a forward without the kernel: float32, with the reason.
+    plain = BatchedCausalLM(fused_llama.fuse(tinymodels.build_model(0, 96, 1, 2)), torch.device("cpu"), torch.float32)
+    assert plain.calibrate_products(8, activations="auto") == "float32"
+    unfused = BatchedCausalLM(tinymodels.build_model(0, 96, 1, 2), torch.device("cpu"), torch.float32)
+    assert unfused.calibrate_products(8, activations="auto") == "float32"
+    monkeypatch.setattr(gemv.Gemv, "int8_supported", lambda self: False)
+    cpu_without = BatchedCausalLM(_block_model(), torch.device("cpu"), torch.float32)
+    assert cpu_without.calibrate_products(8, activations="auto") == "float32"
+    said = [r.getMessage() for r in caplog.records if "activations:" in r.getMessage()]
+    assert said[0].startswith("activations: int8 (auto")
+    assert "no exact 4- or 8-bit blocks" in said[1] and "does not take the CPU kernel" in said[2]
+    assert "neither AVX-512 VNNI nor AVX2" in said[3]
+    # Asked for by name, auto stays the default for the verifier alone.
+    assert VerifierConfig.from_args([]).activations == "auto"
+    assert DrafterConfig.from_args([]).activations == "float32"

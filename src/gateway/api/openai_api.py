@@ -74,6 +74,8 @@ class OpenAIApi:
         self.keyed = False  # whether clients are told apart by API key (else by address): gateway.round.shares
         # How the backends' weights were made where they are no checkpoint's (gateway.server.made_weights).
         self.weights = ""
+        # The target's int8 activations ("int8"), where its outputs are not its dtype's own products.
+        self.activations = ""
 
     @property
     def prompts(self) -> Prompts:
@@ -136,6 +138,8 @@ class OpenAIApi:
         card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specd"}
         if self.weights:
             card["weights"] = self.weights  # made, not loaded: the text is meaningless
+        if self.activations:
+            card["activations"] = self.activations
         return card
 
     async def metrics(self) -> Response:

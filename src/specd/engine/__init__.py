@@ -11,6 +11,8 @@ DECODER_CHOICES = ("auto", "fused", "transformers")
 # What the CPU kernel multiplies a model's exact 4- and 8-bit weight blocks by (--activations;
 # specd.engine.gemv): float32 activations, or activations quantized to 8 bits per block of 32.
 ACTIVATION_CHOICES = ("float32", "int8")
+# The verifier's --activations: auto is int8 where the kernel reads exact blocks and the CPU sums int8.
+AUTO_ACTIVATION_CHOICES = ("auto", *ACTIVATION_CHOICES)
 # Where a service's weights come from (--load-format): the model's files, random ones of its shape, or
 # ones made to agree with the other model's at a set rate (specd.engine.synthetic).
 LOAD_FORMAT_CHOICES = ("auto", "dummy", "synthetic")

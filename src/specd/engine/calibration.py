@@ -185,17 +185,17 @@ def model_key(lm: Any, spec: str, load_format: str) -> dict[str, Any]:
 
 def calibrate_products(
     lm: Any, spec: str, load_format: str, max_rows: int, recalibrate: bool = False, activations: str = "float32"
-) -> None:
+) -> str:
     """`lm.calibrate_products(max_rows, activations=activations)`, with whatever it times (the LM
     head's torch products, where the CPU kernel cannot take them) timed once per key and read back
     at later starts. A drafter and a verifier holding the same weights on the same cores share the
-    entry."""
+    entry. Returns the activations taken ("auto" resolved)."""
     if lm.device.type != "cpu":
-        if activations != "float32":
+        if activations not in ("float32", "auto"):
             raise ValueError(f"--activations {activations} takes the CPU kernel, not a {lm.device.type} model")
-        return
+        return "float32"
     key = {**model_key(lm, spec, load_format), "rows": max_rows}
-    lm.calibrate_products(
+    return lm.calibrate_products(
         max_rows, kept=lambda measure: cached("head", key, measure, recalibrate)[0], activations=activations
     )
 

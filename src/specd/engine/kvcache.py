@@ -11,11 +11,13 @@ rejected positions are overwritten later, the accepted prefix is never recompute
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from specd.engine import gemv
 from specd.engine.attention_layout import layout
 from specd.engine.forward_masks import positions_and_mask, row_tree
 from specd.engine.head_product import HeadProduct, Keep
@@ -23,6 +25,8 @@ from specd.engine.host_threads import around_forward
 from specd.engine.rows import Row
 from specd.engine.slot_cache import DEFAULT_POSITIONS, DEFAULT_SLOTS, SlotKVCache, to_device
 from specd.engine.timing import best_time
+
+log = logging.getLogger(__name__)
 
 
 def cache_keyword(model: Any) -> str:
@@ -112,7 +116,7 @@ class BatchedCausalLM:
                 self.cache.release(slot)
         return timed
 
-    def calibrate_products(self, max_rows: int, kept: Keep | None = None, activations: str = "float32") -> None:
+    def calibrate_products(self, max_rows: int, kept: Keep | None = None, activations: str = "float32") -> str:
         """On the CPU, choose the products of forwards of up to max_rows tokens: the gemv kernel for
         the LM head and the decoder's linears (where the model's forward can take it: the fused one,
         `specd.engine.fused_llama`) wherever it applies, by rule, so that every such forward takes
@@ -120,18 +124,52 @@ class BatchedCausalLM:
         Other devices keep torch's. `kept`: see `HeadProduct.calibrate`. `activations` "int8": the
         kernel's products from exact weight blocks take int8-quantized activations (specd.engine.gemv);
         ValueError where they cannot (another device, a forward without the kernel, a CPU without
-        AVX-512 VNNI or AVX2)."""
+        AVX-512 VNNI or AVX2). "auto": int8 where it can run, float32 elsewhere (`auto_activations`).
+        Returns the activations taken."""
         choose = getattr(self._base, "choose_products", None)
+        if activations == "auto":
+            activations = self.auto_activations()
         if activations != "float32" and (self.device.type != "cpu" or choose is None):
             raise ValueError(
                 f"--activations {activations} takes the CPU kernel of the fused forward (--decoder auto or fused, "
                 f"a Llama model on the CPU), not this {self.device.type} model's {type(self._base).__name__}"
             )
         if self.device.type != "cpu":
-            return
+            return activations
         self.head_product.calibrate(max_rows, kept=kept, activations=activations)
         if choose is not None:
             choose(max_rows, activations)
+        return activations
+
+    def auto_activations(self) -> str:
+        """int8 where the fused forward's CPU kernel reads exact 4- or 8-bit weight blocks and this CPU
+        sums int8 (the products llama.cpp takes for a Q4_1 model: its blocks against 8-bit
+        activations, a far cheaper verify than float32's), else float32; logged with the reason."""
+        why = self._int8_missing()
+        if why:
+            log.info("activations: float32 (auto: %s)", why)
+            return "float32"
+        log.info(
+            "activations: int8 (auto: exact weight blocks on a CPU that sums int8; "
+            "--activations float32 for float32 products)"
+        )
+        return "int8"
+
+    def _int8_missing(self) -> str:
+        """Why int8 activations cannot run here; empty where they can."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return f"a {self.dtype} model on {self.device.type}, not float32 on the CPU"
+        if getattr(self._base, "choose_products", None) is None:
+            return f"the {type(self._base).__name__} forward does not take the CPU kernel"
+        kernel = gemv.load()
+        if kernel is None:
+            return "the CPU kernel does not load here"
+        if not kernel.int8_supported():
+            return "this CPU has neither AVX-512 VNNI nor AVX2 and FMA"
+        first = next((m for m in self._base.modules() if type(m) is torch.nn.Linear), None)
+        if first is None or gemv.as_blocks(first.weight) is None:
+            return "the weights have no exact 4- or 8-bit blocks (a Q4_1 or Q8_0 GGUF's)"
+        return ""
 
     def forward(
         self, rows: Sequence[Row], ids: torch.Tensor | None = None, inputs: list[torch.Tensor] | None = None

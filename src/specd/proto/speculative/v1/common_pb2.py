@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspeculative/v1/common.proto\x12\x0especulative.v1\"\xe4\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x41\n\nlogit_bias\x18\x08 \x03(\x0b\x32-.speculative.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1a\n\x12min_tokens_eos_ids\x18\x0b \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"7\n\x0fLogprobsRequest\x12\x14\n\x0ctop_logprobs\x18\x01 \x01(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\x08\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xfa\x01\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x14\n\x0cvocab_sha256\x18\x02 \x01(\t\x12T\n\x11special_token_ids\x18\x03 \x03(\x0b\x32\x39.speculative.v1.TokenizerFingerprint.SpecialTokenIdsEntry\x12\x15\n\rend_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bspecial_ids\x18\x05 \x03(\x05\x1a\x36\n\x14SpecialTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xc4\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x37\n\ttokenizer\x18\x02 \x01(\x0b\x32$.speculative.v1.TokenizerFingerprint\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x18\n\x10model_vocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_sequences\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\x15\n\rlease_seconds\x18\t \x01(\x02\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x30\n\x0cstep_timings\x18\x0b \x03(\x0b\x32\x1a.speculative.v1.StepTiming\x12\x0f\n\x07weights\x18\x0c \x01(\t\"3\n\nStepTiming\x12\x11\n\tsequences\x18\x01 \x01(\r\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\"I\n\rSequenceError\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.speculative.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xb2\x03\n\x0cSequenceSpec\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.speculative.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x31\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1f.speculative.v1.LogprobsRequest\x12\x13\n\x0bjson_schema\x18\x06 \x01(\t\x12\x1b\n\x0eprefill_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07grammar\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x15\n\rend_token_ids\x18\n \x03(\x05\x12\x45\n\rtrace_context\x18\x0b \x03(\x0b\x32..speculative.v1.SequenceSpec.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_prefill_tokens\"\x9f\x01\n\nOpenResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1d.speculative.v1.SequenceError\x12\x35\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1c.speculative.v1.TokenLogprob\x12\x17\n\x0fprefill_pending\x18\x04 \x01(\r\"H\n\x0eServiceTimings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\'\n\x10KeepAliveRequest\x12\x13\n\x0blease_owner\x18\x01 \x01(\t\"$\n\rAttachRequest\x12\x13\n\x0blease_owner\x18\x01 \x01(\t\"(\n\x0e\x41ttachResponse\x12\x16\n\x0e\x64\x65tach_seconds\x18\x01 \x01(\x02\"B\n\x11KeepAliveResponse\x12\x16\n\x0eopen_sequences\x18\x01 \x01(\r\x12\x15\n\rlease_seconds\x18\x02 \x01(\x02*t\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFTER_KIND_MODEL\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x17\n\x13\x44RAFTER_KIND_SUFFIX\x10\x03*\xde\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\x04\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x05\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspeculative/v1/common.proto\x12\x0especulative.v1\"\xe4\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x41\n\nlogit_bias\x18\x08 \x03(\x0b\x32-.speculative.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\t \x01(\x02\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1a\n\x12min_tokens_eos_ids\x18\x0b \x03(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"7\n\x0fLogprobsRequest\x12\x14\n\x0ctop_logprobs\x18\x01 \x01(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\x08\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xfa\x01\n\x14TokenizerFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x14\n\x0cvocab_sha256\x18\x02 \x01(\t\x12T\n\x11special_token_ids\x18\x03 \x03(\x0b\x32\x39.speculative.v1.TokenizerFingerprint.SpecialTokenIdsEntry\x12\x15\n\rend_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bspecial_ids\x18\x05 \x03(\x05\x1a\x36\n\x14SpecialTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xd9\x02\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x37\n\ttokenizer\x18\x02 \x01(\x0b\x32$.speculative.v1.TokenizerFingerprint\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x18\n\x10model_vocab_size\x18\x06 \x01(\r\x12\x15\n\rmax_sequences\x18\x07 \x01(\r\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\r\x12\x15\n\rlease_seconds\x18\t \x01(\x02\x12\x13\n\x0bhidden_size\x18\n \x01(\r\x12\x30\n\x0cstep_timings\x18\x0b \x03(\x0b\x32\x1a.speculative.v1.StepTiming\x12\x0f\n\x07weights\x18\x0c \x01(\t\x12\x13\n\x0b\x61\x63tivations\x18\r \x01(\t\"3\n\nStepTiming\x12\x11\n\tsequences\x18\x01 \x01(\r\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\"I\n\rSequenceError\x12\'\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x19.speculative.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\xb2\x03\n\x0cSequenceSpec\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.speculative.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x31\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1f.speculative.v1.LogprobsRequest\x12\x13\n\x0bjson_schema\x18\x06 \x01(\t\x12\x1b\n\x0eprefill_tokens\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07grammar\x18\x08 \x01(\t\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x15\n\rend_token_ids\x18\n \x03(\x05\x12\x45\n\rtrace_context\x18\x0b \x03(\x0b\x32..speculative.v1.SequenceSpec.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x11\n\x0f_prefill_tokens\"\x9f\x01\n\nOpenResult\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12,\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1d.speculative.v1.SequenceError\x12\x35\n\x0fprompt_logprobs\x18\x03 \x03(\x0b\x32\x1c.speculative.v1.TokenLogprob\x12\x17\n\x0fprefill_pending\x18\x04 \x01(\r\"H\n\x0eServiceTimings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x12\n\nforward_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\'\n\x10KeepAliveRequest\x12\x13\n\x0blease_owner\x18\x01 \x01(\t\"$\n\rAttachRequest\x12\x13\n\x0blease_owner\x18\x01 \x01(\t\"(\n\x0e\x41ttachResponse\x12\x16\n\x0e\x64\x65tach_seconds\x18\x01 \x01(\x02\"B\n\x11KeepAliveResponse\x12\x16\n\x0eopen_sequences\x18\x01 \x01(\r\x12\x15\n\rlease_seconds\x18\x02 \x01(\x02*t\n\x0b\x44rafterKind\x12\x1c\n\x18\x44RAFTER_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFTER_KIND_MODEL\x10\x01\x12\x16\n\x12\x44RAFTER_KIND_NGRAM\x10\x02\x12\x17\n\x13\x44RAFTER_KIND_SUFFIX\x10\x03*\xde\x01\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45RROR_CODE_NOT_FOUND\x10\x01\x12\x1f\n\x1b\x45RROR_CODE_INVALID_ARGUMENT\x10\x02\x12!\n\x1d\x45RROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\"\n\x1e\x45RROR_CODE_FAILED_PRECONDITION\x10\x04\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x05\x12\x1a\n\x16\x45RROR_CODE_UNAVAILABLE\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,10 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFINGERPRINT_SPECIALTOKENIDSENTRY']._serialized_options = b'8\001'
   _globals['_SEQUENCESPEC_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SEQUENCESPEC_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_DRAFTERKIND']._serialized_start=2185
-  _globals['_DRAFTERKIND']._serialized_end=2301
-  _globals['_ERRORCODE']._serialized_start=2304
-  _globals['_ERRORCODE']._serialized_end=2526
+  _globals['_DRAFTERKIND']._serialized_start=2206
+  _globals['_DRAFTERKIND']._serialized_end=2322
+  _globals['_ERRORCODE']._serialized_start=2325
+  _globals['_ERRORCODE']._serialized_end=2547
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=404
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=347
@@ -54,27 +54,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERFINGERPRINT_SPECIALTOKENIDSENTRY']._serialized_start=756
   _globals['_TOKENIZERFINGERPRINT_SPECIALTOKENIDSENTRY']._serialized_end=810
   _globals['_MODELINFO']._serialized_start=813
-  _globals['_MODELINFO']._serialized_end=1137
-  _globals['_STEPTIMING']._serialized_start=1139
-  _globals['_STEPTIMING']._serialized_end=1190
-  _globals['_SEQUENCEERROR']._serialized_start=1192
-  _globals['_SEQUENCEERROR']._serialized_end=1265
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=1267
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1321
-  _globals['_SEQUENCESPEC']._serialized_start=1324
-  _globals['_SEQUENCESPEC']._serialized_end=1758
-  _globals['_SEQUENCESPEC_TRACECONTEXTENTRY']._serialized_start=1688
-  _globals['_SEQUENCESPEC_TRACECONTEXTENTRY']._serialized_end=1739
-  _globals['_OPENRESULT']._serialized_start=1761
-  _globals['_OPENRESULT']._serialized_end=1920
-  _globals['_SERVICETIMINGS']._serialized_start=1922
-  _globals['_SERVICETIMINGS']._serialized_end=1994
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1996
-  _globals['_KEEPALIVEREQUEST']._serialized_end=2035
-  _globals['_ATTACHREQUEST']._serialized_start=2037
-  _globals['_ATTACHREQUEST']._serialized_end=2073
-  _globals['_ATTACHRESPONSE']._serialized_start=2075
-  _globals['_ATTACHRESPONSE']._serialized_end=2115
-  _globals['_KEEPALIVERESPONSE']._serialized_start=2117
-  _globals['_KEEPALIVERESPONSE']._serialized_end=2183
+  _globals['_MODELINFO']._serialized_end=1158
+  _globals['_STEPTIMING']._serialized_start=1160
+  _globals['_STEPTIMING']._serialized_end=1211
+  _globals['_SEQUENCEERROR']._serialized_start=1213
+  _globals['_SEQUENCEERROR']._serialized_end=1286
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1288
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1342
+  _globals['_SEQUENCESPEC']._serialized_start=1345
+  _globals['_SEQUENCESPEC']._serialized_end=1779
+  _globals['_SEQUENCESPEC_TRACECONTEXTENTRY']._serialized_start=1709
+  _globals['_SEQUENCESPEC_TRACECONTEXTENTRY']._serialized_end=1760
+  _globals['_OPENRESULT']._serialized_start=1782
+  _globals['_OPENRESULT']._serialized_end=1941
+  _globals['_SERVICETIMINGS']._serialized_start=1943
+  _globals['_SERVICETIMINGS']._serialized_end=2015
+  _globals['_KEEPALIVEREQUEST']._serialized_start=2017
+  _globals['_KEEPALIVEREQUEST']._serialized_end=2056
+  _globals['_ATTACHREQUEST']._serialized_start=2058
+  _globals['_ATTACHREQUEST']._serialized_end=2094
+  _globals['_ATTACHRESPONSE']._serialized_start=2096
+  _globals['_ATTACHRESPONSE']._serialized_end=2136
+  _globals['_KEEPALIVERESPONSE']._serialized_start=2138
+  _globals['_KEEPALIVERESPONSE']._serialized_end=2204
 # @@protoc_insertion_point(module_scope)

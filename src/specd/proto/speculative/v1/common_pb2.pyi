@@ -110,7 +110,7 @@ class TokenizerFingerprint(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., vocab_sha256: _Optional[str] = ..., special_token_ids: _Optional[_Mapping[str, int]] = ..., end_token_ids: _Optional[_Iterable[int]] = ..., special_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings", "weights")
+    __slots__ = ("model_id", "tokenizer", "max_context", "device", "dtype", "model_vocab_size", "max_sequences", "max_draft_tokens", "lease_seconds", "hidden_size", "step_timings", "weights", "activations")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class ModelInfo(_message.Message):
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     tokenizer: TokenizerFingerprint
     max_context: int
@@ -135,7 +136,8 @@ class ModelInfo(_message.Message):
     hidden_size: int
     step_timings: _containers.RepeatedCompositeFieldContainer[StepTiming]
     weights: str
-    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., hidden_size: _Optional[int] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., weights: _Optional[str] = ...) -> None: ...
+    activations: str
+    def __init__(self, model_id: _Optional[str] = ..., tokenizer: _Optional[_Union[TokenizerFingerprint, _Mapping]] = ..., max_context: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., hidden_size: _Optional[int] = ..., step_timings: _Optional[_Iterable[_Union[StepTiming, _Mapping]]] = ..., weights: _Optional[str] = ..., activations: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
     __slots__ = ("sequences", "forward_ns")
