@@ -1,7 +1,8 @@
 """One product path for every verify and step forward on the CPU: the gemv kernel is taken by rule,
 never by start-up timing, so under any timer every row count up to the bound takes it, a position's
 logits are bitwise the same in a one-token step and in a verify of any size, and greedy speculation
-is target-only's at 1, 4 and 16 sequences."""
+is target-only's at 1, 4 and 16 sequences: with float32 activations, and with int8 ones against a
+model whose weights are a GGUF's exact blocks (the default where they run)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import random
 import pytest
 import torch
 from test_engines import GREEDY, speculate
+from test_gemv import _q4_weight, _q8_weight
+from torch import nn
 
 from specd.engine import fused_llama, gemv
 from specd.engine.kvcache import BatchedCausalLM, Row
@@ -32,11 +35,31 @@ def adversarial_timer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("time.perf_counter", lambda: next(ticks) + (0.9 if rng.random() < 0.5 else 0.0))
 
 
+@pytest.fixture(params=["float32", "int8"])
+def activations(kernel: gemv.Gemv, request: pytest.FixtureRequest) -> str:
+    if request.param == "int8" and not kernel.int8_supported():
+        pytest.skip("this CPU runs no int8 products")
+    return request.param
+
+
 @pytest.fixture
-def fused_lm(kernel: gemv.Gemv, tiny_target, adversarial_timer: None) -> BatchedCausalLM:
-    fused = fused_llama.fuse(copy.deepcopy(tiny_target))
+def target_model(tiny_target: nn.Module, activations: str) -> nn.Module:
+    """The tiny target; for int8, a copy whose weights are made as a GGUF's load (Q4_1, the head Q8_0)."""
+    if activations == "float32":
+        return tiny_target
+    model = copy.deepcopy(tiny_target)
+    with torch.no_grad():
+        for i, m in enumerate(m for m in model.modules() if isinstance(m, nn.Linear)):
+            m.weight.copy_(_q8_weight(*m.weight.shape, i) if m is model.lm_head else _q4_weight(*m.weight.shape, i))
+    return model
+
+
+@pytest.fixture
+def fused_lm(target_model: nn.Module, activations: str, adversarial_timer: None) -> BatchedCausalLM:
+    fused = fused_llama.fuse(copy.deepcopy(target_model))
     lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32, max_slots=16, max_positions=160)
-    lm.calibrate_products(MAX_ROWS)
+    lm.calibrate_products(MAX_ROWS, activations=activations)
+    assert fused.body.linears.int8 == (activations == "int8")
     return lm
 
 
@@ -68,7 +91,7 @@ def test_a_verify_s_logits_are_the_steps_bit_for_bit(fused_lm: BatchedCausalLM, 
 
 @pytest.mark.parametrize("sequences", SEQUENCES)
 def test_greedy_speculation_is_target_only(
-    fused_lm: BatchedCausalLM, fingerprint, make_drafter, tiny_target, tok, sequences: int
+    fused_lm: BatchedCausalLM, fingerprint, make_drafter, target_model, tok, sequences: int
 ) -> None:
     texts = ["Hello world, this is a test.", "1, 2, 3, 4, 5, 6", "The quick brown fox", "def add(a, b):"]
     prompts = {f"p{i}": tok.encode(texts[i % len(texts)] + " x" * i) for i in range(sequences)}
@@ -77,7 +100,7 @@ def test_greedy_speculation_is_target_only(
     for k in (K, 0):
         verifier = VerifierEngine(fused_lm, fingerprint, max(SEQUENCES), 512, K)
         # The target drafts for itself: every draft is right, so every verify feeds k + 1 rows.
-        drafter = make_drafter(max_sequences=max(SEQUENCES), max_draft_tokens=K, model=tiny_target)
+        drafter = make_drafter(max_sequences=max(SEQUENCES), max_draft_tokens=K, model=target_model)
         outputs[k], accepted = speculate(verifier, drafter, prompts, dict.fromkeys(prompts, k), params, 16)
         assert (accepted > 0) == (k > 0)
     assert outputs[K] == outputs[0]
