@@ -101,3 +101,38 @@ def test_padded_rows_of_different_lengths_in_one_forward() -> None:
                     for t in (*lm.cache.keys, *lm.cache.values):
                         t[slot] = 0
     assert padded.static.missed == 0
+
+
+def test_the_drafter_prefills_padded_chunks_and_says_so_in_its_span(make_drafter, tiny_draft) -> None:
+    from specd.engine.params import SamplingParams
+    from specd.engine.tasks import DraftTask, SequenceSpec
+
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [(7 * i + 3) % 500 + 10 for i in range(90)]
+    exact, padded = (make_drafter(max_sequences=2, model=fused_llama.fuse(copy.deepcopy(tiny_draft))) for _ in "ab")
+    padded.lm.static = cuda_graphs.StaticForward(padded.lm, 2, BLOCK, False, prefill=LENGTHS)
+    for engine in (exact, padded):
+        engine.open([SequenceSpec("a", prompt, greedy, prefill_tokens=1)])
+    attributes = []
+    for chunk in (5, 9, 17, 33, 30):  # the last past the pending prompt: 89 - 1 - 64 = 24 tokens
+        task = DraftTask("a", [], len(prompt), 0, (), prefill_tokens=chunk)
+        (want,), _ = exact.draft([task])
+        (got,), timing = padded.draft([task])
+        assert got.prefill_pending == want.prefill_pending
+        attributes.append(prefill_attributes(timing))
+    assert attributes[0] == {"specd.prefill_tokens": 5, "specd.prefill_graphed": True}
+    assert [a["specd.prefill_tokens"] for a in attributes] == [5, 9, 17, 33, 24]
+    assert all(a["specd.prefill_graphed"] for a in attributes)
+    (want,), _ = exact.draft([DraftTask("a", [], len(prompt), 4)])
+    (got,), _ = padded.draft([DraftTask("a", [], len(prompt), 4)])
+    assert got.tokens == want.tokens and len(want.tokens) == 4
+    # A chunk longer than every bucket runs eagerly, and its span says so.
+    padded.open([SequenceSpec("b", prompt, greedy, prefill_tokens=1)])
+    (_,), timing = padded.draft([DraftTask("b", [], len(prompt), 0, (), prefill_tokens=70)])
+    assert prefill_attributes(timing) == {"specd.prefill_tokens": 70, "specd.prefill_graphed": False}
+
+
+def prefill_attributes(timing) -> dict:
+    """The attributes of a drafter round's one prefill phase."""
+    (index,) = [i for i, phase in enumerate(timing.phases) if phase[0] == "prefill"]
+    return timing.phase_attributes[index]
