@@ -30,7 +30,9 @@ captured at start-up like any block: the gateway sizes chunks by a measured budg
 lengths vary from round to round, and an eager forward of a shape new to the process pays for its
 first call. Their padded positions are a padded row's positions as above: written to the scratch
 slot, unseen by the real ones. Powers of two keep the graphs few (six lengths past a block of four)
-at no more than twice a chunk's tokens, which a graphed chunk of this size barely notices.
+at no more than twice a chunk's tokens; whether a padded graphed chunk beats an exact eager one at
+every length is for a GPU to show (scripts/gpu_check.py, `prefill_graphed_ms`). Longer chunks are
+not captured: each bucket keeps its own output buffer, and the graphs multiply by batch and keys.
 
 Longer prefills and shapes outside the buckets run eagerly, as do models other than the fused Llama
 forward (`specd.engine.fused_llama`: transformers' own forward builds masks and reads cache lengths on
@@ -345,11 +347,15 @@ class StaticForward:
         torch.cuda.current_stream(device).wait_stream(stream)
 
     def capture_all(self, buckets: Sequence[Bucket] | None = None) -> None:
-        """Capture `buckets` (default every one), largest first so the smaller ones reuse the pool's
-        memory; the time and the device memory it took are kept for the start-up log."""
+        """Capture `buckets` (default every one), largest (in tokens, then keys) first so the smaller
+        ones reuse the pool's memory; the time and the device memory it took are kept for the start-up log."""
         if not self.capture:
             return
-        chosen = sorted(buckets if buckets is not None else self.buckets(), reverse=True)
+        chosen = sorted(
+            buckets if buckets is not None else self.buckets(),
+            key=lambda b: (b.batch * b.length, b.keys, b),
+            reverse=True,
+        )
         device = self.lm.device
         if self.lm.cache.keys[0] is None:
             # The KV cache is made by the first forward: before the count, which is the graphs' alone.
