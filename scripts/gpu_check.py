@@ -12,7 +12,9 @@ its own time budget and each failure recorded in the JSON rather than ending the
   models of the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes at batch 1, 8 and 32, eager
   and through CUDA graphs (specd.engine.cuda_graphs), beside the bandwidth floor (the bytes of the
   weights a step reads / the copy bandwidth); a verify of 1..9 positions against the step; and
-  an eager prefill of 16, 44 and 128 tokens.
+  an eager prefill of 16, 44 and 128 tokens, and the same padded to captured prefill buckets
+  (`prefill_graphed_ms`), with the first call of a length new to the process each way
+  (`prefill_first_ms`).
 - `cuda_tests`: the unit tests with SPECD_TEST_DEVICE=cuda (the GPU-specific ones first), then
   the integration tests with both services on the GPU, in what time is left for them.
 - `synthetic_pair`: `specd up` with a synthetic Llama-3.1-8B-shaped target and Llama-3.2-1B-shaped
@@ -286,6 +288,18 @@ def wall_s(fn: Callable[[], Any], device: Any, repeats: int) -> list[float]:
     return times
 
 
+def first_ms(fn: Callable[[], Any], device: Any) -> float:
+    """Wall ms of one call of `fn`, waited for on a GPU: a first call's cost where nothing ran it before."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return round((time.perf_counter() - start) * 1e3, 3)
+
+
 def median_ms(fn: Callable[[], Any], device: Any, repeats: int) -> float:
     times = sorted(wall_s(fn, device, repeats))
     return round(times[len(times) // 2] * 1e3, 3)
@@ -330,7 +344,10 @@ def time_shape(
     out["weight_bytes"] = weight_bytes(model)
     out["params"] = sum(p.numel() for p in model.parameters())
     lm = BatchedCausalLM(model, dev, dtype, max_slots=max(batches), max_positions=positions)
-    static = cuda_graphs.StaticForward(lm, max(batches), 9, capture=dev.type == "cuda", batches=batches)
+    prefill_buckets = cuda_graphs.prefill_lengths(9)
+    static = cuda_graphs.StaticForward(
+        lm, max(batches), 9, capture=dev.type == "cuda", batches=batches, prefill=prefill_buckets
+    )
     for slot in range(max(batches)):
         lm.forward([Row(slot, 0, [(7 * slot + j) % 1000 for j in range(context)], context - 1)])
     keys = next(k for k in static.keys if k >= context + 9)
@@ -363,6 +380,9 @@ def time_shape(
 
     for n in PREFILL_LENGTHS:
         if time.monotonic() < deadline:
+            # The first call of a length one past it, a shape new to the process (the context's
+            # prefill above ran 128).
+            out.setdefault("prefill_first_ms", {}).setdefault("eager", {})[str(n + 1)] = first_ms(prefill(n + 1), dev)
             out.setdefault("prefill_ms", {})[str(n)] = median_ms(prefill(n), dev, repeats)
     measure("eager")
     try:
@@ -372,6 +392,13 @@ def time_shape(
         out["graphed_traceback"] = traceback.format_exc()[-3000:]
         return out
     measure("graphed")
+    # Chunks padded to the captured prefill buckets: lengths one short of those timed eagerly, new
+    # to the process but not to the graphs.
+    for n in PREFILL_LENGTHS:
+        if time.monotonic() < deadline:
+            out.setdefault("prefill_first_ms", {}).setdefault("graphed", {})[str(n - 1)] = first_ms(prefill(n - 1), dev)
+            out.setdefault("prefill_graphed_ms", {})[str(n)] = median_ms(prefill(n), dev, repeats)
+    out["prefill_buckets"] = prefill_buckets
     return out
 
 
@@ -386,10 +413,12 @@ def graphed(
     reference = [t.clone() for t in step(max(batches), 2)()]
     lm.static = static
     start = time.monotonic()
+    prefills = [static.bucket(1, n, n) for m in PREFILL_LENGTHS for n in (m - 1, m)]
     static.capture_all(
         [cuda_graphs.Bucket(b, 1, keys) for b in batches]
         + [cuda_graphs.Bucket(1, n, keys) for n in lengths if n > 1]
         + [cuda_graphs.Bucket(max(batches), 2, keys)]
+        + sorted({b for b in prefills if b is not None})
     )
     out["capture_s"] = round(time.monotonic() - start, 2)
     out["capture_mib"] = round(static.capture_bytes / 2**20, 1)
@@ -932,7 +961,9 @@ def bench_stack(
 
 def span_summary(path: Path) -> dict[str, Any]:
     """Per service and span name in a `--trace-file` (OTLP JSON lines): count, p50, p95, max and
-    total ms. Where a round's time goes, and its stalls, without bringing the trace back."""
+    total ms. Where a round's time goes, and its stalls, without bringing the trace back. Spans
+    that say whether they ran in captured graphs (the drafter's prefill chunks) are counted again
+    under their name + " graphed" or " eager": a chunk of a shape new to the process is slow."""
     durations: dict[str, list[float]] = {}
     with contextlib.suppress(OSError):
         for line in path.read_text(errors="replace").splitlines():
@@ -944,6 +975,9 @@ def span_summary(path: Path) -> dict[str, Any]:
                         for span in scope.get("spans", []):
                             ms = (int(span["endTimeUnixNano"]) - int(span["startTimeUnixNano"])) / 1e6
                             durations.setdefault(f"{service} {span['name']}", []).append(ms)
+                            if (graphed := _graphed(span)) is not None:
+                                kind = "graphed" if graphed else "eager"
+                                durations.setdefault(f"{service} {span['name']} {kind}", []).append(ms)
     out: dict[str, Any] = {}
     for name, values in sorted(durations.items()):
         values.sort()
@@ -956,6 +990,14 @@ def span_summary(path: Path) -> dict[str, Any]:
             "total": round(sum(values), 1),
         }
     return out
+
+
+def _graphed(span: dict[str, Any]) -> bool | None:
+    """A span's `specd.prefill_graphed` attribute, None where it has none."""
+    for attribute in span.get("attributes", []):
+        if attribute.get("key") == "specd.prefill_graphed":
+            return bool(attribute.get("value", {}).get("boolValue"))
+    return None
 
 
 NOTABLE = ("CUDA graphs", "runs eagerly", "one-token step", "MPS", "specd up:", "Error", "WARNING")

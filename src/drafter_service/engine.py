@@ -259,9 +259,17 @@ class ModelDrafter(DrafterBase):
         if not prefills:
             return 0
         # Chunks of prompts on their own forward, before the draft steps (which would pad to them).
+        tokens = sum(min(n, self.table.pending(state)) for _, state, n in prefills)
+        static = self.lm.static
+        missed = static.missed if static is not None else 0
         start = time.time_ns()
         self.table.prefill([(state, n) for _, state, n in prefills])
         end = time.time_ns()
+        attributes: dict[str, int | bool] = {"specd.prefill_tokens": tokens}
+        if static is not None:
+            # Whether every forward replayed a captured bucket: an eager one may meet a new shape.
+            attributes["specd.prefill_graphed"] = static.missed == missed
+        timing.phase_attributes[len(timing.phases)] = attributes
         timing.phases.append(("prefill", start, end))
         for i, state, _ in prefills:
             proposals[i].prefill_pending = self.table.pending(state)

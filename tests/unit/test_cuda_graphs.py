@@ -214,8 +214,8 @@ def test_the_start_up_check_catches_cache_writes_gone_astray(monkeypatch, caplog
 def uncaptured(init):
     """StaticForward.__init__ that keeps the static path uncaptured whatever it is asked (the CPU)."""
 
-    def wrapped(self, lm, max_batch, max_length, capture, batches=()):
-        init(self, lm, max_batch, max_length, False, batches)
+    def wrapped(self, lm, max_batch, max_length, capture, **options):
+        init(self, lm, max_batch, max_length, False, **options)
 
     return wrapped
 

@@ -47,6 +47,9 @@ def test_the_dry_run_writes_its_json_after_every_section(dry_run) -> None:
     assert set(tiny["step_ms"]) == {"1", "2"}
     assert all(set(t) == {"eager", "graphed"} for t in tiny["step_ms"].values())
     assert set(tiny["prefill_ms"]) == {"16", "44", "128"} and all(v > 0 for v in tiny["prefill_ms"].values())
+    assert set(tiny["prefill_graphed_ms"]) == {"16", "44", "128"} and tiny["prefill_buckets"][0] == 16
+    assert set(tiny["prefill_first_ms"]["eager"]) == {"17", "45", "129"}
+    assert set(tiny["prefill_first_ms"]["graphed"]) == {"15", "43", "127"}
     assert tiny["floor_ms"] > 0 and tiny["weight_bytes"] > 0
     # The uncaptured static path computes what the eager one does.
     assert tiny["graphed_vs_eager"]["same_argmax"]
@@ -267,17 +270,19 @@ def test_wheels_install_once_and_go_first_on_the_path(tmp_path: Path, monkeypatc
 def test_span_summary_reads_a_trace_file_per_service_and_span(tmp_path: Path) -> None:
     check = script("gpu_check")
 
-    def spans(service: str, name: str, lengths_ms: list[float]) -> str:
+    def spans(service: str, name: str, lengths_ms: list[float], graphed: list[bool] | None = None) -> str:
         items = [
             {"name": name, "startTimeUnixNano": "1000", "endTimeUnixNano": str(1000 + int(ms * 1e6))}
             for ms in lengths_ms
         ]
+        for item, flag in zip(items, graphed or [], strict=False):
+            item["attributes"] = [{"key": "specd.prefill_graphed", "value": {"boolValue": flag}}]
         resource = {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]}
         return json.dumps({"resourceSpans": [{"resource": resource, "scopeSpans": [{"spans": items}]}]})
 
     trace = tmp_path / "trace.jsonl"
     lines = [
-        spans("specd-drafter", "drafter.prefill", [100.0, 2.0, 3.0]),
+        spans("specd-drafter", "drafter.prefill", [100.0, 2.0, 3.0], [False, True, True]),
         "not json",
         spans("specd-gateway", "specd.round", [4.0]),
     ]
@@ -290,6 +295,9 @@ def test_span_summary_reads_a_trace_file_per_service_and_span(tmp_path: Path) ->
         "max": 100.0,
         "total": 105.0,
     }
+    # By whether the chunk replayed captured graphs; spans that do not say are in the total alone.
+    assert summary["specd-drafter drafter.prefill eager"]["max"] == 100.0
+    assert summary["specd-drafter drafter.prefill graphed"]["count"] == 2
     assert summary["specd-gateway specd.round"]["count"] == 1
     assert check.span_summary(tmp_path / "missing.jsonl") == {}
 

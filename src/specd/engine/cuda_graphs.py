@@ -24,7 +24,17 @@ Plain `torch.cuda.CUDAGraph` capture, not `torch.compile(mode="reduce-overhead")
 replays CUDA graphs too, and would add fused kernels, but compiles every bucket at start, far
 longer than capturing it, and compiles again wherever a shape guard fails.
 
-Prefill and shapes outside the buckets run eagerly, as do models other than the fused Llama
+Prompt prefill chunks longer than a block are padded up to one of a few lengths (`prefill_lengths`:
+powers of two up to `PREFILL_LENGTH`, at most `PREFILL_TOKENS` tokens a bucket) and replay graphs
+captured at start-up like any block: the gateway sizes chunks by a measured budget, so their
+lengths vary from round to round, and an eager forward of a shape new to the process pays for its
+first call. Their padded positions are a padded row's positions as above: written to the scratch
+slot, unseen by the real ones. Powers of two keep the graphs few (six lengths past a block of four)
+at no more than twice a chunk's tokens; whether a padded graphed chunk beats an exact eager one at
+every length is for a GPU to show (scripts/gpu_check.py, `prefill_graphed_ms`). Longer chunks are
+not captured: each bucket keeps its own output buffer, and the graphs multiply by batch and keys.
+
+Longer prefills and shapes outside the buckets run eagerly, as do models other than the fused Llama
 forward (`specd.engine.fused_llama`: transformers' own forward builds masks and reads cache lengths on
 the host) and feature drafters. On the CPU the same static path runs without capture (tests
 check it against the eager forward); the services only take it on CUDA (`--cuda-graphs`).
@@ -53,6 +63,10 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # The fewest keys a bucket attends: below it, more captures would save little.
 MIN_KEYS = 512
+# The longest prefill chunk padded to a graph, and the most tokens (rows x length) a prefill bucket
+# holds: each bucket keeps its own output buffer, so these bound the graphs' memory.
+PREFILL_LENGTH = 256
+PREFILL_TOKENS = 1024
 
 
 @dataclass(frozen=True, order=True)
@@ -109,6 +123,18 @@ def key_buckets(max_positions: int) -> list[int]:
     return out
 
 
+def prefill_lengths(block: int, longest: int = PREFILL_LENGTH) -> list[int]:
+    """The lengths a prefill chunk longer than `block` is padded to: powers of two up to `longest`
+    (itself the last where it is none)."""
+    out: list[int] = []
+    n = 1
+    while n < longest:
+        n *= 2
+        if n > block:
+            out.append(min(n, longest))
+    return out
+
+
 def wants_graphs(choice: str, device: torch.device) -> bool:
     """`--cuda-graphs`: auto is on for a CUDA device; on refuses any other device; off is off."""
 
@@ -131,10 +157,20 @@ def supported(lm: BatchedCausalLM) -> str | None:
 
 
 class StaticForward:
-    """The decoder of a BatchedCausalLM over bucketed static buffers; captured when `capture`."""
+    """The decoder of a BatchedCausalLM over bucketed static buffers; captured when `capture`.
+    `prefill`: the lengths past `max_length` a longer block is padded to (`prefill_lengths`), in
+    buckets of at most `prefill_tokens` tokens. On the CPU the services make none (padding would
+    only add work there); tests pass them to check the padding."""
 
     def __init__(
-        self, lm: BatchedCausalLM, max_batch: int, max_length: int, capture: bool, batches: Iterable[int] = ()
+        self,
+        lm: BatchedCausalLM,
+        max_batch: int,
+        max_length: int,
+        capture: bool,
+        batches: Iterable[int] = (),
+        prefill: Iterable[int] = (),
+        prefill_tokens: int = PREFILL_TOKENS,
     ) -> None:
         reason = supported(lm)
         if reason is not None:
@@ -147,22 +183,39 @@ class StaticForward:
         limit = min(max_batch, cache.max_slots)
         self.batches = sorted({b for b in (batches or BATCH_BUCKETS) if b <= max(limit, 1)} or {1})
         self.keys = key_buckets(cache.position_room)
-        self._inputs = torch.zeros(_size(self.batches[-1], self.max_length), dtype=torch.long, device=lm.device)
+        self.prefill_tokens = prefill_tokens
+        self.prefill = sorted({n for n in prefill if n > self.max_length and self._fits(1, n)})
+        shapes = {(b.batch, b.length) for b in self.buckets() if b.keys == self.keys[0]}
+        self._inputs = torch.zeros(max(_size(b, n) for b, n in shapes), dtype=torch.long, device=lm.device)
         self._graphs: dict[Bucket, tuple[Any, torch.Tensor]] = {}
         self._pool: Any = None
         self.capture_s = 0.0
         self.capture_bytes = 0
+        # Forwards no bucket held, which ran eagerly (a prefill chunk's span reports them).
+        self.missed = 0
 
     # -- shapes ------------------------------------------------------------
+    def _fits(self, batch: int, length: int) -> bool:
+        """Whether a bucket of `batch` rows of `length` is made: every block, prefill within the tokens."""
+        return length <= self.max_length or batch * length <= self.prefill_tokens
+
     def bucket(self, rows: int, length: int, keys: int) -> Bucket | None:
-        """The smallest bucket that holds `rows` rows of `length` tokens attending `keys` keys."""
-        if length > self.max_length or rows > self.batches[-1] or keys > self.keys[-1]:
+        """The smallest bucket that holds `rows` rows of `length` tokens attending `keys` keys: a
+        block at its own length, a longer one padded to a prefill length."""
+        if rows > self.batches[-1] or keys > self.keys[-1]:
             return None
+        if length > self.max_length:
+            length = next((n for n in self.prefill if n >= length), 0)
         batch = next(b for b in self.batches if b >= rows)
+        if not length or not self._fits(batch, length):
+            return None
         return Bucket(batch, length, next(k for k in self.keys if k >= keys))
 
+    def lengths(self) -> list[int]:
+        return [*range(1, self.max_length + 1), *self.prefill]
+
     def buckets(self) -> list[Bucket]:
-        return [Bucket(b, n, k) for b in self.batches for n in range(1, self.max_length + 1) for k in self.keys]
+        return [Bucket(b, n, k) for b in self.batches for n in self.lengths() for k in self.keys if self._fits(b, n)]
 
     # -- running -----------------------------------------------------------
     def run(self, rows: Sequence[Row], device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -173,6 +226,7 @@ class StaticForward:
         length = max(len(r.tokens) for r in rows)
         bucket = self.bucket(len(rows), length, max(r.start + len(r.tokens) for r in rows))
         if bucket is None:
+            self.missed += 1
             return None
         if self.capture and bucket not in self._graphs:
             # Before the rows' inputs go in: capturing fills the buffers with padding.
@@ -293,11 +347,15 @@ class StaticForward:
         torch.cuda.current_stream(device).wait_stream(stream)
 
     def capture_all(self, buckets: Sequence[Bucket] | None = None) -> None:
-        """Capture `buckets` (default every one), largest first so the smaller ones reuse the pool's
-        memory; the time and the device memory it took are kept for the start-up log."""
+        """Capture `buckets` (default every one), largest (in tokens, then keys) first so the smaller
+        ones reuse the pool's memory; the time and the device memory it took are kept for the start-up log."""
         if not self.capture:
             return
-        chosen = sorted(buckets if buckets is not None else self.buckets(), reverse=True)
+        chosen = sorted(
+            buckets if buckets is not None else self.buckets(),
+            key=lambda b: (b.batch * b.length, b.keys, b),
+            reverse=True,
+        )
         device = self.lm.device
         if self.lm.cache.keys[0] is None:
             # The KV cache is made by the first forward: before the count, which is the graphs' alone.
@@ -327,7 +385,7 @@ def enable(
             raise ValueError(f"--cuda-graphs on: {reason}")
         log.info("the %s runs eagerly: %s", service, reason)
         return None
-    static = StaticForward(lm, max_batch, max_length, capture=True)
+    static = StaticForward(lm, max_batch, max_length, capture=True, prefill=prefill_lengths(max_length))
     try:
         static.capture_all()
         diff = self_check(lm, static)
@@ -350,12 +408,15 @@ def enable(
         return None
     lm.static = static
     log.info(
-        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, keys %s) in %.1f s, %.0f MiB of device "
-        "memory; their logits match the eager forward's",
+        "the %s captured %d CUDA graphs (batches %s, blocks 1..%d, prefill chunks padded to %s of at most %d "
+        "tokens, keys %s), each run once, in %.1f s, %.0f MiB of device memory; their logits match the eager "
+        "forward's",
         service,
         len(static.buckets()),
         ",".join(map(str, static.batches)),
         static.max_length,
+        ",".join(map(str, static.prefill)) or "none",
+        static.prefill_tokens,
         ",".join(map(str, static.keys)),
         static.capture_s,
         static.capture_bytes / 2**20,
@@ -371,7 +432,8 @@ def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
     tree of two branches where it has three tokens) and leave a padded row in their bucket; two
     steps run each way, and before the graphed pair another eager step
     writes other tokens at the first step's positions, so a graph whose cache writes went astray
-    reads those and fails the check."""
+    reads those and fails the check. Last, the prompts are prefilled again in one graphed forward,
+    those longer than a block padded to a prefill bucket."""
     from specd.engine.kvcache import Row
 
     rows = min(3, lm.cache.max_slots, static.batches[-1])
@@ -385,14 +447,14 @@ def self_check(lm: BatchedCausalLM, static: StaticForward) -> float | None:
     first[-1].parents = tree
     second = [Row(s, lengths[s] + len(first[s].tokens), [(9 + s) % vocab], 0) for s in range(rows)]
     other = [Row(r.slot, r.start, [(r.tokens[0] + 1) % vocab] * len(r.tokens), 0) for r in first]
+    prompts = [Row(s, 0, [(11 * s + j) % vocab for j in range(lengths[s])], lengths[s] - 1) for s in range(rows)]
     lm.static = None
     try:
-        for s in range(rows):
-            lm.forward([Row(s, 0, [(11 * s + j) % vocab for j in range(lengths[s])], lengths[s] - 1)])
-        want = lm.forward(first) + lm.forward(second)
+        want = [logits for p in prompts for logits in lm.forward([p])]
+        want = lm.forward(first) + lm.forward(second) + want
         lm.forward(other)
         lm.static = static
-        got = lm.forward(first) + lm.forward(second)
+        got = lm.forward(first) + lm.forward(second) + lm.forward(prompts)
     finally:
         lm.static = None
         for s in range(rows):

@@ -128,3 +128,5 @@ class RoundTiming:
     tokens_fed: int = 0
     # (phase, start, end) in wall-clock ns, for the services' trace spans.
     phases: list[tuple[str, int, int]] = field(default_factory=list)
+    # Attributes of a phase's span, by its index in `phases`.
+    phase_attributes: dict[int, dict[str, int | bool]] = field(default_factory=dict)

@@ -429,14 +429,15 @@ def trace_round(
     pass is shared, but each request's trace then shows where its round went.
     """
     service = name.split(".")[0]
+    phases, attributes_of = (timing.phases, timing.phase_attributes) if timing is not None else ([], {})
     for carrier, attrs in zip(contexts, attributes, strict=True):
         parent = tracing.extract(carrier)
         if parent is None:
             continue
         span = tracing.start(name, parent, start_ns, attrs, kind=SpanKind.SERVER)
         steps = 0
-        for phase, a, b in timing.phases if timing is not None else ():
-            extra = {}
+        for index, (phase, a, b) in enumerate(phases):
+            extra: dict[str, Any] = dict(attributes_of.get(index, {}))
             if phase == "step":
                 extra = {"specd.step": steps}
                 steps += 1
