@@ -17,7 +17,7 @@ from torch import nn
 from drafter_service.config import DrafterConfig
 from specd.engine import fused_llama, gemv
 from specd.engine.head_product import HeadProduct
-from specd.engine.kvcache import BatchedCausalLM
+from specd.engine.kvcache import BatchedCausalLM, Row
 from verifier_service.config import VerifierConfig
 
 MAKERS = {"q4": _q4_weight, "q8": _q8_weight}
@@ -277,3 +277,17 @@ def test_auto_takes_int8_where_it_runs_and_float32_elsewhere(
     # Asked for by name, auto stays the default for the verifier alone.
     assert VerifierConfig.from_args([]).activations == "auto"
     assert DrafterConfig.from_args([]).activations == "float32"
+
+
+def test_int8_takes_every_forward_so_a_prompt_s_bits_do_not_depend_on_its_chunks(int8_kernel: gemv.Gemv) -> None:
+    """With a bound of 4 rows asked for, a 50-token prefill still takes the int8 kernel: its logits
+    are bitwise those of the same prompt fed in chunks of 4 (a forward left to torch's float32
+    products would give other ones)."""
+    fused = _block_model()
+    lm = BatchedCausalLM(fused, torch.device("cpu"), torch.float32, max_slots=2, max_positions=64)
+    lm.calibrate_products(4, activations="int8")
+    assert fused.body.kernel_takes(2 * 64) and lm.head_product.kernel_max_rows == 2 * 64
+    prompt = [(7 * j + 3) % 120 for j in range(50)]
+    whole = lm.forward([Row(0, 0, prompt, 0)])[0]
+    chunks = torch.cat([lm.forward([Row(1, s, prompt[s : s + 4], 0)])[0] for s in range(0, 50, 4)])
+    assert torch.equal(whole, chunks)
