@@ -140,7 +140,7 @@ class BatchedCausalLM:
             # int8 products are far from float32's: a forward left to torch's (a long prefill) would
             # give its positions other keys and logits than the kernel's forwards, and a sequence's
             # tokens would depend on the forwards its prompt shared. So the kernel takes every
-            # forward the cache can hold (its int8 products cost no more than torch's at any size).
+            # forward the cache can hold (at a long prefill about what torch's products cost, below it less).
             max_rows = max(max_rows, self.cache.max_slots * self.cache.max_positions)
         self.head_product.calibrate(max_rows, kept=kept, activations=activations)
         if choose is not None:
