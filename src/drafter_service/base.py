@@ -4,7 +4,7 @@ imports no torch (`specd up`'s suffix drafter on the CPU)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from specd.engine.errors import EngineError, invalid, precondition
@@ -31,7 +31,11 @@ class DrafterBase:
     def open(self, specs: Sequence[SequenceSpec]) -> tuple[list[EngineError | None], int]:
         return self.table.open(specs)
 
-    def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
+    def close(
+        self, ids: Sequence[str], ignore_unknown: bool = False, tails: Mapping[str, tuple[list[int], int]] | None = None
+    ) -> int:
+        """Close `ids`. `tails` (the tokens committed since a sequence's last task) serve a drafter
+        that learns from finished responses (the suffix drafter); a model's cache has no use for them."""
         return self.table.close(ids, ignore_unknown)
 
     def kv_bytes(self) -> int:

@@ -78,7 +78,13 @@ class DrafterServicer(SequenceRpcs, drafter_pb2_grpc.DrafterServiceServicer):
 
     async def CloseDraftSequences(self, request, context) -> drafter_pb2.CloseDraftSequencesResponse:
         return drafter_pb2.CloseDraftSequencesResponse(
-            closed=await self.close_sequences(request.sequence_ids, request.lease_owner, request.missing_ok, context)
+            closed=await self.close_sequences(
+                request.sequence_ids,
+                request.lease_owner,
+                request.missing_ok,
+                context,
+                {t.sequence_id: (list(t.new_token_ids), t.num_committed) for t in request.tails},
+            )
         )
 
     async def KeepAlive(self, request, context) -> common_pb2.KeepAliveResponse:

@@ -5,7 +5,7 @@ earlier responses (specd.engine.suffix), whichever continuation scores higher.""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from drafter_service.base import DrafterBase
@@ -62,7 +62,20 @@ class SuffixDrafter(DrafterBase):
                 self._catch_up(track, self.table.get(spec.sequence_id))
         return errors, forward_ns
 
-    def close(self, ids: Sequence[str], ignore_unknown: bool = False) -> int:
+    def close(
+        self, ids: Sequence[str], ignore_unknown: bool = False, tails: Mapping[str, tuple[list[int], int]] | None = None
+    ) -> int:
+        """Close `ids`; each response joins its tenant's trie, with the tokens committed since its
+        last task where `tails` has them (id -> (tokens, committed count after them)): a sequence
+        that stopped drafting would otherwise be learnt only as far as it drafted. A tail that
+        does not continue the committed tokens is left out (the response is learnt without it)."""
+        tails = {sid: tail for sid, tail in (tails or {}).items() if sid in set(ids)}
+        for tokens, _ in tails.values():
+            self.table.check_tokens(tokens, "tail tokens")  # before anything is closed
+        for sid, (tokens, committed) in tails.items():
+            state = self.table.seqs.get(sid)
+            if state is not None and len(state.committed) + len(tokens) == committed:
+                state.committed.extend(tokens)
         states = [self.table.seqs[i] for i in dict.fromkeys(ids) if i in self.table.seqs]
         closed = self.table.close(ids, ignore_unknown)
         # Reached only when the close went through: its outputs join their tenants' tries.

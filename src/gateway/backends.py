@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -318,12 +318,21 @@ class DrafterClient(_Backend):
         )
         return list(reply.results)
 
-    async def close_sequences(self, ids: list[str], missing_ok: bool = True) -> None:
+    async def close_sequences(
+        self, ids: list[str], missing_ok: bool = True, tails: Mapping[str, tuple[list[int], int]] | None = None
+    ) -> None:
         # The gateway closes what it believes is open; an id the service no longer
         # has (it restarted, or never got the open) is already free, and must not
         # keep the others open.
         request = drafter_pb2.CloseDraftSequencesRequest(
-            sequence_ids=ids, lease_owner=self.lease_owner, missing_ok=missing_ok
+            sequence_ids=ids,
+            lease_owner=self.lease_owner,
+            missing_ok=missing_ok,
+            tails=[
+                drafter_pb2.DraftTail(sequence_id=sid, new_token_ids=tokens, num_committed=committed)
+                for sid, (tokens, committed) in (tails or {}).items()
+                if sid in ids
+            ],
         )
         await self.stub.CloseDraftSequences(request, timeout=self.timeout_s)
 

@@ -104,8 +104,8 @@ class EngineDrafter(_Backend):
         request = drafter_pb2.OpenDraftSequencesRequest(sequences=specs, lease_owner=OWNER)
         return list((await self.servicer.OpenDraftSequences(request, _NoContext())).results)
 
-    async def close_sequences(self, ids: list[str], missing_ok: bool = True) -> None:
-        await self.servicer.close_sequences(ids, OWNER, missing_ok, _NoContext())
+    async def close_sequences(self, ids: list[str], missing_ok: bool = True, tails=None) -> None:
+        await self.servicer.close_sequences(ids, OWNER, missing_ok, _NoContext(), tails)
 
     async def draft(self, request: drafter_pb2.DraftRequest) -> drafter_pb2.DraftResponse:
         return await self._round(self.servicer.Draft, request)

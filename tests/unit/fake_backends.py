@@ -53,6 +53,9 @@ class _FakeService:
         self.address = "fake:0"
         self.timeout_s = 1.0
         self.committed: dict[str, list[int]] = {}
+        # Per sequence closed with a tail (DraftTail): its committed tokens then the tail, and the
+        # count the tail claimed.
+        self.tails: dict[str, tuple[list[int], int]] = {}
         self.delay_s = delay_s
         self.busy = 0  # rounds in flight, to see overlap
         self.max_busy_with_other = 0
@@ -108,7 +111,11 @@ class _FakeService:
             results.append(common_pb2.OpenResult(sequence_id=spec.sequence_id, prefill_pending=pending))
         return results
 
-    async def close_sequences(self, ids: list[str]) -> None:
+    async def close_sequences(self, ids: list[str], tails=None) -> None:
+        for sid, (tokens, count) in (tails or {}).items():
+            # What a drafter learning responses would hold: its tokens then the tail, where they add up.
+            whole = [*self.committed.get(sid, []), *tokens]
+            self.tails[sid] = (whole, count)
         for sid in ids:
             self.committed.pop(sid, None)
             self.cached.pop(sid, None)

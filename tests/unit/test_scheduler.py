@@ -66,6 +66,10 @@ def test_every_pipeline_is_token_identical_to_target_only(pipeline: str, n: int)
         assert isinstance(last, Finished) and last.reason == "length"
         assert ids == reference(prompt, 24)
     assert verifier.committed == {} and drafter.committed == {}  # every sequence closed on both
+    # Each close brought the drafter the tokens it had not been sent: it holds every response whole.
+    whole = sorted(tokens for tokens, count in drafter.tails.values() if count == len(tokens))
+    assert len(drafter.tails) == n
+    assert whole == sorted([*p, *ids] for p, (ids, _) in zip(PROMPTS, results, strict=False))
     # Output would be exact whatever the drafts; what the pipeline must get right is
     # verifying only blocks drafted after exactly the committed tokens.
     assert verifier.stale_blocks == 0

@@ -8,7 +8,7 @@ import torch
 
 from gateway.round.messages import tree_problem
 from specd.engine import suffix
-from specd.engine.errors import ErrorKind
+from specd.engine.errors import EngineError, ErrorKind
 from specd.engine.params import SamplingParams
 from specd.engine.tasks import DraftTask, SequenceSpec, VerifyTask
 
@@ -137,6 +137,23 @@ def test_a_closed_response_drafts_for_its_tenant_only(make_suffix):
     assert [p.tokens for p in proposals] == [[42, 43, 44], [], []]
 
 
+def test_a_close_s_tail_is_learnt_with_its_response(make_suffix):
+    """The tokens a sequence committed after its last draft task come with its close: its tenant
+    drafts from the whole response. A tail that does not continue it is left out; a token outside
+    the vocabulary refuses the close before anything is closed."""
+    drafter = make_suffix(max_draft_tokens=4)
+    open_ok(drafter, SequenceSpec("a", [1, 2, 3], GREEDY), SequenceSpec("b", [1, 2, 3], GREEDY))
+    drafter.draft([DraftTask("a", [40, 41], 5, 0), DraftTask("b", [70, 71], 5, 0)])
+    with pytest.raises(EngineError, match="tail tokens"):
+        drafter.close(["a"], tails={"a": ([10**9], 6)})
+    assert "a" in drafter.table.seqs
+    # a's tail continues it (5 committed + 3 = 8); b's does not (it claims 9), so b is learnt as sent.
+    assert drafter.close(["a", "b"], tails={"a": ([42, 43, 44], 8), "b": ([72, 73], 9)}) == 2
+    open_ok(drafter, SequenceSpec("c", [7, 42], GREEDY), SequenceSpec("d", [7, 71], GREEDY))
+    proposals, _ = drafter.draft([DraftTask("c", [], 2, 4), DraftTask("d", [], 2, 4)])
+    assert [p.tokens for p in proposals] == [[43, 44], []]
+
+
 def test_an_evicted_response_stops_drafting_for_open_sequences(make_suffix):
     drafter = make_suffix(max_draft_tokens=4, responses=1)
     open_ok(drafter, SequenceSpec("a", [1], GREEDY))
@@ -233,3 +250,36 @@ class _NoDrafter:
         from specd.engine.tasks import DraftProposal
 
         return [DraftProposal(t.sequence_id) for t in tasks], None
+
+
+def test_the_drafter_service_takes_a_close_s_tails_from_the_wire(make_suffix):
+    """CloseDraftSequences' tails reach the engine under the owner's keys."""
+    import asyncio
+
+    from engine_backends import OWNER, _NoContext
+
+    from drafter_service.servicer import DrafterServicer
+    from specd.proto.speculative.v1 import common_pb2, drafter_pb2
+    from specd.rpc.leases import Leases
+    from specd.rpc.service_metrics import ServiceMetrics
+    from specd.rpc.serving import EngineRunner
+    from specd.rpc.tracing import Tracing
+
+    engine = make_suffix(max_draft_tokens=4)
+    runner = EngineRunner("drafter")
+    info = common_pb2.ModelInfo(model_id="suffix", max_sequences=4, max_draft_tokens=4)
+    servicer = DrafterServicer(engine, info, runner, Tracing("d"), ServiceMetrics("drafter", engine), Leases(0))
+
+    async def main() -> list[int]:
+        sampling = common_pb2.SamplingParams(top_p=1.0)
+        spec = common_pb2.SequenceSpec(sequence_id="a", prompt_token_ids=[1, 2, 3], sampling=sampling)
+        opened = drafter_pb2.OpenDraftSequencesRequest(sequences=[spec], lease_owner=OWNER)
+        await servicer.OpenDraftSequences(opened, _NoContext())
+        tail = drafter_pb2.DraftTail(sequence_id="a", new_token_ids=[40, 41, 42], num_committed=6)
+        request = drafter_pb2.CloseDraftSequencesRequest(sequence_ids=["a"], lease_owner=OWNER, tails=[tail])
+        assert (await servicer.CloseDraftSequences(request, _NoContext())).closed == 1
+        open_ok(engine, SequenceSpec("b", [7, 40], GREEDY))
+        (proposal,), _ = engine.draft([DraftTask("b", [], 2, 4)])
+        return proposal.tokens
+
+    assert asyncio.run(main()) == [41, 42]

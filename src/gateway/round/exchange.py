@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -417,10 +417,17 @@ class Exchange:
                 s.drafter.opened(len(sp.prompt_token_ids))
                 s.drafter_prefill_pending = r.prefill_pending if s.id in chunks else 0
 
-    async def close_on_drafter(self, ids: list[str]) -> None:
+    async def close_finished(self, seqs: list[Any]) -> None:
+        """Close finished sequences on the drafter with the tokens it was not sent (DraftTail), so
+        that a drafter learning from responses (the suffix drafter) learns them whole."""
+        tails = {s.id: (s.tokens[s.drafter.synced :], len(s.tokens)) for s in seqs}
+        await self.close_on_drafter([s.id for s in seqs], tails)
+
+    async def close_on_drafter(self, ids: list[str], tails: Mapping[str, tuple[list[int], int]] | None = None) -> None:
+        """Close `ids` on the drafter; `tails`: finished sequences' tokens it has not been sent."""
         assert self.drafter is not None and self.drafter_link is not None
         try:
-            await self.drafter.close_sequences(ids)
+            await self.drafter.close_sequences(ids, tails=tails) if tails else await self.drafter.close_sequences(ids)
         except Exception as exc:
             if not_found_error(exc):
                 return

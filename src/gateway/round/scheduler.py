@@ -594,7 +594,7 @@ class Scheduler:
         self.active = [s for s in self.active if s.id not in gone]
         self.metrics.running.set(len(self.active))
         closes = [close_quietly(self.verifier, [s.id for s in seqs])]
-        on_drafter = [s.id for s in seqs if s.drafter.on_drafter and s not in held]
+        on_drafter = [s for s in seqs if s.drafter.on_drafter and s not in held]
         if on_drafter and self.drafter is not None:
-            closes.append(self.exchange.close_on_drafter(on_drafter))
+            closes.append(self.exchange.close_finished(on_drafter))
         await asyncio.gather(*closes)

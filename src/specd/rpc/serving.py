@@ -344,13 +344,14 @@ class SequenceRpcs:
         )
 
     async def close_sequences(
-        self, ids: Iterable[str], owner: str, missing_ok: bool, context: grpc.aio.ServicerContext
+        self, ids: Iterable[str], owner: str, missing_ok: bool, context: grpc.aio.ServicerContext, tails: Any = None
     ) -> int:
         if problem := bad_owner(owner):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         keys = [engine_id(owner, sid) for sid in ids]
+        keyed = {engine_id(owner, sid): tail for sid, tail in (tails or {}).items()}
         self.leases.renew(owner)
-        (closed, error), _ = await self.runner.run(close_present, self.engine, self.leases, keys, missing_ok)
+        (closed, error), _ = await self.runner.run(close_present, self.engine, self.leases, keys, missing_ok, keyed)
         if error is not None:
             await context.abort(STATUS[error.kind], public_message(error.message, owner))
         return closed
@@ -370,14 +371,16 @@ def open_leased(
     return errors, forward_ns
 
 
-def close_present(engine: Any, leases: Leases, keys: list[str], missing_ok: bool) -> tuple[int, EngineError | None]:
-    """On the engine thread: close `keys` (only those open when missing_ok); returns the count
-    closed and the engine's refusal if any. Whatever is no longer open leaves its lease."""
+def close_present(
+    engine: Any, leases: Leases, keys: list[str], missing_ok: bool, tails: Mapping[str, Any] | None = None
+) -> tuple[int, EngineError | None]:
+    """On the engine thread: close `keys` (only those open when missing_ok; a drafter's `tails` with
+    them); returns the count closed and the engine's refusal if any. Closed ones leave their lease."""
     open_now = engine.table.seqs
     targets = [k for k in keys if k in open_now] if missing_ok else keys
     closed, error = 0, None
     try:
-        closed = engine.close(targets) if targets else 0
+        closed = (engine.close(targets, tails=tails) if tails else engine.close(targets)) if targets else 0
     except EngineError as exc:
         error = exc
     leases.closed(k for k in keys if k not in open_now)

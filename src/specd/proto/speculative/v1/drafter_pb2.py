@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.proto.speculative.v1 import common_pb2 as speculative_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspeculative/v1/drafter.proto\x12\x0especulative.v1\x1a\x1bspeculative/v1/common.proto\"\x17\n\x15GetDrafterInfoRequest\"\xc5\x01\n\x16GetDrafterInfoResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.speculative.v1.ModelInfo\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.speculative.v1.DrafterKind\x12\x16\n\x0eopen_sequences\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x05 \x01(\r\x12\x10\n\x08\x64\x65livers\x18\x06 \x01(\x08\"a\n\x19OpenDraftSequencesRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.speculative.v1.SequenceSpec\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\"I\n\x1aOpenDraftSequencesResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.speculative.v1.OpenResult\"[\n\x1a\x43loseDraftSequencesRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\x12\x12\n\nmissing_ok\x18\x03 \x01(\x08\"-\n\x1b\x43loseDraftSequencesResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\x82\x03\n\tDraftTask\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnum_committed\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x42\n\rtrace_context\x18\x05 \x03(\x0b\x32+.speculative.v1.DraftTask.TraceContextEntry\x12\x19\n\x11\x61ssumed_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\r\x12\x15\n\rhidden_states\x18\x08 \x01(\x0c\x12\x14\n\x0chidden_start\x18\t \x01(\r\x12\x13\n\x0bguess_first\x18\n \x01(\x08\x12\x14\n\x0cnum_siblings\x18\x0b \x01(\r\x12\x14\n\x0cnum_branches\x18\x0c \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x0c\x44raftRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12(\n\x05tasks\x18\x02 \x03(\x0b\x32\x19.speculative.v1.DraftTask\x12\x13\n\x0blease_owner\x18\x04 \x01(\t\x12\x1b\n\x13\x64\x65liver_to_verifier\x18\x05 \x01(\x08J\x04\x08\x03\x10\x04\"\xf9\x01\n\rDraftProposal\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x39\n\rdistributions\x18\x03 \x03(\x0b\x32\".speculative.v1.SparseDistribution\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1d.speculative.v1.SequenceError\x12\x17\n\x0fprefill_pending\x18\x05 \x01(\r\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x12-\n\x08\x62ranches\x18\x07 \x03(\x0b\x32\x1b.speculative.v1.DraftBranch\"p\n\x0b\x44raftBranch\x12\x13\n\x0bnum_assumed\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x39\n\rdistributions\x18\x03 \x03(\x0b\x32\".speculative.v1.SparseDistribution\"\x84\x01\n\rDraftResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x30\n\tproposals\x18\x02 \x03(\x0b\x32\x1d.speculative.v1.DraftProposal\x12/\n\x07timings\x18\x03 \x01(\x0b\x32\x1e.speculative.v1.ServiceTimings2\xb5\x04\n\x0e\x44rafterService\x12_\n\x0eGetDrafterInfo\x12%.speculative.v1.GetDrafterInfoRequest\x1a&.speculative.v1.GetDrafterInfoResponse\x12k\n\x12OpenDraftSequences\x12).speculative.v1.OpenDraftSequencesRequest\x1a*.speculative.v1.OpenDraftSequencesResponse\x12n\n\x13\x43loseDraftSequences\x12*.speculative.v1.CloseDraftSequencesRequest\x1a+.speculative.v1.CloseDraftSequencesResponse\x12H\n\x05\x44raft\x12\x1c.speculative.v1.DraftRequest\x1a\x1d.speculative.v1.DraftResponse(\x01\x30\x01\x12P\n\tKeepAlive\x12 .speculative.v1.KeepAliveRequest\x1a!.speculative.v1.KeepAliveResponse\x12I\n\x06\x41ttach\x12\x1d.speculative.v1.AttachRequest\x1a\x1e.speculative.v1.AttachResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspeculative/v1/drafter.proto\x12\x0especulative.v1\x1a\x1bspeculative/v1/common.proto\"\x17\n\x15GetDrafterInfoRequest\"\xc5\x01\n\x16GetDrafterInfoResponse\x12(\n\x05model\x18\x01 \x01(\x0b\x32\x19.speculative.v1.ModelInfo\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.speculative.v1.DrafterKind\x12\x16\n\x0eopen_sequences\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x05 \x01(\r\x12\x10\n\x08\x64\x65livers\x18\x06 \x01(\x08\"a\n\x19OpenDraftSequencesRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.speculative.v1.SequenceSpec\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\"I\n\x1aOpenDraftSequencesResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.speculative.v1.OpenResult\"\x85\x01\n\x1a\x43loseDraftSequencesRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\x12\x13\n\x0blease_owner\x18\x02 \x01(\t\x12\x12\n\nmissing_ok\x18\x03 \x01(\x08\x12(\n\x05tails\x18\x04 \x03(\x0b\x32\x19.speculative.v1.DraftTail\"N\n\tDraftTail\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnum_committed\x18\x03 \x01(\r\"-\n\x1b\x43loseDraftSequencesResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\x82\x03\n\tDraftTask\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x15\n\rnum_committed\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x42\n\rtrace_context\x18\x05 \x03(\x0b\x32+.speculative.v1.DraftTask.TraceContextEntry\x12\x19\n\x11\x61ssumed_token_ids\x18\x06 \x03(\x05\x12\x16\n\x0eprefill_tokens\x18\x07 \x01(\r\x12\x15\n\rhidden_states\x18\x08 \x01(\x0c\x12\x14\n\x0chidden_start\x18\t \x01(\r\x12\x13\n\x0bguess_first\x18\n \x01(\x08\x12\x14\n\x0cnum_siblings\x18\x0b \x01(\r\x12\x14\n\x0cnum_branches\x18\x0c \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x01\n\x0c\x44raftRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12(\n\x05tasks\x18\x02 \x03(\x0b\x32\x19.speculative.v1.DraftTask\x12\x13\n\x0blease_owner\x18\x04 \x01(\t\x12\x1b\n\x13\x64\x65liver_to_verifier\x18\x05 \x01(\x08J\x04\x08\x03\x10\x04\"\xf9\x01\n\rDraftProposal\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x39\n\rdistributions\x18\x03 \x03(\x0b\x32\".speculative.v1.SparseDistribution\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1d.speculative.v1.SequenceError\x12\x17\n\x0fprefill_pending\x18\x05 \x01(\r\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x12-\n\x08\x62ranches\x18\x07 \x03(\x0b\x32\x1b.speculative.v1.DraftBranch\"p\n\x0b\x44raftBranch\x12\x13\n\x0bnum_assumed\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x39\n\rdistributions\x18\x03 \x03(\x0b\x32\".speculative.v1.SparseDistribution\"\x84\x01\n\rDraftResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x30\n\tproposals\x18\x02 \x03(\x0b\x32\x1d.speculative.v1.DraftProposal\x12/\n\x07timings\x18\x03 \x01(\x0b\x32\x1e.speculative.v1.ServiceTimings2\xb5\x04\n\x0e\x44rafterService\x12_\n\x0eGetDrafterInfo\x12%.speculative.v1.GetDrafterInfoRequest\x1a&.speculative.v1.GetDrafterInfoResponse\x12k\n\x12OpenDraftSequences\x12).speculative.v1.OpenDraftSequencesRequest\x1a*.speculative.v1.OpenDraftSequencesResponse\x12n\n\x13\x43loseDraftSequences\x12*.speculative.v1.CloseDraftSequencesRequest\x1a+.speculative.v1.CloseDraftSequencesResponse\x12H\n\x05\x44raft\x12\x1c.speculative.v1.DraftRequest\x1a\x1d.speculative.v1.DraftResponse(\x01\x30\x01\x12P\n\tKeepAlive\x12 .speculative.v1.KeepAliveRequest\x1a!.speculative.v1.KeepAliveResponse\x12I\n\x06\x41ttach\x12\x1d.speculative.v1.AttachRequest\x1a\x1e.speculative.v1.AttachResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,22 +42,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENDRAFTSEQUENCESREQUEST']._serialized_end=399
   _globals['_OPENDRAFTSEQUENCESRESPONSE']._serialized_start=401
   _globals['_OPENDRAFTSEQUENCESRESPONSE']._serialized_end=474
-  _globals['_CLOSEDRAFTSEQUENCESREQUEST']._serialized_start=476
-  _globals['_CLOSEDRAFTSEQUENCESREQUEST']._serialized_end=567
-  _globals['_CLOSEDRAFTSEQUENCESRESPONSE']._serialized_start=569
-  _globals['_CLOSEDRAFTSEQUENCESRESPONSE']._serialized_end=614
-  _globals['_DRAFTTASK']._serialized_start=617
-  _globals['_DRAFTTASK']._serialized_end=1003
-  _globals['_DRAFTTASK_TRACECONTEXTENTRY']._serialized_start=952
-  _globals['_DRAFTTASK_TRACECONTEXTENTRY']._serialized_end=1003
-  _globals['_DRAFTREQUEST']._serialized_start=1006
-  _globals['_DRAFTREQUEST']._serialized_end=1136
-  _globals['_DRAFTPROPOSAL']._serialized_start=1139
-  _globals['_DRAFTPROPOSAL']._serialized_end=1388
-  _globals['_DRAFTBRANCH']._serialized_start=1390
-  _globals['_DRAFTBRANCH']._serialized_end=1502
-  _globals['_DRAFTRESPONSE']._serialized_start=1505
-  _globals['_DRAFTRESPONSE']._serialized_end=1637
-  _globals['_DRAFTERSERVICE']._serialized_start=1640
-  _globals['_DRAFTERSERVICE']._serialized_end=2205
+  _globals['_CLOSEDRAFTSEQUENCESREQUEST']._serialized_start=477
+  _globals['_CLOSEDRAFTSEQUENCESREQUEST']._serialized_end=610
+  _globals['_DRAFTTAIL']._serialized_start=612
+  _globals['_DRAFTTAIL']._serialized_end=690
+  _globals['_CLOSEDRAFTSEQUENCESRESPONSE']._serialized_start=692
+  _globals['_CLOSEDRAFTSEQUENCESRESPONSE']._serialized_end=737
+  _globals['_DRAFTTASK']._serialized_start=740
+  _globals['_DRAFTTASK']._serialized_end=1126
+  _globals['_DRAFTTASK_TRACECONTEXTENTRY']._serialized_start=1075
+  _globals['_DRAFTTASK_TRACECONTEXTENTRY']._serialized_end=1126
+  _globals['_DRAFTREQUEST']._serialized_start=1129
+  _globals['_DRAFTREQUEST']._serialized_end=1259
+  _globals['_DRAFTPROPOSAL']._serialized_start=1262
+  _globals['_DRAFTPROPOSAL']._serialized_end=1511
+  _globals['_DRAFTBRANCH']._serialized_start=1513
+  _globals['_DRAFTBRANCH']._serialized_end=1625
+  _globals['_DRAFTRESPONSE']._serialized_start=1628
+  _globals['_DRAFTRESPONSE']._serialized_end=1760
+  _globals['_DRAFTERSERVICE']._serialized_start=1763
+  _globals['_DRAFTERSERVICE']._serialized_end=2328
 # @@protoc_insertion_point(module_scope)

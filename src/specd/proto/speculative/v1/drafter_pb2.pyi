@@ -42,14 +42,26 @@ class OpenDraftSequencesResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[_common_pb2.OpenResult, _Mapping]]] = ...) -> None: ...
 
 class CloseDraftSequencesRequest(_message.Message):
-    __slots__ = ("sequence_ids", "lease_owner", "missing_ok")
+    __slots__ = ("sequence_ids", "lease_owner", "missing_ok", "tails")
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_OWNER_FIELD_NUMBER: _ClassVar[int]
     MISSING_OK_FIELD_NUMBER: _ClassVar[int]
+    TAILS_FIELD_NUMBER: _ClassVar[int]
     sequence_ids: _containers.RepeatedScalarFieldContainer[str]
     lease_owner: str
     missing_ok: bool
-    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ..., missing_ok: _Optional[bool] = ...) -> None: ...
+    tails: _containers.RepeatedCompositeFieldContainer[DraftTail]
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ..., lease_owner: _Optional[str] = ..., missing_ok: _Optional[bool] = ..., tails: _Optional[_Iterable[_Union[DraftTail, _Mapping]]] = ...) -> None: ...
+
+class DraftTail(_message.Message):
+    __slots__ = ("sequence_id", "new_token_ids", "num_committed")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_committed: int
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_committed: _Optional[int] = ...) -> None: ...
 
 class CloseDraftSequencesResponse(_message.Message):
     __slots__ = ("closed",)
