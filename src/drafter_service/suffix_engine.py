@@ -69,7 +69,8 @@ class SuffixDrafter(DrafterBase):
         last task where `tails` has them (id -> (tokens, committed count after them)): a sequence
         that stopped drafting would otherwise be learnt only as far as it drafted. A tail that
         does not continue the committed tokens is left out (the response is learnt without it)."""
-        tails = {sid: tail for sid, tail in (tails or {}).items() if sid in set(ids)}
+        closing = set(ids)
+        tails = {sid: tail for sid, tail in (tails or {}).items() if sid in closing}
         for tokens, _ in tails.values():
             self.table.check_tokens(tokens, "tail tokens")  # before anything is closed
         for sid, (tokens, committed) in tails.items():

@@ -414,8 +414,8 @@ class _Pool:
         for replica in self.replicas.values():
             replica.client.reset_rounds()
 
-    async def close_sequences(self, ids: list[str], **tails: Any) -> None:
-        """Close sequences where they live (`tails`: the drafter's); a failed close is owed and retried."""
+    async def close_sequences(self, ids: list[str], **drafter_kw: Any) -> None:
+        """Close sequences where they live (`drafter_kw`: its `tails`); a failed close is owed and retried."""
         groups: dict[Replica, list[str]] = {}
         for sid in ids:
             replica = self._owner.pop(sid, None)
@@ -423,7 +423,7 @@ class _Pool:
                 replica.sequences.discard(sid)
                 groups.setdefault(replica, []).append(sid)
         outcomes = await asyncio.gather(
-            *(r.client.close_sequences(batch, missing_ok=True, **tails) for r, batch in groups.items()),
+            *(r.client.close_sequences(batch, missing_ok=True, **drafter_kw) for r, batch in groups.items()),
             return_exceptions=True,
         )
         errors = []
